@@ -56,3 +56,81 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
     out = torch.softmax(scores, dim=-1) @ vf  # [H, n, D]
     return out.transpose(0, 1).to(q.dtype)
+
+
+def check_paged_attention_args(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+) -> None:
+    """Validate the attention contract's inputs; raise `ValueError` naming the problem.
+
+    Shared by the PyTorch reference and the Triton launchers so both reject the same inputs.
+    Checks shapes, dtypes and devices, then the metadata's values (one host sync, so callers on
+    a hot path may skip it).
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, H, D], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, H_kv, D], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"head_dim mismatch: q has {head_dim}, the KV cache {cache_head_dim}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})"
+        )
+    if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
+        raise ValueError(
+            f"dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+        )
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens),
+                    ("query_start_loc", query_start_loc)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be [B, max_blocks], got {tuple(block_tables.shape)}")
+    num_seqs = block_tables.shape[0]
+    if seq_lens.shape != (num_seqs,):
+        raise ValueError(f"seq_lens must be [{num_seqs}], got {tuple(seq_lens.shape)}")
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}"
+        )
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    if int(query_start_loc[0]) != 0 or int(query_start_loc[-1]) != num_tokens:
+        raise ValueError(
+            f"query_start_loc must run from 0 to the number of query tokens ({num_tokens}), "
+            f"got {int(query_start_loc[0])}..{int(query_start_loc[-1])}"
+        )
+    if bool((query_lens < 0).any()):
+        raise ValueError("query_start_loc must be non-decreasing")
+    if bool((query_lens > seq_lens).any()):
+        i = int(torch.nonzero(query_lens > seq_lens)[0])
+        raise ValueError(
+            f"sequence {i} has {int(query_lens[i])} queries but a context of only "
+            f"{int(seq_lens[i])} tokens"
+        )
+    blocks_needed = (seq_lens + block_size - 1) // block_size
+    if bool((blocks_needed > block_tables.shape[1]).any()):
+        i = int(torch.nonzero(blocks_needed > block_tables.shape[1])[0])
+        raise ValueError(
+            f"sequence {i} has {int(seq_lens[i])} tokens, more than its block table covers "
+            f"({block_tables.shape[1]} blocks of {block_size})"
+        )
+    used = torch.arange(block_tables.shape[1], device=q.device)[None, :] < blocks_needed[:, None]
+    ids = block_tables[used]
+    if ids.numel() and bool(((ids < 0) | (ids >= k_cache.shape[0])).any()):
+        raise ValueError(
+            f"block_tables name a block outside the cache's {k_cache.shape[0]} blocks "
+            "within a sequence's context"
+        )
