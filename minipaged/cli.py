@@ -1,0 +1,143 @@
+"""The command line: `minipaged generate`, `minipaged chat` (one-shot or interactive).
+
+Flags mirror `SamplingParams` and the `LLM` constructor, so the shell and Python read alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+SAMPLING_FLAGS: dict[str, tuple[type, str]] = {
+    "n": (int, "number of completions per prompt"),
+    "temperature": (float, "0 for greedy decoding"),
+    "top_k": (int, "keep the k most likely tokens (-1: all)"),
+    "top_p": (float, "nucleus sampling mass"),
+    "min_p": (float, "drop tokens below min_p x the top probability"),
+    "seed": (int, "seed of this request's random generator"),
+    "max_tokens": (int, "maximum number of generated tokens"),
+    "min_tokens": (int, "minimum number of generated tokens before a stop is honoured"),
+    "presence_penalty": (float, "penalty for tokens already generated"),
+    "frequency_penalty": (float, "penalty growing with a generated token's count"),
+    "repetition_penalty": (float, "penalty for tokens seen in prompt or output (1: off)"),
+    "logprobs": (int, "number of top log-probabilities to return per token"),
+    "beam_width": (int, "beam search with this many beams"),
+    "length_penalty": (float, "beam search length penalty"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="minipaged", description="Serve an LLM with PagedAttention, from scratch."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    generate = sub.add_parser("generate", help="complete raw text prompts")
+    generate.add_argument("prompts", nargs="+", help="one or more prompts")
+    chat = sub.add_parser("chat", help="chat with the model (interactive without a message)")
+    chat.add_argument("message", nargs="?", help="a single user message; omit for a chat session")
+    chat.add_argument("--system", help="a system prompt")
+    for command in (generate, chat):
+        _add_engine_flags(command)
+        _add_sampling_flags(command)
+    return parser
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--model", help="HF folder or .gguf file (default: bundled SmolLM2)")
+    engine.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--num-gpu-blocks", type=int, default=None)
+    engine.add_argument("--scheduler", default="fcfs", choices=["fcfs"])
+    engine.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+    engine.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    sampling = parser.add_argument_group("sampling (see SamplingParams)")
+    for name, (kind, text) in SAMPLING_FLAGS.items():
+        sampling.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=text)
+    sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    sampling.add_argument("--ignore-eos", action="store_true", default=None)
+
+
+def sampling_params_from_args(args: argparse.Namespace, **defaults: Any):
+    from minipaged.sampling import SamplingParams
+
+    values = dict(defaults)
+    for name in [*SAMPLING_FLAGS, "stop", "ignore_eos"]:
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    if "beam_width" in values:
+        values["use_beam_search"] = True
+    return SamplingParams(**values)
+
+
+def llm_from_args(args: argparse.Namespace):
+    from minipaged.engine import LLM
+
+    return LLM(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        scheduler=args.scheduler,
+        attention_backend=args.attention_backend,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    params = sampling_params_from_args(args, temperature=0.0, max_tokens=64)
+    llm = llm_from_args(args)
+    for output in llm.generate(args.prompts, params, use_tqdm=False):
+        for completion in output.outputs:
+            tag = f"[{completion.index}] " if len(output.outputs) > 1 else ""
+            print(f"{tag}{output.prompt}{completion.text}")
+
+
+def run_chat(args: argparse.Namespace) -> None:
+    params = sampling_params_from_args(args, temperature=0.0, max_tokens=256)
+    llm = llm_from_args(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    if args.message is not None:
+        messages.append({"role": "user", "content": args.message})
+        for completion in llm.chat(messages, params, use_tqdm=False)[0].outputs:
+            print(completion.text)
+        return
+    print("minipaged chat: an empty line or Ctrl-D ends the session.")
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        print("bot> ", end="", flush=True)
+        answer = ""
+        for piece in llm.chat_stream(messages, params):
+            answer += piece
+            print(piece, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": answer})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        {"generate": run_generate, "chat": run_chat}[args.command](args)
+    except ValueError as exc:  # bad input: say what is wrong, without a traceback
+        print(f"minipaged: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
