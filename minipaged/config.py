@@ -14,6 +14,18 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "gpt2")
 
+# Sizes that must be positive integers for any architecture.
+_POSITIVE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "max_position_embeddings",
+)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -41,10 +53,23 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r}; "
                 f"minipaged implements {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        for name in _POSITIVE_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.architecture == "gpt2" and self.num_heads * self.head_dim != self.hidden_size:
+            raise ValueError(
+                f"gpt2 needs num_heads * head_dim == hidden_size, got "
+                f"{self.num_heads} * {self.head_dim} != {self.hidden_size}"
+            )
+        if self.norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError(
+                f"norm_eps ({self.norm_eps}) and rope_theta ({self.rope_theta}) must be positive"
             )
 
     @property
@@ -61,17 +86,17 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         if model_type in ("llama", "mistral"):
-            num_heads = cfg["num_attention_heads"]
-            hidden = cfg["hidden_size"]
+            num_heads = _required(cfg, "num_attention_heads")
+            hidden = _required(cfg, "hidden_size")
             return cls(
                 architecture="llama",
-                vocab_size=cfg["vocab_size"],
+                vocab_size=_required(cfg, "vocab_size"),
                 hidden_size=hidden,
-                num_layers=cfg["num_hidden_layers"],
+                num_layers=_required(cfg, "num_hidden_layers"),
                 num_heads=num_heads,
                 num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
                 head_dim=cfg.get("head_dim") or hidden // num_heads,
-                intermediate_size=cfg["intermediate_size"],
+                intermediate_size=_required(cfg, "intermediate_size"),
                 max_position_embeddings=cfg.get("max_position_embeddings", 2048),
                 norm_eps=cfg.get("rms_norm_eps", 1e-6),
                 rope_theta=cfg.get("rope_theta")
@@ -82,18 +107,18 @@ class ModelConfig:
                 eos_token_ids=eos_ids,
             )
         if model_type == "gpt2":
-            hidden = cfg["n_embd"]
-            num_heads = cfg["n_head"]
+            hidden = _required(cfg, "n_embd")
+            num_heads = _required(cfg, "n_head")
             return cls(
                 architecture="gpt2",
-                vocab_size=cfg["vocab_size"],
+                vocab_size=_required(cfg, "vocab_size"),
                 hidden_size=hidden,
-                num_layers=cfg["n_layer"],
+                num_layers=_required(cfg, "n_layer"),
                 num_heads=num_heads,
                 num_kv_heads=num_heads,
                 head_dim=hidden // num_heads,
                 intermediate_size=cfg.get("n_inner") or 4 * hidden,
-                max_position_embeddings=cfg["n_positions"],
+                max_position_embeddings=_required(cfg, "n_positions"),
                 norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
                 tie_word_embeddings=cfg.get("tie_word_embeddings", True),
                 bos_token_id=cfg.get("bos_token_id"),
@@ -112,6 +137,15 @@ class ModelConfig:
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}: not a readable config.json ({exc})") from exc
         return cls.from_hf_dict(cfg)
+
+
+def _required(cfg: dict[str, Any], key: str) -> Any:
+    """A key every config.json of this model type must have; its absence is a clear error."""
+    if key not in cfg:
+        raise ValueError(
+            f"config.json (model_type {cfg.get('model_type')!r}) lacks the required key {key!r}"
+        )
+    return cfg[key]
 
 
 def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
