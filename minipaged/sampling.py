@@ -1,0 +1,573 @@
+"""Choosing the next token: `SamplingParams`, the batched `Sampler`, and beam-search scoring.
+
+The sampler turns one row of logits per sequence into one token per sequence. It follows the
+order of vLLM's sampler so that the knobs mean what vLLM users expect:
+
+1. bans (stop tokens before `min_tokens` are reached),
+2. penalties: repetition (over prompt + output), then frequency and presence (over the output),
+3. greedy rows take the argmax here; random rows go on with
+4. temperature, 5. top-k, 6. top-p, 7. min-p, 8. a draw from the remaining distribution.
+
+Everything is vectorised over the batch; the only Python loop over rows draws the random noise
+of seeded rows from their own `torch.Generator`, which is what makes a seeded request give the
+same tokens whichever other requests share its batch.
+
+Beam search (the vLLM paper, section 4.4, shares the beams' KV blocks) is run by the engine; this
+module gives it the pure parts: the length-penalised score, the top candidates of one step, and
+the early-stopping rule.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+# Temperatures below this are greedy (as in vLLM): dividing by them would overflow.
+SAMPLING_EPS = 1e-5
+# Range of the seeds `torch.Generator.manual_seed` accepts without wrapping.
+_MAX_SEED = 2**64
+
+
+class SamplingType(enum.Enum):
+    """How a request picks its tokens."""
+
+    GREEDY = "greedy"  # argmax, temperature 0
+    RANDOM = "random"  # drawn with the process-wide (or sampler's) random generator
+    RANDOM_SEED = "random_seed"  # drawn with the request's own seeded generator
+    BEAM = "beam"  # beam search: the engine keeps the best `beam_width` continuations
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings, named and defaulted as in vLLM.
+
+    `top_k`: 0 means "off" (all tokens); vLLM's older spelling -1 is accepted and stored as 0.
+    `max_tokens=None` means "until the model's context is full".
+    `stop` may be one string or a list; it is stored as a list. Matched stop strings are cut from
+    the output text (the tokens stay in `token_ids`, as in vLLM).
+    `logprobs=k` returns the `k` most likely alternatives of each output token, plus the chosen
+    one. Reported log-probabilities are those of the model's distribution after penalties and
+    bans, before temperature and truncation (so the same text scores the same at any
+    temperature, and beam search ranks by the very same numbers).
+    Beam search (`use_beam_search`) is deterministic: it needs temperature 0 and no truncation,
+    keeps `beam_width` beams and returns the best `n <= beam_width` of them, ranked by
+    `cumulative_logprob / seq_len ** length_penalty`.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    use_beam_search: bool = False
+    beam_width: int = 1
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.stop = _normalise_stop(self.stop)
+        self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
+        _check_int("n", self.n, low=1)
+        _check_float("temperature", self.temperature, "temperature >= 0", lambda x: x >= 0)
+        _check_int("top_k", self.top_k, low=-1, allowed="-1 or 0 (off) or an integer >= 1")
+        if self.top_k == -1:
+            self.top_k = 0
+        _check_float("top_p", self.top_p, "0 < top_p <= 1", lambda x: 0 < x <= 1)
+        _check_float("min_p", self.min_p, "0 <= min_p <= 1", lambda x: 0 <= x <= 1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0, allowed="None or an integer in [0, 2**64)")
+            if self.seed >= _MAX_SEED:
+                raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed}")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, low=1, allowed="None or an integer >= 1")
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0, allowed="None or an integer >= 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(name, getattr(self, name), f"-2 <= {name} <= 2", lambda x: -2 <= x <= 2)
+        _check_float(
+            "repetition_penalty", self.repetition_penalty, "repetition_penalty > 0", lambda x: x > 0
+        )
+        if not isinstance(self.use_beam_search, bool):
+            raise ValueError(f"use_beam_search must be a bool, got {self.use_beam_search!r}")
+        _check_int("beam_width", self.beam_width, low=1)
+        _check_float("length_penalty", self.length_penalty, "a finite float", lambda x: True)
+        if self.use_beam_search:
+            self._check_beam_search()
+        else:
+            self._check_not_beam_search()
+
+    def _check_beam_search(self) -> None:
+        if self.n > self.beam_width:
+            raise ValueError(
+                f"n must be <= beam_width ({self.beam_width}) with beam search, got {self.n}"
+            )
+        if self.temperature >= SAMPLING_EPS:
+            raise ValueError(
+                f"temperature must be 0 with beam search (it is deterministic), "
+                f"got {self.temperature}"
+            )
+        for name, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)):
+            if getattr(self, name) != off:
+                raise ValueError(
+                    f"{name} must be {off} (off) with beam search, got {getattr(self, name)}"
+                )
+
+    def _check_not_beam_search(self) -> None:
+        if self.beam_width != 1:
+            raise ValueError(
+                f"beam_width must be 1 unless use_beam_search=True, got {self.beam_width}"
+            )
+        if self.length_penalty != 1.0:
+            raise ValueError(
+                f"length_penalty must be 1.0 unless use_beam_search=True, got {self.length_penalty}"
+            )
+        if self.n > 1 and self.temperature < SAMPLING_EPS:
+            raise ValueError(
+                f"n must be 1 with greedy sampling (temperature 0 gives n identical outputs), "
+                f"got {self.n}"
+            )
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.use_beam_search:
+            return SamplingType.BEAM
+        if self.temperature < SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax (greedy sampling or beam search)."""
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def _check_int(name: str, value: object, low: int, allowed: str | None = None) -> None:
+    allowed = allowed or f"an integer >= {low}"
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _check_float(name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not ok(value)
+    ):
+        raise ValueError(f"{name} must be a finite number with {allowed}, got {value!r}")
+
+
+def _normalise_stop(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    return list(stops)
+
+
+def _normalise_stop_token_ids(ids: object) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+    ):
+        raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {ids!r}")
+    return list(ids)
+
+
+def derive_seed(seed: int, sample_index: int) -> int:
+    """The seed of sample `sample_index` of a request seeded with `seed`.
+
+    Sample 0 uses `seed` itself, so the first sample of an `n > 1` request equals the same request
+    with `n = 1`; the others get distinct, well-mixed seeds (SplitMix64 of the pair).
+    """
+    if sample_index == 0:
+        return seed
+    x = (seed + 0x9E3779B97F4A7C15 * sample_index) % _MAX_SEED
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % _MAX_SEED
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % _MAX_SEED
+    return x ^ (x >> 31)
+
+
+def make_generator(seed: int, sample_index: int = 0) -> torch.Generator:
+    """The CPU random generator of one sample of a seeded request.
+
+    Noise is always drawn on the CPU and then moved, so a seed means the same noise on any device.
+    """
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(derive_seed(seed, sample_index))
+    return gen
+
+
+def min_tokens_banned_ids(
+    params: SamplingParams, num_output_tokens: int, eos_token_ids: Collection[int]
+) -> list[int]:
+    """The tokens that may not be sampled yet: every stop token while `min_tokens` is unmet.
+
+    EOS counts as a stop token unless `ignore_eos` (then it is an ordinary token).
+    """
+    if num_output_tokens >= params.min_tokens:
+        return []
+    banned = list(params.stop_token_ids)
+    if not params.ignore_eos:
+        banned += [t for t in eos_token_ids if t not in banned]
+    return banned
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row of the logits.
+
+    `generator` is the row's own generator (seeded requests); None draws from the sampler's
+    generator. `banned_token_ids` are forced to probability 0 (see `min_tokens_banned_ids`).
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    generator: torch.Generator | None = None
+    banned_token_ids: Sequence[int] = ()
+
+
+@dataclass
+class SamplerOutput:
+    """The sampled tokens of one step, row for row.
+
+    `top_token_ids` / `top_logprobs` hold the `K` most likely tokens of every row, where `K` is the
+    largest `logprobs` asked for in the batch (None when no row asked); `logprobs_dict` cuts a
+    row's share.
+    """
+
+    token_ids: Tensor  # [B] int64
+    logprobs: Tensor  # [B] float32, log-probability of the sampled token
+    top_token_ids: Tensor | None = None  # [B, K] int64
+    top_logprobs: Tensor | None = None  # [B, K] float32
+    num_logprobs: list[int | None] = field(default_factory=list)  # per row, as asked
+
+    def logprobs_dict(self, row: int) -> dict[int, float] | None:
+        """vLLM's per-token logprobs: the row's top `logprobs` alternatives plus the sampled token.
+
+        None when the row did not ask for logprobs.
+        """
+        k = self.num_logprobs[row]
+        if k is None:
+            return None
+        out: dict[int, float] = {}
+        if k > 0 and self.top_token_ids is not None and self.top_logprobs is not None:
+            ids = self.top_token_ids[row, :k].tolist()
+            lps = self.top_logprobs[row, :k].tolist()
+            out.update(zip(ids, lps, strict=True))
+        out[int(self.token_ids[row])] = float(self.logprobs[row])
+        return out
+
+
+# --- logits processing: each takes [B, V] logits and returns new [B, V] logits ---------------
+
+
+def apply_bans(logits: Tensor, banned: Sequence[Sequence[int]]) -> Tensor:
+    """Set the banned tokens of each row to -inf."""
+    rows = [i for i, ids in enumerate(banned) for _ in ids]
+    cols = [t for ids in banned for t in ids]
+    if not cols:
+        return logits
+    out = logits.clone()
+    out[
+        torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)
+    ] = -math.inf
+    return out
+
+
+def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device) -> Tensor:
+    """How often each token occurs in each row's history: [B, V] int64."""
+    batch = len(token_ids)
+    longest = max((len(ids) for ids in token_ids), default=0)
+    counts = torch.zeros(batch, vocab_size + 1, dtype=torch.int64, device=device)
+    if longest == 0:
+        return counts[:, :vocab_size]
+    # Pad with the extra column `vocab_size`, counted and then dropped.
+    padded = torch.full((batch, longest), vocab_size, dtype=torch.int64)
+    for i, ids in enumerate(token_ids):
+        if len(ids):
+            row = torch.as_tensor(list(ids), dtype=torch.int64)
+            if int(row.min()) < 0 or int(row.max()) >= vocab_size:
+                raise ValueError(f"token ids in row {i}'s history must lie in [0, {vocab_size})")
+            padded[i, : len(ids)] = row
+    padded = padded.to(device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: Tensor,
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    presence_penalty: Tensor,
+    frequency_penalty: Tensor,
+    repetition_penalty: Tensor,
+) -> Tensor:
+    """vLLM's penalties: per-row values [B] (0, 0, 1 = none).
+
+    Repetition (Keskar et al., CTRL): a token seen in the prompt or the output has its logit
+    divided by the penalty when positive and multiplied by it when negative. Frequency and
+    presence (OpenAI): subtract `frequency * count + presence * (count > 0)`, counting only the
+    output.
+    """
+    vocab_size = logits.shape[1]
+    output_counts = token_counts(output_token_ids, vocab_size, logits.device)
+    prompt_seen = token_counts(prompt_token_ids, vocab_size, logits.device) > 0
+    seen = prompt_seen | (output_counts > 0)
+    rep = repetition_penalty[:, None].to(logits.dtype)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    out = torch.where(seen, penalised, logits)
+    out = out - frequency_penalty[:, None].to(logits.dtype) * output_counts.to(logits.dtype)
+    out = out - presence_penalty[:, None].to(logits.dtype) * (output_counts > 0).to(logits.dtype)
+    return out
+
+
+def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
+    """Divide each row by its temperature [B] (the caller keeps temperature-0 rows out)."""
+    return logits / temperature[:, None].to(logits.dtype)
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Keep each row's `top_k` [B] highest logits (0 = all), then its nucleus of mass `top_p` [B].
+
+    The nucleus (Holtzman et al., "The Curious Case of Neural Text Degeneration") is the shortest
+    run of most likely tokens whose probability, renormalised after top-k, reaches `top_p`: a
+    token survives when the tokens ranked before it hold less than `top_p`. The most likely token
+    always survives. Ties are broken by token id (a stable sort), so exactly `top_k` survive.
+    """
+    vocab_size = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab_size, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size).to(logits.device)
+    sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], -math.inf)
+
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    p = top_p.to(logits.device, logits.dtype)[:, None]
+    sorted_logits = sorted_logits.masked_fill((mass_before >= p) & (p < 1.0), -math.inf)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    """Drop tokens less likely than `min_p` [B] times the row's most likely token."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.to(logits.device, probs.dtype)[:, None] * probs.max(dim=-1, keepdim=True)[0]
+    return logits.masked_fill(probs < threshold, -math.inf)
+
+
+# --- the sampler -------------------------------------------------------------------------------
+
+
+class Sampler:
+    """Samples one token per row of a [B, V] logits batch; see the module docstring for the order.
+
+    `generator` serves the unseeded random rows (None: torch's default generator of the logits'
+    device).
+    """
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        processed = self.process_logits(logits, rows)
+        logprobs = torch.log_softmax(processed, dim=-1)
+        token_ids = processed.argmax(dim=-1)
+
+        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if random_rows:
+            token_ids[random_rows] = self._sample_random(
+                processed[random_rows], [rows[i] for i in random_rows]
+            )
+
+        out = SamplerOutput(
+            token_ids=token_ids,
+            logprobs=logprobs.gather(1, token_ids[:, None])[:, 0],
+            num_logprobs=[row.params.logprobs for row in rows],
+        )
+        max_k = max((row.params.logprobs or 0 for row in rows), default=0)
+        if max_k > 0:
+            top = logprobs.topk(min(max_k, logprobs.shape[1]), dim=-1)
+            out.top_logprobs, out.top_token_ids = top.values, top.indices
+        return out
+
+    def process_logits(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+        """Bans and penalties: the logits every row's choice and reported logprobs start from."""
+        if logits.ndim != 2 or not logits.is_floating_point():
+            raise ValueError(f"logits must be a float [B, V] tensor, got {tuple(logits.shape)}")
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} rows of logits but {len(rows)} sampling rows")
+        logits = logits.float()
+        logits = apply_bans(logits, [row.banned_token_ids for row in rows])
+        if any(row.params.has_penalties for row in rows):
+            logits = apply_penalties(
+                logits,
+                [row.prompt_token_ids for row in rows],
+                [row.output_token_ids for row in rows],
+                self._column(rows, "presence_penalty", torch.float32),
+                self._column(rows, "frequency_penalty", torch.float32),
+                self._column(rows, "repetition_penalty", torch.float32),
+            )
+        return logits
+
+    def beam_logprobs(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+        """[B, V] log-probabilities that beam search extends its beams with."""
+        return torch.log_softmax(self.process_logits(logits, rows), dim=-1)
+
+    def _sample_random(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+        logits = apply_temperature(logits, self._column(rows, "temperature", torch.float32))
+        if any(row.params.top_k > 0 or row.params.top_p < 1.0 for row in rows):
+            logits = apply_top_k_top_p(
+                logits,
+                self._column(rows, "top_k", torch.int64),
+                self._column(rows, "top_p", torch.float32),
+            )
+        if any(row.params.min_p > 0.0 for row in rows):
+            logits = apply_min_p(logits, self._column(rows, "min_p", torch.float32))
+        probs = logits.softmax(dim=-1)
+        return (probs / self._exponential_noise(probs, rows)).argmax(dim=-1)
+
+    def _exponential_noise(self, probs: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+        """q ~ Exp(1), one per entry: argmax(p / q) is then a draw from p (the "exponential race":
+        the first of independent Exp(p_i)-clocks to ring is token i with probability p_i).
+
+        Seeded rows draw from their own generator, so their draws do not depend on the batch.
+        """
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                q = torch.empty(probs.shape[1], dtype=probs.dtype)
+                noise[i] = q.exponential_(generator=row.generator).to(probs.device)
+        # Exp(1) can return 0.0 in floating point; keep the division finite.
+        return noise.clamp_(min=torch.finfo(probs.dtype).tiny)
+
+    @staticmethod
+    def _column(rows: Sequence[SamplingRow], name: str, dtype: torch.dtype) -> Tensor:
+        return torch.tensor([getattr(row.params, name) for row in rows], dtype=dtype)
+
+
+# --- beam search -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BeamCandidate:
+    """One continuation of a live beam: beam `parent` extended by `token_id`."""
+
+    parent: int
+    token_id: int
+    logprob: float
+    cumulative_logprob: float
+
+
+def beam_search_score(cumulative_logprob: float, seq_len: int, length_penalty: float) -> float:
+    """The length-penalised score beams are ranked by (Hugging Face / vLLM).
+
+    `seq_len ** length_penalty` divides the summed log-probability: with `length_penalty > 0`
+    longer beams are favoured (their sums are more negative), with `< 0` shorter ones. vLLM counts
+    prompt + output tokens, not counting a final EOS; the caller chooses `seq_len`.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    return cumulative_logprob / (seq_len**length_penalty)
+
+
+def beam_search_candidates(
+    cumulative_logprobs: Tensor, next_logprobs: Tensor, num_candidates: int
+) -> list[BeamCandidate]:
+    """The `num_candidates` best one-token continuations of the live beams.
+
+    Every (beam, token) pair scores `cumulative_logprobs[beam] + next_logprobs[beam, token]`;
+    the best pairs over all beams are returned, best first, ties broken by (beam, token).
+    Impossible continuations (score -inf) are never returned, so fewer may come back.
+    The engine asks for `2 * beam_width` so that, after the candidates ending in EOS (or another
+    stop) are moved to the finished list, `beam_width` live beams still remain (Hugging Face's
+    `BeamSearchScorer`; vLLM v0's beam search).
+    """
+    if next_logprobs.ndim != 2 or cumulative_logprobs.shape != next_logprobs.shape[:1]:
+        raise ValueError(
+            f"need cumulative_logprobs [beams] and next_logprobs [beams, V], got "
+            f"{tuple(cumulative_logprobs.shape)} and {tuple(next_logprobs.shape)}"
+        )
+    if num_candidates < 1:
+        raise ValueError(f"num_candidates must be >= 1, got {num_candidates}")
+    vocab_size = next_logprobs.shape[1]
+    scores = (cumulative_logprobs[:, None] + next_logprobs).flatten()
+    # A stable descending sort keeps equal scores in (beam, token) order.
+    order = scores.sort(descending=True, stable=True).indices[:num_candidates].tolist()
+    candidates = []
+    for flat in order:
+        score = float(scores[flat])
+        if score == -math.inf:
+            break
+        beam, token = divmod(flat, vocab_size)
+        candidates.append(BeamCandidate(beam, token, float(next_logprobs[beam, token]), score))
+    return candidates
+
+
+def beam_search_is_done(
+    best_running_cumulative_logprob: float,
+    best_running_len: int,
+    worst_finished_score: float | None,
+    num_finished: int,
+    beam_width: int,
+    length_penalty: float,
+    early_stopping: bool | str = False,
+    max_possible_len: int | None = None,
+) -> bool:
+    """Whether beam search may stop with the finished beams it has (vLLM v0 / Hugging Face).
+
+    Nothing can stop before `beam_width` beams have finished. Then `early_stopping`:
+    * True: stop at once;
+    * False (the default in both libraries): stop when the best live beam, scored at its current
+      length, no longer beats the worst kept finished beam (a heuristic: a live beam may still
+      improve under `length_penalty > 0`);
+    * "never": with `length_penalty > 0` score the best live beam as if it reached
+      `max_possible_len` (the best it could ever do), so stopping is exact.
+    """
+    if num_finished < beam_width:
+        return False
+    if early_stopping is True:
+        return True
+    assert worst_finished_score is not None
+    seq_len = best_running_len
+    if early_stopping == "never" and length_penalty > 0.0:
+        if max_possible_len is None:
+            raise ValueError('early_stopping="never" needs max_possible_len')
+        seq_len = max_possible_len
+    elif early_stopping not in (False, "never"):
+        raise ValueError(f'early_stopping must be True, False or "never", got {early_stopping!r}')
+    best_attainable = beam_search_score(best_running_cumulative_logprob, seq_len, length_penalty)
+    return worst_finished_score >= best_attainable
