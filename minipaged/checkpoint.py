@@ -131,7 +131,7 @@ def _gpt2_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 # Buffers older Hugging Face checkpoints saved alongside the parameters; they are recomputed
 # by the model, so a checkpoint may carry them without being wrong.
-_IGNORABLE = re.compile(r"(rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)$")
+_IGNORABLE = re.compile(r"(^|\.)(rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)$")
 
 # The prefix of the base model inside `...ForCausalLM`; checkpoints of the bare base model
 # (e.g. the original `gpt2` on the Hub) store names without it.
