@@ -1,0 +1,557 @@
+"""From-scratch decoder-only transformers (LLaMA and GPT-2) and dense reference generation.
+
+The models run on a *flat token batch* (DESIGN.md, "The data that flows"): the new tokens of every
+sequence in one step, concatenated into `input_ids [T]` with their `positions [T]`. Nothing in a
+model knows where past keys and values live: each layer hands its new queries, keys and values to
+an `AttentionBackend`, which owns the KV cache. Two backends plug in:
+
+* `DenseAttentionBackend` (here): one contiguous K/V tensor per sequence and layer, grown by
+  concatenation, attended with `attention.dense_attention`. It is slow and obviously correct: the
+  oracle that the paged engine is tested against, token for token, through `generate_dense`.
+* the paged backend (`minipaged.runner`): writes K/V into fixed-size blocks and calls paged
+  attention with `AttentionMetadata` (Kwon et al., SOSP'23, section 4.1).
+
+Parameter names mirror Hugging Face's, so a checkpoint's state dict loads by name (after the
+`model.` / `transformer.` prefix is dropped) and a reader can hold the two side by side.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from minipaged.attention import dense_attention
+from minipaged.config import ModelConfig
+
+# ---------------------------------------------------------------------------------------------
+# The attention interface between a model and whatever holds the KV cache
+# ---------------------------------------------------------------------------------------------
+
+
+class AttentionBackend(Protocol):
+    """Attention of the new tokens of a flat batch over their sequences' whole context.
+
+    `q [T, H, D]`, `k`, `v [T, H_kv, D]` are the projections of the step's new tokens, rotary
+    already applied. The backend stores `k`/`v` in its cache for layer `layer_idx`, then returns
+    causal attention of each new token over its own sequence's cached plus new keys: `[T, H, D]`.
+    """
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        ...
+
+
+class ModelInputError(ValueError):
+    """The flat batch handed to a model does not fit it (shape, dtype or position range)."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A state dict does not match the model its config describes (missing, extra, mis-shaped)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The dense backend: a contiguous KV cache per sequence
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DenseKVCache:
+    """Keys and values of each sequence, one contiguous `[L, H_kv, D]` tensor per layer.
+
+    Appending concatenates: O(L) copying per step, which is fine for a reference and leaves no
+    offsets or capacities for a reader to check.
+    """
+
+    num_layers: int
+    keys: dict[int, list[Tensor | None]] = field(default_factory=dict)
+    values: dict[int, list[Tensor | None]] = field(default_factory=dict)
+
+    def append(self, seq_id: int, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Add `k`, `v [n, H_kv, D]` after sequence `seq_id`'s keys of layer `layer_idx`.
+
+        Returns the sequence's whole K and V for that layer.
+        """
+        if seq_id not in self.keys:
+            self.keys[seq_id] = [None] * self.num_layers
+            self.values[seq_id] = [None] * self.num_layers
+        old_k, old_v = self.keys[seq_id][layer_idx], self.values[seq_id][layer_idx]
+        new_k = k if old_k is None else torch.cat([old_k, k])
+        new_v = v if old_v is None else torch.cat([old_v, v])
+        self.keys[seq_id][layer_idx], self.values[seq_id][layer_idx] = new_k, new_v
+        return new_k, new_v
+
+    def length(self, seq_id: int) -> int:
+        """Number of tokens cached for `seq_id` (0 if unknown)."""
+        layers = self.keys.get(seq_id)
+        if layers is None or layers[-1] is None:
+            return 0
+        return layers[-1].shape[0]
+
+    def free(self, seq_id: int) -> None:
+        self.keys.pop(seq_id, None)
+        self.values.pop(seq_id, None)
+
+
+class DenseAttentionBackend:
+    """`AttentionBackend` over a `DenseKVCache` for one step of a flat batch.
+
+    The flat batch holds `query_lens[i]` new tokens of sequence `seq_ids[i]`, in that order (the
+    same layout as `AttentionMetadata.query_start_loc`). Each sequence is attended on its own.
+    """
+
+    def __init__(self, cache: DenseKVCache, seq_ids: Sequence[int], query_lens: Sequence[int]):
+        if len(seq_ids) != len(query_lens):
+            raise ValueError(f"{len(seq_ids)} sequence ids but {len(query_lens)} query lengths")
+        if any(n <= 0 for n in query_lens):
+            raise ValueError(f"every sequence needs at least one new token, got {list(query_lens)}")
+        self.cache = cache
+        self.seq_ids = list(seq_ids)
+        self.query_lens = list(query_lens)
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        if q.shape[0] != sum(self.query_lens):
+            raise ValueError(f"{q.shape[0]} query tokens but query_lens sum to "
+                             f"{sum(self.query_lens)}")
+        outputs = []
+        start = 0
+        for seq_id, n in zip(self.seq_ids, self.query_lens, strict=True):
+            end = start + n
+            k_all, v_all = self.cache.append(seq_id, layer_idx, k[start:end], v[start:end])
+            outputs.append(dense_attention(q[start:end], k_all, v_all, scale))
+            start = end
+        return torch.cat(outputs)
+
+
+# ---------------------------------------------------------------------------------------------
+# LLaMA: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention
+# ---------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 (as Hugging Face does) and cast back."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> Tensor:
+    """The rotary angle per position of each of the head's `head_dim / 2` dimension pairs.
+
+    theta_i = rope_theta ** (-2i / head_dim) (Su et al., RoFormer), optionally rescaled to stretch
+    the context: "linear" divides every frequency by `factor` (position interpolation); "llama3"
+    divides only the low frequencies (long wavelengths) by `factor`, keeps the high ones, and
+    blends smoothly in between (Llama 3.1).
+    """
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low_freq_factor = scaling["low_freq_factor"]
+        high_freq_factor = scaling["high_freq_factor"]
+        old_context = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        low_freq_wavelen = old_context / low_freq_factor  # longer than this: divide by factor
+        high_freq_wavelen = old_context / high_freq_factor  # shorter than this: keep
+        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        return torch.where(
+            wavelen > low_freq_wavelen,
+            inv_freq / factor,
+            torch.where(wavelen < high_freq_wavelen, inv_freq, blended),
+        )
+    raise ValueError(f"unsupported rope scaling {kind!r}; minipaged implements linear and llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates each query and key by an angle proportional to its position (RoFormer).
+
+    Dimension `i` is paired with dimension `i + D/2` (Hugging Face's `rotate_half` layout), and the
+    pair is rotated by `position * inv_freq[i]`. The dot product of a rotated query and key then
+    depends only on their distance. cos/sin are cached for every position up to
+    `max_position_embeddings`, in float32.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        inv_freq = rope_inverse_frequencies(config)
+        angles = torch.arange(config.max_position_embeddings, dtype=torch.float32)[:, None]
+        angles = angles * inv_freq[None, :]  # [P, D/2]
+        angles = torch.cat([angles, angles], dim=-1)  # [P, D]: pair (i, i + D/2) shares an angle
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        cos = self.cos[positions][:, None, :].to(q.dtype)  # [T, 1, D], broadcast over heads
+        sin = self.sin[positions][:, None, :].to(q.dtype)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension: a 90 degree turn per pair."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query attention: `num_heads` query heads share `num_kv_heads` key/value heads."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, bias: bool):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, positions: Tensor, rotary: RotaryEmbedding,
+                attn: AttentionBackend) -> Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = attn(self.layer_idx, q, k, v, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x += attn(norm(x)); x += mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, attention_bias: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, attention_bias)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: Tensor, positions: Tensor, rotary: RotaryEmbedding,
+                attn: AttentionBackend) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The LLaMA family (LLaMA 1-3, SmolLM2, Mistral without sliding window)."""
+
+    hf_prefix = "model."
+
+    def __init__(self, config: ModelConfig, attention_bias: bool = False):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, attention_bias) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+        """Hidden states `[T, hidden_size]` (final norm applied) of a flat token batch."""
+        check_flat_batch(self.config, input_ids, positions)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """Next-token logits `[N, vocab_size]` in float32 for the rows of `hidden`."""
+        return self.lm_head(hidden).float()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-2: LayerNorm, learned positions, tanh-GELU
+# ---------------------------------------------------------------------------------------------
+
+
+class GPT2Attention(nn.Module):
+    """Multi-head attention with one fused q/k/v projection (`c_attn`)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.c_attn = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.c_proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x: Tensor, attn: AttentionBackend) -> Tensor:
+        t = x.shape[0]
+        q, k, v = self.c_attn(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)
+        out = attn(self.layer_idx, q, k, v, self.scale)
+        return self.c_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn = GPT2Attention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = GPT2MLP(config)
+
+    def forward(self, x: Tensor, attn: AttentionBackend) -> Tensor:
+        x = x + self.attn(self.ln_1(x), attn)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2ForCausalLM(nn.Module):
+    """GPT-2 (Radford et al. 2019): learned absolute positions, always a tied head."""
+
+    hf_prefix = "transformer."
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_layers))
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+        """Hidden states `[T, hidden_size]` (final norm applied) of a flat token batch."""
+        check_flat_batch(self.config, input_ids, positions)
+        x = self.wte(input_ids) + self.wpe(positions)
+        for block in self.h:
+            x = block(x, attn)
+        return self.ln_f(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """Next-token logits `[N, vocab_size]` in float32 for the rows of `hidden`."""
+        return self.lm_head(hidden).float()
+
+
+CausalLM = LlamaForCausalLM | GPT2ForCausalLM
+
+# Hugging Face stores GPT-2's linear layers as `Conv1D`, whose weight is [in, out]: the transpose
+# of `nn.Linear`'s [out, in].
+_GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# Buffers some checkpoints carry that are recomputed here, not loaded.
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
+
+def check_flat_batch(config: ModelConfig, input_ids: Tensor, positions: Tensor) -> None:
+    """Raise `ModelInputError` unless `input_ids` and `positions` are a valid flat batch."""
+    if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+        raise ModelInputError(
+            f"input_ids and positions must both be [T], got {tuple(input_ids.shape)} and "
+            f"{tuple(positions.shape)}"
+        )
+    if input_ids.dtype != torch.long or positions.dtype != torch.long:
+        raise ModelInputError(
+            f"input_ids and positions must be int64, got {input_ids.dtype} and {positions.dtype}"
+        )
+    if input_ids.numel() == 0:
+        raise ModelInputError("empty flat batch")
+    # One host sync per step; the sampler syncs anyway, and a readable error beats a device assert.
+    lo_id, hi_id = int(input_ids.min()), int(input_ids.max())
+    if lo_id < 0 or hi_id >= config.vocab_size:
+        raise ModelInputError(f"token id out of range [0, {config.vocab_size}): {lo_id}..{hi_id}")
+    lo_pos, hi_pos = int(positions.min()), int(positions.max())
+    if lo_pos < 0 or hi_pos >= config.max_position_embeddings:
+        raise ModelInputError(
+            f"position out of range [0, {config.max_position_embeddings}): {lo_pos}..{hi_pos}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a model from a config and a Hugging Face-named state dict
+# ---------------------------------------------------------------------------------------------
+
+
+def build_model(
+    config: ModelConfig,
+    state_dict: dict[str, Tensor],
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> CausalLM:
+    """The model of `config.architecture` holding the weights of `state_dict`, in eval mode.
+
+    `state_dict` uses Hugging Face's names, with or without the `model.` / `transformer.` prefix.
+    A tied head (`tie_word_embeddings`, always for GPT-2) shares the embedding's tensor. Raises
+    `CheckpointMismatchError` naming any missing, unexpected or mis-shaped tensor.
+    """
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+    tied = config.tie_word_embeddings or config.architecture == "gpt2"
+    weights = _rename_hf_weights(config, state_dict)
+    if tied:
+        weights.pop("lm_head.weight", None)  # some state dicts list the shared tensor twice
+    # Build on the meta device (no memory, no random init), then adopt the checkpoint's tensors.
+    with torch.device("meta"):
+        if config.architecture == "llama":
+            model: CausalLM = LlamaForCausalLM(
+                config, attention_bias="layers.0.self_attn.q_proj.bias" in weights
+            )
+        else:
+            model = GPT2ForCausalLM(config)
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    if tied:
+        del expected["lm_head.weight"]
+    _check_weights(expected, weights)
+    model.load_state_dict(
+        {name: w.to(device=device, dtype=dtype) for name, w in weights.items()},
+        strict=False, assign=True,
+    )
+    if tied:
+        model.lm_head.weight = model.get_submodule(
+            "embed_tokens" if config.architecture == "llama" else "wte"
+        ).weight
+    # Non-persistent buffers (rotary cos/sin) were made on meta: recompute them for real.
+    if config.architecture == "llama":
+        model.rotary = RotaryEmbedding(config).to(device)
+    return model.eval()
+
+
+def load_model(
+    path: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> tuple[CausalLM, ModelConfig]:
+    """Load a checkpoint (HF folder, safetensors or GGUF; default: the bundled SmolLM2)."""
+    from minipaged.checkpoint import load_checkpoint
+
+    config, state_dict = load_checkpoint(path, dtype=torch.float32)
+    return build_model(config, state_dict, dtype=dtype, device=device), config
+
+
+def _rename_hf_weights(config: ModelConfig, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Drop HF's module prefix and recomputed buffers; transpose GPT-2's Conv1D weights."""
+    prefix = "model." if config.architecture == "llama" else "transformer."
+    out = {}
+    for name, tensor in state_dict.items():
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        name = name.removeprefix(prefix)
+        if config.architecture == "gpt2" and name.endswith(_GPT2_CONV1D):
+            tensor = tensor.t()
+        out[name] = tensor
+    return out
+
+
+def _check_weights(expected: dict[str, torch.Size], weights: dict[str, Tensor]) -> None:
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    wrong = sorted(
+        f"{n}: expected {tuple(expected[n])}, got {tuple(weights[n].shape)}"
+        for n in set(expected) & set(weights)
+        if weights[n].shape != expected[n]
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing {_abbrev(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {_abbrev(unexpected)}")
+    if wrong:
+        problems.append(f"wrong shape {_abbrev(wrong)}")
+    if problems:
+        raise CheckpointMismatchError("state dict does not fit the config: " + "; ".join(problems))
+
+
+def _abbrev(names: list[str], limit: int = 5) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense reference generation
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def generate_dense(
+    model: CausalLM,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_token_ids: Iterable[int] = (),
+) -> list[list[int]]:
+    """Greedy continuations of `prompts`, with a contiguous KV cache: the engine's oracle.
+
+    Every step runs one flat batch: a whole prompt for a sequence's first step, then its one
+    latest token. A sequence stops after `max_new_tokens` tokens or after emitting a token of
+    `eos_token_ids` (which is kept in its output, as `transformers`' `generate` does). Returns
+    the new tokens of each prompt, in order.
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        if len(prompt) + max_new_tokens > model.config.max_position_embeddings:
+            raise ValueError(
+                f"prompt {i} ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                f"the model's {model.config.max_position_embeddings} positions"
+            )
+    eos = set(eos_token_ids)
+    device = next(model.parameters()).device
+    cache = DenseKVCache(model.config.num_layers)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    pending = {i: list(p) for i, p in enumerate(prompts)} if max_new_tokens > 0 else {}
+    while pending:
+        seq_ids = list(pending)
+        input_ids, positions = [], []
+        for i in seq_ids:
+            start = cache.length(i)
+            input_ids += pending[i]
+            positions += range(start, start + len(pending[i]))
+        query_lens = [len(pending[i]) for i in seq_ids]
+        backend = DenseAttentionBackend(cache, seq_ids, query_lens)
+        hidden = model(
+            torch.tensor(input_ids, device=device), torch.tensor(positions, device=device), backend
+        )
+        last = torch.tensor(query_lens, device=device).cumsum(0) - 1
+        next_tokens = model.compute_logits(hidden[last]).argmax(-1).tolist()
+        for i, token in zip(seq_ids, next_tokens, strict=True):
+            outputs[i].append(token)
+            if token in eos or len(outputs[i]) == max_new_tokens:
+                del pending[i]
+                cache.free(i)
+            else:
+                pending[i] = [token]
+    return outputs
