@@ -149,11 +149,17 @@ def _required(cfg: dict[str, Any], key: str) -> Any:
 
 
 def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """HF has spelled this `rope_scaling` (older) and `rope_parameters` (newer)."""
+    """HF's rope scaling dict, always keyed by `rope_type`; None for plain RoPE.
+
+    HF has spelled it `rope_scaling` with a `type` key (older) and `rope_parameters` with
+    `rope_type` and the base `rope_theta` inside (newer); the base lives in `rope_theta` here.
+    """
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     if not scaling:
         return None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return None
-    return {k: v for k, v in scaling.items() if k != "rope_theta"} | {"rope_type": kind}
+    return {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")} | {
+        "rope_type": kind
+    }
