@@ -437,6 +437,24 @@ _GGUF_NAMES: dict[str, dict[str, str]] = {
 _GGUF_TRANSPOSED = re.compile(r"\.(attn_qkv|attn_output|ffn_up|ffn_down)\.weight$")
 
 
+class _GGUFMetadata:
+    """Typed access to a GGUF reader's key/value metadata, with errors that name the file."""
+
+    _MISSING = object()
+
+    def __init__(self, reader: Any, file: Path) -> None:
+        self.reader, self.file = reader, file
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            if default is self._MISSING:
+                raise CheckpointError(f"{self.file}: GGUF metadata key {key!r} missing")
+            return default
+        value = field.contents()
+        return value.item() if isinstance(value, np.generic) else value
+
+
 def config_from_gguf(source: Any) -> ModelConfig:
     """A `ModelConfig` from a GGUF file's metadata; `source` is a path or a `gguf.GGUFReader`.
 
@@ -519,24 +537,6 @@ def _gguf_rope_scaling(meta: _GGUFMetadata) -> dict[str, Any] | None:
     if original is not None:
         scaling["original_max_position_embeddings"] = original
     return scaling
-
-
-class _GGUFMetadata:
-    """Typed access to a GGUF reader's key/value metadata, with errors that name the file."""
-
-    _MISSING = object()
-
-    def __init__(self, reader: Any, file: Path) -> None:
-        self.reader, self.file = reader, file
-
-    def get(self, key: str, default: Any = _MISSING) -> Any:
-        field = self.reader.fields.get(key)
-        if field is None:
-            if default is self._MISSING:
-                raise CheckpointError(f"{self.file}: GGUF metadata key {key!r} missing")
-            return default
-        value = field.contents()
-        return value.item() if isinstance(value, np.generic) else value
 
 
 def _open_gguf(file: Path) -> Any:
