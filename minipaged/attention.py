@@ -375,7 +375,7 @@ def paged_attention(
 
     # Keys and values of every sequence, padded to whole blocks: [H_kv, B, L_pad, D].
     # Padding entries (-1) read block 0; whatever they read is masked below.
-    num_blocks = (max_seq_len + block_size - 1) // block_size
+    num_blocks = min((max_seq_len + block_size - 1) // block_size, block_tables.shape[1])
     block_ids = block_tables[:, :num_blocks].clamp(min=0).long()
     context_numel = num_kv_heads * num_seqs * num_blocks * block_size * head_dim
     buffer = _gather_buffer(2 * context_numel, k_cache.dtype, device)
