@@ -1,4 +1,4 @@
-"""Launch-side helpers shared by the kernel modules: tile sizes, padding, dtype checks.
+"""Launch-side helpers shared by the kernel modules: tile sizes, padding, dot precision.
 
 Nothing here runs on the device. The one policy decision is tile sizes: on a GPU, tiles are sized
 for registers and occupancy; under Triton's CPU interpreter every loop iteration costs the same
@@ -12,8 +12,6 @@ import os
 import torch
 import triton
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 # `tl.dot` on a GPU needs every dimension to be at least 16.
 MIN_DOT_SIZE = 16
 
@@ -26,12 +24,6 @@ def interpreting() -> bool:
 def pow2_at_least(n: int, minimum: int = 1) -> int:
     """The smallest power of two >= max(n, minimum): `tl.arange` sizes must be powers of two."""
     return max(triton.next_power_of_2(max(n, 1)), minimum)
-
-
-def check_storage_dtype(name: str, t: torch.Tensor) -> None:
-    """Raise `ValueError` unless `t` holds one of the float dtypes the kernels support."""
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
 
 
 def check_power_of_two(name: str, value: int, minimum: int = 1) -> None:

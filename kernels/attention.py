@@ -25,13 +25,16 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    validate: bool = True,
 ) -> Tensor:
     """Causal attention of a flat batch of queries over paged K/V -> [T, H, D].
 
     q [T, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D]; block_tables [B, max_blocks]
     (padded with -1); seq_lens [B]; query_start_loc [B + 1]. The queries of sequence i are the
     last query_start_loc[i+1] - query_start_loc[i] positions of its seq_lens[i] context
-    (DESIGN.md, "Attention contract"). Raises `ValueError` on inconsistent arguments.
+    (DESIGN.md, "Attention contract"). Raises `ValueError` on inconsistent arguments;
+    `validate=False` skips those checks (and their host syncs). Passing `max_query_len` and
+    `max_seq_len` saves another sync.
     """
     # The kernel launchers validate everything; this only picks one of them.
     if max_query_len is None:
@@ -41,9 +44,9 @@ def paged_attention(
     if max_query_len == 1 and q.shape[0] == block_tables.shape[0]:
         return paged_decode_attention(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-            max_query_len=1, max_seq_len=max_seq_len,
+            max_query_len=1, max_seq_len=max_seq_len, validate=validate,
         )
     return paged_prefill_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-        max_query_len=max_query_len, max_seq_len=max_seq_len,
+        max_query_len=max_query_len, max_seq_len=max_seq_len, validate=validate,
     )

@@ -25,7 +25,6 @@ from ._launch import (
     MIN_DOT_SIZE,
     PV_PRECISION,
     check_power_of_two,
-    check_storage_dtype,
     default_key_tile,
     interpreting,
     pow2_at_least,
@@ -181,20 +180,23 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     key_tile: int | None = None,
+    validate: bool = True,
 ) -> Tensor:
     """Attention of each sequence's single query over its paged context -> [B, H, D].
 
     The attention contract (DESIGN.md) restricted to one query per sequence. `num_splits`
     partitions per context (None: chosen for the device); `key_tile` keys per loop iteration
     (a power of two >= 16 and >= the block size; None: chosen for the device).
-    `max_query_len` is accepted for signature parity and must be 1 if given.
+    `max_query_len` is accepted for signature parity and must be 1 if given; `max_seq_len`
+    saves a host sync. `validate=False` skips the argument checks (and their host syncs).
     """
-    check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
-    check_storage_dtype("q", q)
     num_seqs = block_tables.shape[0]
-    query_lens = query_start_loc[1:] - query_start_loc[:-1]
-    if q.shape[0] != num_seqs or bool((query_lens != 1).any()):
-        raise ValueError("decode attention needs exactly one query per sequence")
+    if validate:
+        check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                   max_query_len=max_query_len, max_seq_len=max_seq_len)
+        query_lens = query_start_loc[1:] - query_start_loc[:-1]
+        if q.shape[0] != num_seqs or bool((query_lens != 1).any()):
+            raise ValueError("decode attention needs exactly one query per sequence")
     if max_query_len is not None and max_query_len != 1:
         raise ValueError(f"decode attention needs max_query_len == 1, got {max_query_len}")
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:

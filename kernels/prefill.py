@@ -26,7 +26,6 @@ from ._launch import (
     MIN_DOT_SIZE,
     PV_PRECISION,
     check_power_of_two,
-    check_storage_dtype,
     default_key_tile,
     interpreting,
     pow2_at_least,
@@ -136,16 +135,19 @@ def paged_prefill_attention(
     max_seq_len: int | None = None,
     query_tile: int | None = None,
     key_tile: int | None = None,
+    validate: bool = True,
 ) -> Tensor:
     """Causal attention of a varlen batch over its paged contexts -> [T, H, D]; one launch.
 
     The attention contract (DESIGN.md). `max_query_len` sizes the grid (None: read from
     `query_start_loc`, one host sync); `max_seq_len` is accepted for signature parity.
     `query_tile` queries per program and `key_tile` keys per loop iteration are powers of two
-    (None: chosen for the device).
+    (None: chosen for the device). `validate=False` skips the argument checks (and their host
+    syncs).
     """
-    check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
-    check_storage_dtype("q", q)
+    if validate:
+        check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                   max_query_len=max_query_len, max_seq_len=max_seq_len)
     block_size = k_cache.shape[1]
     if key_tile is None:
         key_tile = default_key_tile(block_size)

@@ -10,12 +10,13 @@ Program: a tile of tokens, each with all its KV heads and head dims.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import check_storage_dtype, interpreting, pow2_at_least
+from minipaged.attention import check_reshape_and_cache_args
+
+from ._launch import interpreting, pow2_at_least
 
 
 @triton.jit
@@ -55,54 +56,24 @@ def _reshape_and_cache_kernel(
              value, mask=mask)
 
 
-def check_reshape_and_cache_args(
-    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
-) -> None:
-    """Raise `ValueError` naming the problem unless the arguments fit together."""
-    if key.dim() != 3 or key.shape != value.shape:
-        raise ValueError(
-            f"key and value must both be [T, H_kv, D], got {tuple(key.shape)} and "
-            f"{tuple(value.shape)}"
-        )
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            "k_cache and v_cache must both be [num_blocks, block_size, H_kv, D], got "
-            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    if key.shape[1:] != k_cache.shape[2:]:
-        raise ValueError(
-            f"key has [H_kv, D] = {list(key.shape[1:])}, the cache {list(k_cache.shape[2:])}"
-        )
-    if not key.dtype == value.dtype == k_cache.dtype == v_cache.dtype:
-        raise ValueError(
-            f"dtype mismatch: key {key.dtype}, value {value.dtype}, k_cache {k_cache.dtype}, "
-            f"v_cache {v_cache.dtype}"
-        )
-    check_storage_dtype("key", key)
-    if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping must be an integer tensor, got {slot_mapping.dtype}")
-    if slot_mapping.shape != (key.shape[0],):
-        raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
-    for name, t in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache),
-                    ("slot_mapping", slot_mapping)):
-        if t.device != key.device:
-            raise ValueError(f"{name} is on {t.device} but key is on {key.device}")
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    if slot_mapping.numel() and bool(((slot_mapping < -1) | (slot_mapping >= num_slots)).any()):
-        raise ValueError(f"slot_mapping holds a slot outside -1..{num_slots - 1}")
-    written = slot_mapping[slot_mapping >= 0]
-    if written.unique().numel() != written.numel():
-        raise ValueError("slot_mapping names the same slot twice: which write wins is undefined")
-
-
 def reshape_and_cache(
-    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    key: Tensor,
+    value: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    validate: bool = True,
 ) -> None:
-    """Write `key[t]`, `value[t]` ([T, H_kv, D]) into slot `slot_mapping[t]` of the caches.
+    """Write `key[t]`, `value[t]` ([T, H_kv, D]) into slot `slot_mapping[t]` of the caches
+    ([num_blocks, block_size, H_kv, D]).
 
-    In place; tokens whose slot is -1 are skipped, every other slot is left untouched.
+    In place; tokens whose slot is -1 are skipped, every other slot is left untouched. Raises
+    `ValueError` on inconsistent arguments (the reference's checks, shared); `validate=False`
+    skips them and their host sync.
     """
-    check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping)
+    if validate:
+        check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
