@@ -268,11 +268,11 @@ def assert_states_equal(
     """Every tensor equal; a tied head in `theirs` must equal the embedding in `ours`."""
     theirs = dict(theirs)
     if tied_to is not None:
-        torch.testing.assert_close(theirs.pop("lm_head.weight"), ours[tied_to], rtol=0, atol=0)
+        assert torch.equal(theirs.pop("lm_head.weight"), ours[tied_to])
     assert sorted(ours) == sorted(theirs)
     for name, tensor in theirs.items():
         assert ours[name].dtype == tensor.dtype, name
-        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=0, msg=name)
+        assert torch.equal(ours[name], tensor), name
 
 
 # --------------------------------------------------------------------------------------------
@@ -687,3 +687,13 @@ def test_default_model_path_finds_the_file() -> None:
 def test_non_float_dtype_rejected(tiny_files) -> None:
     with pytest.raises(ValueError, match="floating-point"):
         load_checkpoint(tiny_files["gguf"], dtype=torch.int8)
+
+
+def test_type_gguf_cannot_dequantise(tmp_path) -> None:
+    model = tiny_llama()
+    tensors = llama_gguf_tensors(model)
+    tensors["output_norm.weight"] = tensors["output_norm.weight"].astype(np.float64)
+    path = write_gguf(tmp_path / "f64.gguf", "llama", tensors, llama_meta(model.config), 64)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path, progress=False)
+    check_message(info, path, "output_norm.weight", "F64", "cannot dequantise")
