@@ -38,7 +38,7 @@ MAX_SPLITS = 64
 def _decode_partition_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     part_out_ptr, part_lse_ptr,
-    scale,
+    scale, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -46,7 +46,7 @@ def _decode_partition_kernel(
     stride_pb, stride_ph, stride_ps,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, KEY_TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KEY_TILE: tl.constexpr,
     QK_PRECISION: tl.constexpr, PV_PRECISION: tl.constexpr,
 ):
     """Stage 1: attention of one sequence's query group over one partition of its context.
@@ -73,7 +73,7 @@ def _decode_partition_kernel(
 
     # This split's whole key tiles: [first_tile, last_tile).
     num_tiles = tl.cdiv(seq_len, KEY_TILE)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     first_tile = split * tiles_per_split
     last_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
 
@@ -124,9 +124,10 @@ def _decode_partition_kernel(
 @triton.jit
 def _merge_partitions_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr,
+    num_splits,
     stride_pb, stride_ph, stride_ps,
     stride_ot, stride_oh, stride_od,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):
     """Stage 2: merge one (sequence, query head)'s partitions, each weighted by exp(its lse).
@@ -138,7 +139,7 @@ def _merge_partitions_kernel(
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
-    split_ok = splits < NUM_SPLITS
+    split_ok = splits < num_splits
     dim_ok = dims < HEAD_DIM
 
     part = seq * stride_pb + head * stride_ph + splits * stride_ps
@@ -233,20 +234,21 @@ def _launch_decode(
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         part_out, part_lse,
-        scale,
+        scale, num_splits,
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
         *part_lse.stride(),
         GROUP=group, GROUP_PAD=pow2_at_least(group, MIN_DOT_SIZE),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=k_cache.shape[1], KEY_TILE=key_tile, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=k_cache.shape[1], KEY_TILE=key_tile,
         QK_PRECISION=qk_precision(q.dtype), PV_PRECISION=PV_PRECISION,
     )
     _merge_partitions_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, query_start_loc,
+        num_splits,
         *part_lse.stride(),
         *out.stride(),
-        NUM_SPLITS=num_splits, SPLITS_PAD=pow2_at_least(num_splits),
+        SPLITS_PAD=pow2_at_least(num_splits),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
     )
     return out

@@ -175,15 +175,20 @@ def _launch_prefill(
     out = torch.empty_like(q)
     if num_seqs == 0 or max_query_len == 0:
         return out
+    group_pad = pow2_at_least(group)
+    head_dim_pad = pow2_at_least(head_dim, MIN_DOT_SIZE)
+    # A [64, 128] float32 tile is 64 registers per thread at 4 warps; q, acc, K and V need 8.
+    num_warps = 8 if query_tile * group_pad * head_dim_pad >= 64 * 128 else 4
     grid = (num_seqs, triton.cdiv(max_query_len, query_tile), num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
         scale,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         block_tables.stride(0),
-        GROUP=group, GROUP_PAD=pow2_at_least(group), QUERY_TILE=query_tile,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2_at_least(head_dim, MIN_DOT_SIZE),
+        GROUP=group, GROUP_PAD=group_pad, QUERY_TILE=query_tile,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=k_cache.shape[1], KEY_TILE=key_tile,
         QK_PRECISION=qk_precision(q.dtype), PV_PRECISION=PV_PRECISION,
+        num_warps=num_warps,
     )
     return out

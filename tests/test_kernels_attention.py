@@ -183,7 +183,7 @@ def _bad_inputs() -> dict[str, tuple[callable, str]]:
 
     return {
         "seq_len beyond block table": (
-            with_(4, lambda a: a[4] + torch.tensor([0, 100], dtype=a[4].dtype)), "block table"),
+            with_(4, lambda a: a[4] + a[4].new_tensor([0, 100])), "block table"),
         "mismatched heads": (with_(0, lambda a: a[0][:, :3].contiguous()), "multiple of KV heads"),
         "head dim mismatch": (with_(0, lambda a: a[0][..., :16].contiguous()), "head_dim"),
         "dtype mismatch": (with_(0, lambda a: a[0].half()), "dtype"),
