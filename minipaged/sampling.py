@@ -47,7 +47,6 @@ class SamplingParams:
     """Per-request generation settings, named and defaulted as in vLLM.
 
     `top_k`: 0 means "off" (all tokens); vLLM's older spelling -1 is accepted and stored as 0.
-    `max_tokens=None` means "until the model's context is full".
     `stop` may be one string or a list; it is stored as a list. Matched stop strings are cut from
     the output text (the tokens stay in `token_ids`, as in vLLM).
     `logprobs=k` returns the `k` most likely alternatives of each output token, plus the chosen
@@ -65,7 +64,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16
+    max_tokens: int = 16
     min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -92,10 +91,9 @@ class SamplingParams:
             _check_int("seed", self.seed, low=0, allowed="None or an integer in [0, 2**64)")
             if self.seed >= _MAX_SEED:
                 raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed}")
-        if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, low=1, allowed="None or an integer >= 1")
+        _check_int("max_tokens", self.max_tokens, low=1)
         _check_int("min_tokens", self.min_tokens, low=0)
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+        if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
@@ -538,6 +536,7 @@ def beam_search_candidates(
 
 
 def beam_search_is_done(
+    *,
     best_running_cumulative_logprob: float,
     best_running_len: int,
     worst_finished_score: float | None,

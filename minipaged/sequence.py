@@ -266,17 +266,19 @@ class Sequence:
 def _fork_detokenizer(
     detokenizer: IncrementalDetokenizer | None,
 ) -> IncrementalDetokenizer | None:
-    """An independent copy of a detokenizer's state that still shares its tokenizer."""
+    """An independent copy of a detokenizer's state (its `fork()` if it has one).
+
+    Otherwise a deep copy that shares only the (large, read-only) `tokenizer` attribute: the
+    state of a half-decoded multi-byte character must not be shared between the two sequences.
+    """
     if detokenizer is None:
         return None
     fork = getattr(detokenizer, "fork", None)
     if callable(fork):
         return fork()
-    clone = copy.copy(detokenizer)
-    for name, value in vars(detokenizer).items():
-        if isinstance(value, (list, dict, set, bytearray)):
-            setattr(clone, name, copy.copy(value))
-    return clone
+    tokenizer = getattr(detokenizer, "tokenizer", None)
+    memo = {} if tokenizer is None else {id(tokenizer): tokenizer}
+    return copy.deepcopy(detokenizer, memo)
 
 
 # --- stop conditions ---------------------------------------------------------------------------
@@ -312,7 +314,7 @@ def check_stop(
         if found is not None:
             stop, index = found
             return StopDecision(SequenceStatus.FINISHED_STOPPED, stop, index)
-    if params.max_tokens is not None and num_output >= params.max_tokens:
+    if num_output >= params.max_tokens:
         return StopDecision(SequenceStatus.FINISHED_LENGTH_CAPPED)
     return None
 
@@ -401,6 +403,13 @@ class SequenceGroup:
 
     def is_finished(self) -> bool:
         return all(seq.is_finished() for seq in self.seqs)
+
+    @property
+    def max_width(self) -> int:
+        """The most sequences this request has alive at once: `beam_width` live beams for beam
+        search, else its `n` samples."""
+        params = self.sampling_params
+        return params.beam_width if params.use_beam_search else params.n
 
     def max_num_running_seqs(self) -> int:
         """The most sequences this request can run at once (what the scheduler must budget):
