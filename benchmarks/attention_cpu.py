@@ -1,0 +1,180 @@
+"""Paged decode (the PyTorch reference) vs dense SDPA decode on CPU, on the same contexts.
+
+    .venv/bin/python benchmarks/attention_cpu.py            # batch 32, contexts 128/512/1024
+    .venv/bin/python benchmarks/attention_cpu.py --contexts 512 --repeats 200
+
+One decode step: each of `batch` sequences has one new query and a `context`-token context, with
+the bundled model's head shapes (SmolLM2-135M: 9 query heads, 3 KV heads, head dim 64). The dense
+baseline keeps each sequence's K/V contiguous (`[B, H_kv, L, D]`, what a reserve-max cache
+holds) and calls `torch.nn.functional.scaled_dot_product_attention` with GQA. The paged side
+stores the same K/V in shuffled blocks of a paged cache and calls
+`minipaged.attention.paged_attention`. The ratio paged / dense is the price of reading K/V through
+block tables in plain PyTorch (the paper's CUDA kernel paid 20-26%, Kwon et al. section 7.1).
+
+Timings alternate dense and paged call by call, so that load from other processes hits both
+alike; the table reports medians and the median of per-pair ratios. Writes
+`benchmarks/results/attention_cpu.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from minipaged import attention
+from minipaged.attention import paged_attention
+
+# SmolLM2-135M-Instruct's attention shape (DESIGN.md, "The default model").
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
+RESULTS = Path(__file__).parent / "results" / "attention_cpu.json"
+
+
+def make_inputs(batch: int, context: int, block_size: int, seed: int = 0) -> dict:
+    """Contiguous K/V for the dense side and the same K/V scattered into shuffled blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen)
+    k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, generator=gen)
+    v = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, generator=gen)
+
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq + 8  # a few spare blocks, as in a real pool
+    block_tables = torch.randperm(num_blocks, generator=gen)[: batch * blocks_per_seq]
+    block_tables = block_tables.view(batch, blocks_per_seq).int()
+    padded = blocks_per_seq * block_size
+
+    def to_cache(x: torch.Tensor) -> torch.Tensor:
+        cache = torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+        x = F.pad(x.transpose(1, 2), (0, 0, 0, 0, 0, padded - context))  # [B, L_pad, H_kv, D]
+        cache[block_tables.long()] = x.reshape(batch, blocks_per_seq, block_size, NUM_KV_HEADS,
+                                               HEAD_DIM)
+        return cache
+
+    return {
+        "q": q, "k": k, "v": v,
+        "k_cache": to_cache(k), "v_cache": to_cache(v), "block_tables": block_tables,
+        "seq_lens": torch.full((batch,), context, dtype=torch.int32),
+        "query_start_loc": torch.arange(batch + 1, dtype=torch.int32),
+        "scale": HEAD_DIM**-0.5,
+    }
+
+
+def dense_decode(x: dict) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(x["q"][:, :, None], x["k"], x["v"], scale=x["scale"],
+                                         enable_gqa=True)
+    return out[:, :, 0]
+
+
+def paged_decode(x: dict, validate: bool) -> torch.Tensor:
+    return paged_attention(
+        x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"],
+        x["query_start_loc"], x["scale"],
+        max_query_len=1, max_seq_len=int(x["seq_lens"].max()), validate=validate,
+    )
+
+
+def gather_only(x: dict) -> None:
+    """The part of `paged_decode` that dense attention does not do: copying K and V out of
+    their blocks (the reference's own gather, on the same buffers)."""
+    k_cache, v_cache = x["k_cache"], x["v_cache"]
+    block_ids = x["block_tables"].long()
+    numel = block_ids.numel() * k_cache[0].numel()
+    buffer = attention._gather_buffer(2 * numel, k_cache.dtype, k_cache.device)
+    attention._gather_context(k_cache, block_ids, buffer[:numel])
+    attention._gather_context(v_cache, block_ids, buffer[numel:])
+
+
+def bench(batch: int, context: int, block_size: int, repeats: int) -> dict:
+    x = make_inputs(batch, context, block_size)
+    torch.testing.assert_close(paged_decode(x, True), dense_decode(x), rtol=1e-5, atol=1e-5)
+    fns = {
+        "dense": lambda: dense_decode(x),
+        "paged": lambda: paged_decode(x, False),
+        "paged_validated": lambda: paged_decode(x, True),
+        "gather": lambda: gather_only(x),
+    }
+    for fn in fns.values():  # warm up
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in tqdm(range(repeats), desc=f"B={batch} L={context}", leave=False):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    ratio = statistics.median(p / d for p, d in zip(times["paged"], times["dense"], strict=True))
+    ratio_validated = statistics.median(
+        p / d for p, d in zip(times["paged_validated"], times["dense"], strict=True)
+    )
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 4
+    return {
+        "batch": batch, "context": context, "block_size": block_size,
+        "dense_ms": ms["dense"], "paged_ms": ms["paged"],
+        "paged_validated_ms": ms["paged_validated"], "gather_ms": ms["gather"],
+        "ratio_paged_over_dense": ratio, "ratio_validated_over_dense": ratio_validated,
+        "dense_min_ms": min(times["dense"]) * 1e3, "paged_min_ms": min(times["paged"]) * 1e3,
+        "kv_megabytes": kv_bytes / 1e6,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice); 1 is steadier on a "
+                             "machine shared with other jobs")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    rows = [bench(args.batch, c, args.block_size, args.repeats) for c in args.contexts]
+    print(f"\npaged decode (torch reference) vs dense SDPA decode, batch {args.batch}, "
+          f"{NUM_HEADS} heads / {NUM_KV_HEADS} KV heads / dim {HEAD_DIM}, "
+          f"block size {args.block_size}, {torch.get_num_threads()} threads, float32")
+    header = (f"{'context':>8} {'KV MB':>7} {'dense ms':>9} {'paged ms':>9} {'paged/dense':>12} "
+              f"{'of which gather':>16} {'validated ms':>13} {'validated/dense':>16}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['context']:>8} {r['kv_megabytes']:>7.1f} {r['dense_ms']:>9.3f} "
+              f"{r['paged_ms']:>9.3f} {r['ratio_paged_over_dense']:>11.2f}x "
+              f"{r['gather_ms']:>13.3f} ms "
+              f"{r['paged_validated_ms']:>13.3f} {r['ratio_validated_over_dense']:>15.2f}x")
+
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "load_average_1min": os.getloadavg()[0],
+        },
+        "shapes": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+                   "dtype": "float32"},
+        "method": "medians over alternating calls; ratio = median of per-pair ratios",
+        "results": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
