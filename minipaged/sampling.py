@@ -346,17 +346,19 @@ def apply_penalties(
     output_counts = token_counts(output_token_ids, vocab_size, logits.device)
     prompt_seen = token_counts(prompt_token_ids, vocab_size, logits.device) > 0
     seen = prompt_seen | (output_counts > 0)
-    rep = repetition_penalty[:, None].to(logits.dtype)
+    rep = repetition_penalty[:, None].to(logits.device, logits.dtype)
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     out = torch.where(seen, penalised, logits)
-    out = out - frequency_penalty[:, None].to(logits.dtype) * output_counts.to(logits.dtype)
-    out = out - presence_penalty[:, None].to(logits.dtype) * (output_counts > 0).to(logits.dtype)
+    frequency = frequency_penalty[:, None].to(logits.device, logits.dtype)
+    presence = presence_penalty[:, None].to(logits.device, logits.dtype)
+    out = out - frequency * output_counts.to(logits.dtype)
+    out = out - presence * (output_counts > 0).to(logits.dtype)
     return out
 
 
 def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
     """Divide each row by its temperature [B] (the caller keeps temperature-0 rows out)."""
-    return logits / temperature[:, None].to(logits.dtype)
+    return logits / temperature[:, None].to(logits.device, logits.dtype)
 
 
 def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
@@ -393,8 +395,9 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
 class Sampler:
     """Samples one token per row of a [B, V] logits batch; see the module docstring for the order.
 
-    `generator` serves the unseeded random rows (None: torch's default generator of the logits'
-    device).
+    `generator` serves the unseeded random rows: None uses torch's default generator of the
+    logits' device; a generator given here must live on that device. Seeded rows' generators
+    are CPU generators whatever the device (`make_generator`).
     """
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
