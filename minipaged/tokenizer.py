@@ -97,6 +97,9 @@ QWEN2_PATTERN = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# ByteLevel with `use_regex: false` splits nothing: each piece stays one word.
+WHOLE_PATTERN = r"(?s).+"
+
 # GGUF `tokenizer.ggml.pre` names the pre-tokenizer a vocabulary was trained with. The names map
 # to patterns (applied in turn) as in `transformers`' GGUF loader, our reference: names it does
 # not list, "smollm" among them, get GPT-2's pattern. (llama.cpp, like the original SmolLM2
@@ -543,9 +546,8 @@ class Tokenizer:
             vocab,
             merges,
             added,
-            PreTokenizer(
-                patterns, add_prefix_space=bool(fields.get("tokenizer.ggml.add_space_prefix"))
-            ),
+            # tokenizer.ggml.add_space_prefix is for SentencePiece; llama.cpp ignores it for BPE.
+            PreTokenizer(patterns),
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
             pad_token_id=fields.get("tokenizer.ggml.padding_token_id"),
@@ -854,16 +856,16 @@ def _pre_tokenizer_from_json(spec: dict[str, Any] | None, path: Any) -> PreToken
     ending in ByteLevel (LLaMA 3, SmolLM2, Qwen 2 all look like this)."""
     steps = [spec] if spec is None or spec.get("type") != "Sequence" else spec["pretokenizers"]
     patterns: list[str] = []
-    add_prefix_space = False
-    byte_level = False
-    for step in steps:
+    for n, step in enumerate(steps):
         kind = None if step is None else step.get("type")
         if kind == "ByteLevel":
-            byte_level = True
-            add_prefix_space = bool(step.get("add_prefix_space", False))
-            if step.get("use_regex", True):
-                patterns.append(GPT2_PATTERN)
-        elif kind == "Split":
+            if n != len(steps) - 1:
+                raise TokenizerError(f"{path}: ByteLevel must be the last pre-tokenizer step")
+            # Without its own regex, ByteLevel keeps each piece whole (a no-op split, so that
+            # the prefix space still goes in front of every piece, as in `tokenizers`).
+            patterns.append(GPT2_PATTERN if step.get("use_regex", True) else WHOLE_PATTERN)
+            return PreTokenizer(patterns, add_prefix_space=bool(step.get("add_prefix_space")))
+        if kind == "Split":
             if step.get("behavior", "Isolated") != "Isolated" or step.get("invert", False):
                 raise TokenizerError(
                     f"{path}: Split with behavior {step.get('behavior')!r} / invert is not "
@@ -877,13 +879,7 @@ def _pre_tokenizer_from_json(spec: dict[str, Any] | None, path: Any) -> PreToken
             patterns.append(r"\p{N}" if step.get("individual_digits", False) else r"\p{N}+")
         else:
             raise TokenizerError(f"{path}: pre-tokenizer {kind!r} is not byte-level BPE")
-    if not byte_level:
-        raise TokenizerError(
-            f"{path}: no ByteLevel pre-tokenizer; only byte-level BPE is supported"
-        )
-    if not patterns:
-        patterns.append(r"(?s).+")  # ByteLevel without a regex: the whole text is one word
-    return PreTokenizer(patterns, add_prefix_space=add_prefix_space)
+    raise TokenizerError(f"{path}: no ByteLevel pre-tokenizer; only byte-level BPE is supported")
 
 
 def _check_decoder(spec: dict[str, Any] | None, path: Any) -> None:

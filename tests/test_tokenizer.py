@@ -138,6 +138,15 @@ def _variant(data: dict, name: str) -> dict:
             ],
         }
         data["model"]["ignore_merges"] = True
+    elif name == "split_prefix_space":  # the prefix space goes in front of every split piece
+        data["pre_tokenizer"] = {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"String": "."}, "behavior": "Isolated",
+                 "invert": False},
+                {**byte_level, "add_prefix_space": True, "use_regex": False},
+            ],
+        }
     elif name == "digits":
         data["pre_tokenizer"] = {
             "type": "Sequence",
@@ -155,7 +164,7 @@ def _variant(data: dict, name: str) -> dict:
     return data
 
 
-VARIANTS = ["gpt2", "llama3", "digits", "prefix_space", "nfc"]
+VARIANTS = ["gpt2", "llama3", "split_prefix_space", "digits", "prefix_space", "nfc"]
 
 
 @pytest.fixture(scope="session", params=VARIANTS)
