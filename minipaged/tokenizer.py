@@ -191,6 +191,7 @@ class PreTokenizer:
         self._compiled = [regex.compile(p) for p in self.patterns]
 
     def split(self, text: str) -> list[str]:
+        """The words of ``text``, in order; they join back to ``text`` (plus prefix spaces)."""
         pieces = [text]
         last = len(self._compiled) - 1
         for i, pattern in enumerate(self._compiled):
@@ -407,6 +408,8 @@ class Tokenizer:
 
         Each round finds the adjacent pair with the lowest merge rank and joins every
         occurrence of it, left to right; it stops when no adjacent pair is in the merge list.
+        (`tokenizers` joins one occurrence at a time, leftmost first, from a priority queue;
+        for a merge list learnt by BPE training the result is the same, and it is tested.)
         """
         symbols = list(spelled)
         ranks = self.merge_ranks
