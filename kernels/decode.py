@@ -223,7 +223,7 @@ def _launch_decode(
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, like the reference
     if num_seqs == 0:
         return out
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim,
@@ -248,7 +248,7 @@ def _launch_decode(
         num_splits,
         *part_lse.stride(),
         *out.stride(),
-        SPLITS_PAD=pow2_at_least(num_splits),
+        SPLITS_PAD=pow2_at_least(num_splits, 2),  # no size-1 aranges
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
     )
     return out

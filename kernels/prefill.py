@@ -172,7 +172,7 @@ def _launch_prefill(
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, like the reference
     if num_seqs == 0 or max_query_len == 0:
         return out
     group_pad = pow2_at_least(group)

@@ -133,6 +133,21 @@ def test_boundary_lengths_and_odd_head_shapes(dtype: torch.dtype) -> None:
                                                                   key_tile=bs))
 
 
+@pytest.mark.parametrize("query_lens", [[1, 1], [4, 30]], ids=["decode", "prefill"])
+def test_strided_queries_as_sliced_from_a_fused_projection(query_lens: list[int]) -> None:
+    """q may be a non-contiguous view (a slice of a fused QKV output); the output is contiguous."""
+    case = make_attention_case([9, 30], query_lens, num_heads=4, num_kv_heads=2, head_dim=32,
+                               block_size=8, device=DEVICE)
+    fused = torch.cat([case.q, torch.full_like(case.q, float("nan"))], dim=1)  # [T, 2H, D]
+    strided = fused[:, :4]
+    assert not strided.is_contiguous()
+    c = case.cache
+    out = kernels.paged_attention(strided, c.k_cache, c.v_cache, c.block_tables, c.seq_lens,
+                                  case.query_start_loc, case.scale)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, dense_reference(case), **tolerance(torch.float32))
+
+
 def test_dispatcher_sends_pure_decode_to_the_decode_kernel() -> None:
     """One query per sequence -> decode kernel; any longer query or empty sequence -> prefill."""
     decode = make_attention_case([5, 40], [1, 1], num_heads=4, num_kv_heads=2, head_dim=32,

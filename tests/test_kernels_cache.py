@@ -120,6 +120,23 @@ def test_copy_blocks_copies_exactly_what_it_is_told(
         assert torch.equal(bits(got), bits(want_ref))
 
 
+def test_reshape_and_cache_reads_strided_keys() -> None:
+    """Keys and values may be views into a fused QKV output, not contiguous tensors."""
+    gen = torch.Generator().manual_seed(0)
+    fused = garbage_filled((5, 3, 2, 32), torch.float32, gen)  # [T, (q, k, v), H_kv, D]
+    key, value = fused[:, 1], fused[:, 2]
+    assert not key.is_contiguous()
+    k_cache = torch.zeros(2, 8, 2, 32, device=DEVICE)
+    v_cache = torch.zeros(2, 8, 2, 32, device=DEVICE)
+    slots = torch.tensor([3, 15, -1, 0, 8], device=DEVICE)
+    kernels.reshape_and_cache(key, value, k_cache, v_cache, slots)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(bits(k_cache[slot // 8, slot % 8]), bits(key[t]))
+            assert torch.equal(bits(v_cache[slot // 8, slot % 8]), bits(value[t]))
+    assert int((k_cache != 0).any(-1).any(-1).sum()) == 4
+
+
 # --- bad input -------------------------------------------------------------------------------
 
 
