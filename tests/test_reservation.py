@@ -3,6 +3,7 @@ Orca variants and static batching (vLLM paper §3, §6.1)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,6 +16,7 @@ from minipaged.reservation import (
     StaticBatchCache,
     next_power_of_two,
 )
+from minipaged.traces import alpaca_like, sharegpt_like
 
 # --------------------------------------------------------------------------------------------
 # Buddy allocator
@@ -195,3 +197,26 @@ def test_static_batch_holds_rows_until_the_whole_batch_finishes() -> None:
     assert usage.free_slots == 350 - 200
     cache.free("b")
     assert cache.memory_usage().allocated_slots == 0 and cache.can_allocate(5, 5)
+
+
+# --------------------------------------------------------------------------------------------
+# The workloads the baselines are measured on
+# --------------------------------------------------------------------------------------------
+
+
+def test_traces_match_the_papers_length_statistics() -> None:
+    share = sharegpt_like(5000, rate=2.0, seed=0)
+    prompts = np.array([r.prompt_len for r in share])
+    outputs = np.array([r.output_len for r in share])
+    # vLLM paper Fig. 11: ShareGPT input mean 161 / median ~35, output mean 338 / median ~271.
+    assert 140 < prompts.mean() < 185 and 28 <= np.median(prompts) <= 42
+    assert 310 < outputs.mean() < 365 and 245 <= np.median(outputs) <= 295
+    assert (prompts + outputs).max() <= 2048 and prompts.min() >= 1 and outputs.min() >= 1
+    arrivals = np.array([r.arrival_time for r in share])
+    assert np.all(np.diff(arrivals) >= 0)
+    assert np.diff(arrivals).mean() == pytest.approx(1 / 2.0, rel=0.1)  # Poisson, rate 2
+    alpaca = alpaca_like(5000, seed=0)
+    assert 17 < np.mean([r.prompt_len for r in alpaca]) < 21  # paper: 19.31
+    assert 53 < np.mean([r.output_len for r in alpaca]) < 63  # paper: 58.45
+    assert alpaca_like(50, seed=3) == alpaca_like(50, seed=3)
+    assert alpaca_like(50, seed=3) != alpaca_like(50, seed=4)
