@@ -18,6 +18,7 @@ Parameter names mirror Hugging Face's, so a checkpoint's state dict loads by nam
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -450,14 +451,15 @@ def build_model(
 
 
 def load_model(
-    path: str | None = None,
+    path: str | os.PathLike[str] | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    progress: bool = True,
 ) -> tuple[CausalLM, ModelConfig]:
     """Load a checkpoint (HF folder, safetensors or GGUF; default: the bundled SmolLM2)."""
     from minipaged.checkpoint import load_checkpoint
 
-    config, state_dict = load_checkpoint(path, dtype=torch.float32)
+    config, state_dict = load_checkpoint(path, dtype=torch.float32, progress=progress)
     return build_model(config, state_dict, dtype=dtype, device=device), config
 
 

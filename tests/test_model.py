@@ -1,0 +1,293 @@
+"""The from-scratch models against Hugging Face `transformers`, and the dense generation oracle.
+
+* Tiny random LLaMA (GQA ratios 1, 3, 4; tied and untied heads; rope theta; linear and llama3
+  scaling) and GPT-2 models, saved as safetensors and loaded back: logits equal `transformers`'
+  on random flat batches of several sequences.
+* The bundled SmolLM2 GGUF: first-step logits and 32 greedy tokens for several chat prompts equal
+  `transformers` loading the same file.
+* Decoding step by step through the cache equals recomputing the whole sequence each step.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+transformers = pytest.importorskip("transformers")
+
+from minipaged.checkpoint import default_model_path, load_checkpoint  # noqa: E402
+from minipaged.config import ModelConfig  # noqa: E402
+from minipaged.model import (  # noqa: E402
+    CheckpointMismatchError,
+    DenseAttentionBackend,
+    DenseKVCache,
+    ModelInputError,
+    build_model,
+    generate_dense,
+    load_model,
+)
+
+VOCAB = 97
+
+LLAMA_CASES = {
+    # name: (num_heads, num_kv_heads, head_dim, tied, rope_theta, rope_scaling)
+    "mha-tied": (4, 4, 8, True, 10000.0, None),
+    "gqa3-untied-theta": (6, 2, 8, False, 500.0, None),
+    "gqa4-linear": (8, 2, 4, False, 10000.0, {"rope_type": "linear", "factor": 4.0}),
+    "gqa3-llama3": (
+        6, 2, 16, True, 500000.0,
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+         "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    ),
+}
+GPT2_CASES = {
+    # name: (n_embd, n_head, n_inner)
+    "gpt2-4heads": (32, 4, None),
+    "gpt2-2heads-inner": (24, 2, 40),
+}
+
+
+def _make_hf(name: str):
+    """A random-init `transformers` model for a case name (seeded, so the same every time)."""
+    torch.manual_seed(sum(map(ord, name)))
+    if name in LLAMA_CASES:
+        heads, kv_heads, head_dim, tied, theta, scaling = LLAMA_CASES[name]
+        cfg = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+            max_position_embeddings=64, rope_theta=theta, rope_scaling=scaling,
+            tie_word_embeddings=tied, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+        )
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        n_embd, n_head, n_inner = GPT2_CASES[name]
+        cfg = transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=n_embd, n_layer=2, n_head=n_head, n_inner=n_inner,
+            n_positions=64, bos_token_id=1, eos_token_id=2,
+        )
+        model = transformers.GPT2LMHeadModel(cfg)
+    # Random init leaves norms at 1 and biases at 0: perturb them so a mix-up would show.
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname or "ln_" in pname or pname.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+@functools.cache
+def _pair(name: str, tmp_root: str):
+    """(transformers model, minipaged model) for a case, through a safetensors round trip."""
+    hf = _make_hf(name)
+    folder = Path(tmp_root) / name
+    hf.save_pretrained(folder)
+    config, state_dict = load_checkpoint(folder, progress=False)
+    return hf, build_model(config, state_dict)
+
+
+@pytest.fixture(scope="module")
+def tmp_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("tiny_models"))
+
+
+def _flat_forward(model, seqs: list[list[int]]) -> torch.Tensor:
+    """Logits of every token of `seqs`, run as one flat batch through a fresh dense cache."""
+    ids = torch.tensor([t for s in seqs for t in s])
+    positions = torch.cat([torch.arange(len(s)) for s in seqs])
+    backend = DenseAttentionBackend(DenseKVCache(model.config.num_layers), range(len(seqs)),
+                                    [len(s) for s in seqs])
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, positions, backend))
+
+
+token_seqs = st.lists(
+    st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20), min_size=1, max_size=3
+)
+
+
+@pytest.mark.parametrize("name", [*LLAMA_CASES, *GPT2_CASES])
+@settings(max_examples=8)
+@given(seqs=token_seqs)
+def test_logits_equal_transformers(name, tmp_root, seqs):
+    hf, model = _pair(name, tmp_root)
+    ours = _flat_forward(model, seqs)
+    with torch.no_grad():
+        ref = torch.cat([hf(torch.tensor([s])).logits[0] for s in seqs])
+    assert ours.dtype == torch.float32
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["gqa3-llama3", "gpt2-4heads"])
+@settings(max_examples=6)
+@given(data=st.data())
+def test_incremental_decoding_equals_recomputation(name, tmp_root, data):
+    """Feed a sequence in random chunks through one cache; every chunk's logits equal a fresh
+    full forward over the prefix so far. Two other sequences share each step's flat batch."""
+    _, model = _pair(name, tmp_root)
+    seq = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=2, max_size=24), label="seq")
+    other = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=24, max_size=24),
+                      label="other")
+    cache = DenseKVCache(model.config.num_layers)
+    done = 0
+    while done < len(seq):
+        n = data.draw(st.integers(1, len(seq) - done), label="chunk")
+        # Sequence 0 gets n new tokens, sequence 1 gets one token of `other` per step.
+        ids = torch.tensor(seq[done:done + n] + [other[cache.length(1)]])
+        positions = torch.tensor(list(range(done, done + n)) + [cache.length(1)])
+        with torch.inference_mode():
+            hidden = model(ids, positions, DenseAttentionBackend(cache, [0, 1], [n, 1]))
+            step_logits = model.compute_logits(hidden)
+        done += n
+        full = _flat_forward(model, [seq[:done]])
+        assert torch.allclose(step_logits[:n], full[-n:], atol=1e-5, rtol=0)
+        other_full = _flat_forward(model, [other[:cache.length(1)]])
+        assert torch.allclose(step_logits[n], other_full[-1], atol=1e-5, rtol=0)
+
+
+def _greedy_by_recomputation(model, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
+    """Greedy decoding with no cache at all: the whole sequence is recomputed for each token."""
+    tokens = list(prompt)
+    out: list[int] = []
+    while len(out) < max_new:
+        token = int(_flat_forward(model, [tokens])[-1].argmax())
+        out.append(token)
+        tokens.append(token)
+        if token in eos:
+            break
+    return out
+
+
+@pytest.mark.parametrize("name", ["gqa4-linear", "gpt2-2heads-inner"])
+@settings(max_examples=5)
+@given(
+    prompts=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10),
+                     min_size=1, max_size=4),
+    max_new=st.integers(0, 8),
+    eos=st.sets(st.integers(0, VOCAB - 1), max_size=20),
+)
+def test_generate_dense_equals_recomputation(name, tmp_root, prompts, max_new, eos):
+    _, model = _pair(name, tmp_root)
+    got = generate_dense(model, prompts, max_new, eos_token_ids=eos)
+    assert got == [_greedy_by_recomputation(model, p, max_new, eos) for p in prompts]
+
+
+def test_generate_dense_equals_transformers_generate(tmp_root):
+    hf, model = _pair("gqa3-untied-theta", tmp_root)
+    prompt = [5, 17, 33, 4, 80, 61]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                          max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    assert generate_dense(model, [prompt], 12) == [ref[0, len(prompt):].tolist()]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 0.1), (torch.float16, 0.02)])
+def test_half_precision_is_close_to_float32(tmp_root, dtype, tol):
+    hf, model32 = _pair("gqa3-untied-theta", tmp_root)
+    config = ModelConfig.from_json_file(Path(tmp_root) / "gqa3-untied-theta" / "config.json")
+    model = build_model(config, hf.state_dict(), dtype=dtype)
+    assert model.embed_tokens.weight.dtype == dtype
+    seqs = [[3, 9, 27, 81, 50], [7, 7]]
+    assert (_flat_forward(model, seqs) - _flat_forward(model32, seqs)).abs().max() < tol
+
+
+def test_tied_head_shares_the_embedding(tmp_root):
+    _, tied = _pair("mha-tied", tmp_root)
+    _, untied = _pair("gqa3-untied-theta", tmp_root)
+    assert tied.lm_head.weight is tied.embed_tokens.weight
+    assert untied.lm_head.weight is not untied.embed_tokens.weight
+
+
+def test_gpt2_accepts_names_without_prefix(tmp_root):
+    hf, model = _pair("gpt2-4heads", tmp_root)
+    bare = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items()}
+    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    seqs = [[1, 2, 3, 4]]
+    assert torch.equal(_flat_forward(build_model(config, bare), seqs), _flat_forward(model, seqs))
+
+
+def test_bad_state_dict_names_the_tensor(tmp_root):
+    hf, _ = _pair("gqa3-untied-theta", tmp_root)
+    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    sd = dict(hf.state_dict())
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(CheckpointMismatchError, match="layers.1.mlp.up_proj.weight"):
+        build_model(config, sd)
+    sd = dict(hf.state_dict())
+    sd["model.norm.weight"] = torch.ones(7)
+    with pytest.raises(CheckpointMismatchError, match="norm.weight: expected"):
+        build_model(config, sd)
+
+
+def test_bad_inputs_raise(tmp_root):
+    _, model = _pair("gpt2-4heads", tmp_root)
+    backend = DenseAttentionBackend(DenseKVCache(2), [0], [1])
+    with pytest.raises(ModelInputError, match="position"):
+        model(torch.tensor([1]), torch.tensor([64]), backend)
+    with pytest.raises(ModelInputError, match="token id"):
+        model(torch.tensor([VOCAB]), torch.tensor([0]), backend)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate_dense(model, [[1], []], 4)
+    with pytest.raises(ValueError, match="exceeds"):
+        generate_dense(model, [[1] * 60], 5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The bundled SmolLM2 GGUF
+# ---------------------------------------------------------------------------------------------
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "How many legs does a spider have?",
+    "Explain gravity in one sentence.",
+    "Name three primary colors.",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(transformers model, its tokenizer, minipaged model, config), each loaded from the GGUF
+    on its own (minipaged dequantises with `minipaged.checkpoint`), once per session."""
+    path = default_model_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model, config = load_model(path, progress=False)
+    return hf, tok, model, config
+
+
+def _chat_ids(tok, prompt: str) -> list[int]:
+    enc = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                  add_generation_prompt=True, tokenize=True)
+    return list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc)
+
+
+def test_smollm2_first_step_logits(smollm2):
+    hf, tok, model, _ = smollm2
+    seqs = [_chat_ids(tok, p) for p in CHAT_PROMPTS[:2]]
+    ours = _flat_forward(model, seqs)
+    with torch.no_grad():
+        ref = torch.cat([hf(torch.tensor([s])).logits[0] for s in seqs])
+    assert (ours - ref).abs().max().item() <= 1e-3
+
+
+def test_smollm2_greedy_tokens_equal_transformers(smollm2):
+    hf, tok, model, config = smollm2
+    prompts = [_chat_ids(tok, p) for p in CHAT_PROMPTS]
+    ours = generate_dense(model, prompts, 32, eos_token_ids=config.eos_token_ids)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        ref = hf.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False,
+                          eos_token_id=list(config.eos_token_ids), pad_token_id=0)
+    for got, row in zip(ours, ref[:, width:].tolist(), strict=True):
+        assert got == row[:len(got)]
+        assert len(got) == 32 or got[-1] in config.eos_token_ids
+    assert tok.decode(ours[0], skip_special_tokens=True) == "The capital of France is Paris."
