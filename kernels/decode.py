@@ -154,16 +154,19 @@ def _merge_partitions_kernel(
     tl.store(out_ptr + q_row * stride_ot + head * stride_oh + dims * stride_od, out, mask=dim_ok)
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, key_tile: int) -> int:
-    """Enough partitions to give a GPU about two programs per multiprocessor, no more.
+def default_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, key_tile: int,
+    device: torch.device | str = "cuda",
+) -> int:
+    """Enough partitions to give the GPU about two programs per multiprocessor, no more.
 
     Each partition keeps at least one key tile; the interpreter runs programs one by one, so
     there a single partition is fastest.
     """
-    if interpreting() or not torch.cuda.is_available():
+    if interpreting() or torch.device(device).type != "cuda":
         return 1
     programs = num_seqs * num_kv_heads
-    target = 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
     splits = triton.cdiv(target, max(programs, 1))
     return max(1, min(splits, triton.cdiv(max_seq_len, key_tile), MAX_SPLITS))
 
@@ -209,7 +212,8 @@ def paged_decode_attention(
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if num_seqs else 0
     if num_splits is None:
-        num_splits = default_num_splits(num_seqs, k_cache.shape[2], max_seq_len, key_tile)
+        num_splits = default_num_splits(num_seqs, k_cache.shape[2], max_seq_len, key_tile,
+                                        q.device)
     return _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                           num_splits=num_splits, key_tile=key_tile)
 
