@@ -31,7 +31,7 @@ from minipaged.kv_cache import (
 )
 
 BS = 3  # odd, so block boundaries fall everywhere
-NUM_BLOCKS = 14
+NUM_BLOCKS = 16
 NUM_HOST_BLOCKS = 9
 
 tokens_strategy = st.lists(st.integers(0, 1), min_size=1, max_size=10)
@@ -72,6 +72,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     def _host_ids(self) -> list[int]:
         return [s for s in self.tokens if self.m.is_swapped(s)]
 
+    def _computed_device_ids(self) -> list[int]:
+        return [s for s in self._device_ids() if self.written[s] == len(self.tokens[s])]
+
     def _copy(self, src_pool: dict, src: int, dst_pool: dict, dst: int) -> None:
         for offset in range(BS):
             value = src_pool.get(src * BS + offset)
@@ -79,6 +82,15 @@ class KVCacheMachine(RuleBasedStateMachine):
                 dst_pool.pop(dst * BS + offset, None)
             else:
                 dst_pool[dst * BS + offset] = value
+
+    def _write_pending(self, sid: int, upto: int | None = None) -> None:
+        """The engine writes tokens [written, upto) to their slots and reports them computed."""
+        upto = len(self.tokens[sid]) if upto is None else upto
+        table = self.m.block_table(sid)
+        for i in range(self.written[sid], upto):
+            self.device[table[i // BS] * BS + i % BS] = self.tokens[sid][i]
+        self.m.mark_computed(sid, upto)
+        self.written[sid] = upto
 
     def _allocate(self, prompt: list[int]) -> None:
         before = snapshot(self.m)
@@ -135,12 +147,38 @@ class KVCacheMachine(RuleBasedStateMachine):
     def compute(self, data: st.DataObject) -> None:
         """The engine writes some pending tokens' K/V (a whole or chunked prefill, a decode)."""
         sid = data.draw(st.sampled_from(self._device_ids()))
-        upto = data.draw(st.integers(self.written[sid], len(self.tokens[sid])))
-        table = self.m.block_table(sid)
-        for i in range(self.written[sid], upto):
-            self.device[table[i // BS] * BS + i % BS] = self.tokens[sid][i]
-        self.m.mark_computed(sid, upto)
-        self.written[sid] = upto
+        self._write_pending(sid, data.draw(st.integers(self.written[sid], len(self.tokens[sid]))))
+
+    @precondition(lambda self: self._computed_device_ids())
+    @rule(data=st.data(), token=st.integers(0, 1))
+    def decode_step(self, data: st.DataObject, token: int) -> None:
+        """The common engine step: one new token, written at once (copy-on-write after fork)."""
+        sid = data.draw(st.sampled_from(self._computed_device_ids()))
+        if not self.m.can_append(sid, 1):
+            with pytest.raises(NoFreeBlocksError):
+                self.m.append_slots(sid, [token])
+            return
+        for src, dst in self.m.append_slots(sid, [token]):
+            self._copy(self.device, src, self.device, dst)
+        self.tokens[sid].append(token)
+        self._write_pending(sid)
+
+    @precondition(lambda self: self._computed_device_ids())
+    @rule(data=st.data(), tokens=st.tuples(st.integers(0, 1), st.integers(0, 1)))
+    def fork_and_diverge(self, data: st.DataObject, tokens: tuple[int, int]) -> None:
+        """Parallel sampling: fork, then parent and child each decode their own token."""
+        sid = data.draw(st.sampled_from(self._computed_device_ids()))
+        child = self.next_id
+        self.m.fork(sid, child)
+        self.next_id += 1
+        self.tokens[child] = list(self.tokens[sid])
+        self.written[child] = self.written[sid]
+        for seq, token in zip((child, sid), tokens, strict=True):
+            if self.m.can_append(seq, 1):
+                for src, dst in self.m.append_slots(seq, [token]):
+                    self._copy(self.device, src, self.device, dst)
+                self.tokens[seq].append(token)
+                self._write_pending(seq)
 
     @precondition(lambda self: self._device_ids())
     @rule(data=st.data())
@@ -150,7 +188,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         if self.written[sid] < len(self.tokens[sid]):
             with pytest.raises(KVCacheError, match="mark_computed"):
                 self.m.fork(sid, child)
-            return
+            sid = data.draw(st.sampled_from(self._computed_device_ids() or [None]))
+            if sid is None:
+                return
         self.m.fork(sid, child)
         self.next_id += 1
         self.tokens[child] = list(self.tokens[sid])
@@ -245,7 +285,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert self.m.num_free_host_blocks == NUM_HOST_BLOCKS
 
 
-KVCacheMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
+KVCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
 TestKVCacheMachine = KVCacheMachine.TestCase
 
 
