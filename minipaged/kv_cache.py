@@ -377,6 +377,11 @@ class KVCacheManager:
         """
         return self._blocks_needed_to_append(self._device_seq(seq_id), n) <= self.num_free_blocks
 
+    def num_blocks_to_append(self, seq_id: SeqId, n: int = 1) -> int:
+        """Free blocks `append_slots` of `n` tokens would take (new blocks plus a copy-on-write
+        copy); the scheduler sums them over a group whose sequences must grow together."""
+        return self._blocks_needed_to_append(self._device_seq(seq_id), n)
+
     def append_slots(self, seq_id: SeqId, new_token_ids: Sequence[int]) -> list[tuple[int, int]]:
         """Grow the sequence's table for tokens about to be written; return copy-on-write pairs.
 

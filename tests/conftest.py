@@ -6,7 +6,12 @@ here, before any test module imports `minipaged.kernels`.
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# On a machine without a GPU the kernels run in Triton's interpreter; on a CUDA machine they are
+# compiled, unless TRITON_INTERPRET is set explicitly.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
