@@ -30,6 +30,7 @@ from ._launch import (
     pow2_at_least,
     qk_precision,
 )
+from ._tiles import load_kv_tile
 
 MAX_SPLITS = 64
 
@@ -85,20 +86,13 @@ def _decode_partition_kernel(
         keys = tile * KEY_TILE + tl.arange(0, KEY_TILE)
         key_ok = keys < seq_len
         # Each key's physical block from the block table, then its slot inside the block.
-        block = tl.load(block_tables_ptr + seq * stride_bt + keys // BLOCK_SIZE,
-                        mask=key_ok, other=0).to(tl.int64)
-        offset = keys % BLOCK_SIZE
-        kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(
-            k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
-            + kv_head * stride_kh + dims[None, :] * stride_kd,
-            mask=kv_mask, other=0.0,
-        ).to(tl.float32)
-        v = tl.load(
-            v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
-            + kv_head * stride_vh + dims[None, :] * stride_vd,
-            mask=kv_mask, other=0.0,
-        ).to(tl.float32)
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, keys, key_ok,
+            kv_head, dims, dim_ok,
+            stride_kb, stride_ks, stride_kh, stride_kd,
+            stride_vb, stride_vs, stride_vh, stride_vd,
+            BLOCK_SIZE,
+        )
 
         scores = tl.dot(q, tl.trans(k), input_precision=QK_PRECISION) * scale
         scores = tl.where(key_ok[None, :], scores, float("-inf"))

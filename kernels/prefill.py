@@ -31,6 +31,7 @@ from ._launch import (
     pow2_at_least,
     qk_precision,
 )
+from ._tiles import load_kv_tile
 
 
 @triton.jit
@@ -82,20 +83,13 @@ def _prefill_kernel(
     for key_start in range(0, key_end, KEY_TILE):
         keys = key_start + tl.arange(0, KEY_TILE)
         key_ok = keys < key_end
-        block = tl.load(block_tables_ptr + seq * stride_bt + keys // BLOCK_SIZE,
-                        mask=key_ok, other=0).to(tl.int64)
-        offset = keys % BLOCK_SIZE
-        kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(
-            k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
-            + kv_head * stride_kh + dims[None, :] * stride_kd,
-            mask=kv_mask, other=0.0,
-        ).to(tl.float32)
-        v = tl.load(
-            v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
-            + kv_head * stride_vh + dims[None, :] * stride_vd,
-            mask=kv_mask, other=0.0,
-        ).to(tl.float32)
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, keys, key_ok,
+            kv_head, dims, dim_ok,
+            stride_kb, stride_ks, stride_kh, stride_kd,
+            stride_vb, stride_vs, stride_vh, stride_vd,
+            BLOCK_SIZE,
+        )
 
         scores = tl.dot(q, tl.trans(k), input_precision=QK_PRECISION) * scale
         visible = key_ok[None, :] & (keys[None, :] <= position[:, None])  # causal
