@@ -7,7 +7,14 @@ to host memory or by freeing them and recomputing later; swapped groups come bac
 request is admitted. The scheduler is pure bookkeeping over `SequenceGroup`s and the
 `KVCacheManager` (no tensors), so the simulator drives the very same code as the engine.
 
-A step's life: `schedule()` -> the engine runs the model and samples -> `finish_step()`.
+`Scheduler` holds the mechanics every policy shares -- the three queues by where a group's
+blocks are (waiting: none, running: on the device, swapped: on the host), admitting, growing,
+preempting by swap or recomputation, swapping back in, and the step's token budget -- and
+leaves the policy (who runs, who is preempted) to its subclasses: `FCFSScheduler` here,
+`minipaged.mlfq.SkipJoinMLFQScheduler` for FastServe's multi-level feedback queue.
+
+A step's life: `schedule(now)` -> the engine runs the model (`mark_computed`) and samples ->
+`finish_step()`.
 """
 
 from __future__ import annotations
@@ -89,6 +96,10 @@ class SchedulerOutput:
     copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[SequenceGroup] = field(default_factory=list)
 
+    # Blocks of `swap_in` / `swap_out` moved ahead of time for groups not in this step's batch
+    # (proactive swapping, FastServe §4.2): a server overlaps them with the forward pass.
+    num_swap_blocks_ahead: int = 0
+
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
@@ -98,6 +109,21 @@ class SchedulerOutput:
         return not (self.scheduled or self.swap_in or self.swap_out or self.copy)
 
 
+@dataclass
+class _Budget:
+    """What is left of a step's token and sequence budget."""
+
+    tokens: int
+    seqs: int
+
+    def fits(self, seqs: list[Sequence], tokens_each: int) -> bool:
+        return len(seqs) <= self.seqs and len(seqs) * tokens_each <= self.tokens
+
+    def take(self, tokens: int, seqs: int = 1) -> None:
+        self.tokens -= tokens
+        self.seqs -= seqs
+
+
 class RequestRejectedError(ValueError):
     """A request that can never be served: too long for the model or for the whole KV cache."""
 
@@ -105,8 +131,16 @@ class RequestRejectedError(ValueError):
 # -- the scheduler --------------------------------------------------------------------------------
 
 
-class FCFSScheduler:
-    """First-come-first-served continuous batching with preemption (vLLM)."""
+class Scheduler:
+    """The mechanics shared by every policy; subclasses implement `schedule(now)`.
+
+    Invariant: every unfinished group is in exactly one queue, by where its blocks are --
+    `waiting` (none: new, or preempted by recomputation), `running` (on the device; a policy
+    may leave a running group out of a step, it keeps its blocks) or `swapped` (on the host).
+    """
+
+    # Whether the engine must give the scheduler a `cost_model` (predicted step times) first.
+    needs_cost_model = False
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
@@ -169,20 +203,9 @@ class FCFSScheduler:
     # -- one step -------------------------------------------------------------------------------
 
     def schedule(self, now: float) -> SchedulerOutput:
-        """Choose this step's work: running groups first, then swapped ones, then new ones.
-
-        `now` is the clock of whoever drives the scheduler: wall time in the engine, simulated
-        time in the simulator.
-        """
-        self._now = now
-        out = SchedulerOutput()
-        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        self._schedule_running(out, budget)
-        if not out.preempted:
-            self._schedule_swapped(out, budget)
-            if not self.swapped:
-                self._schedule_waiting(out, budget)
-        return out
+        """Choose this step's work. `now` is the clock of whoever drives the scheduler: wall
+        time in the engine, simulated time in the simulator."""
+        raise NotImplementedError
 
     def mark_computed(self, out: SchedulerOutput) -> None:
         """Record that the step's forward pass computed (wrote the K/V of) its tokens.
@@ -205,57 +228,6 @@ class FCFSScheduler:
         finished = [g for g in self.running if g.is_finished()]
         self.running = [g for g in self.running if not g.is_finished()]
         return finished
-
-    # -- the three queues --------------------------------------------------------------------------
-
-    def _schedule_running(self, out: SchedulerOutput, budget: _Budget) -> None:
-        queue = deque(self.running)
-        kept: list[SequenceGroup] = []
-        while queue:
-            group = queue.popleft()
-            seqs = group.get_seqs(SequenceStatus.RUNNING)
-            if not budget.fits(seqs, 1):
-                kept.append(group)  # stays running, keeps its blocks, waits for the next step
-                continue
-            while not self._can_append(seqs):
-                victim = queue.pop() if queue else group
-                self._preempt(victim, out)
-                if victim is group:
-                    break
-            else:
-                self._append_and_schedule(group, seqs, out, budget)
-                kept.append(group)
-        self.running = kept
-
-    def _schedule_swapped(self, out: SchedulerOutput, budget: _Budget) -> None:
-        while self.swapped:
-            group = self.swapped[0]
-            seqs = group.get_seqs(SequenceStatus.SWAPPED)
-            if not budget.fits(seqs, 1) or not self._can_swap_in(seqs):
-                return
-            self.swapped.popleft()
-            out.swap_in.extend(self.kv_cache.swap_in([s.seq_id for s in seqs]))
-            for seq in seqs:
-                seq.status = SequenceStatus.RUNNING
-            self._append_and_schedule(group, seqs, out, budget)
-            self.running.append(group)
-
-    def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
-        while self.waiting:
-            group = self.waiting[0]
-            seqs = group.get_seqs(SequenceStatus.WAITING)
-            if not budget.fits(seqs, 1):
-                return
-            if not self._can_allocate(seqs):
-                return  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
-            for seq in seqs:
-                cached = self.kv_cache.allocate(seq.seq_id, seq.get_token_ids())
-                seq.num_computed_tokens = cached
-                group.metrics.num_cached_tokens += cached
-                seq.status = SequenceStatus.RUNNING
-            self._schedule_tokens(group, seqs, out, budget)
-            self.running.append(group)
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -292,6 +264,20 @@ class FCFSScheduler:
         needed = sum(self.kv_cache.num_blocks_for(s.get_len()) for s in seqs)
         return self.kv_cache.num_free_blocks - needed >= self.kv_cache.watermark_blocks
 
+    def _allocate(self, group: SequenceGroup, seqs: list[Sequence]) -> None:
+        """Give waiting sequences blocks for all their tokens (prefix-cache hits included)."""
+        for seq in seqs:
+            cached = self.kv_cache.allocate(seq.seq_id, seq.get_token_ids())
+            seq.num_computed_tokens = cached
+            group.metrics.num_cached_tokens += cached
+            seq.status = SequenceStatus.RUNNING
+
+    def _swap_in(self, seqs: list[Sequence], out: SchedulerOutput) -> None:
+        """Copy a swapped group's blocks back to the device (the copies go in `out`)."""
+        out.swap_in.extend(self.kv_cache.swap_in([s.seq_id for s in seqs]))
+        for seq in seqs:
+            seq.status = SequenceStatus.RUNNING
+
     def _append_and_schedule(
         self, group: SequenceGroup, seqs: list[Sequence], out: SchedulerOutput, budget: _Budget
     ) -> None:
@@ -315,43 +301,111 @@ class FCFSScheduler:
         if group.metrics.first_scheduled_time is None:
             group.metrics.first_scheduled_time = self._now
 
-    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        """Take all of a group's blocks back (all-or-nothing, vLLM paper §4.5)."""
+    def _preempt(
+        self, group: SequenceGroup, out: SchedulerOutput, mode: PreemptionMode | None = None
+    ) -> None:
+        """Take all of a running group's blocks back (all-or-nothing, vLLM paper §4.5).
+
+        `mode` None: the config's mode, else swap groups of several sequences and recompute
+        single ones. Swapping falls back to recomputation when the host pool is full. The
+        caller takes the group out of `running`; this puts it in `swapped` or `waiting`.
+        """
         seqs = group.get_seqs(SequenceStatus.RUNNING)
-        mode = self.config.preemption_mode or (
-            PreemptionMode.SWAP if len(seqs) > 1 else PreemptionMode.RECOMPUTE
+        mode = (
+            mode
+            or self.config.preemption_mode
+            or (PreemptionMode.SWAP if len(seqs) > 1 else PreemptionMode.RECOMPUTE)
         )
-        ids = [s.seq_id for s in seqs]
-        if mode is PreemptionMode.SWAP and self.kv_cache.can_swap_out(ids):
-            out.swap_out.extend(self.kv_cache.swap_out(ids))
-            for seq in seqs:
-                seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(group)
-        else:
-            for seq in seqs:
-                self._release(seq)
-                seq.num_computed_tokens = 0
-                seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(group)
+        if not (mode is PreemptionMode.SWAP and self._swap_out(group, seqs, out)):
+            self._free_for_recompute(group, seqs)
         group.metrics.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(group)
+
+    def _swap_out(self, group: SequenceGroup, seqs: list[Sequence], out: SchedulerOutput) -> bool:
+        """Move a running group's blocks to the host pool; False (nothing done) when it is full."""
+        ids = [s.seq_id for s in seqs]
+        if not self.kv_cache.can_swap_out(ids):
+            return False
+        out.swap_out.extend(self.kv_cache.swap_out(ids))
+        for seq in seqs:
+            seq.status = SequenceStatus.SWAPPED
+        self.swapped.append(group)
+        return True
+
+    def _free_for_recompute(self, group: SequenceGroup, seqs: list[Sequence]) -> None:
+        """Drop a running group's blocks; it prefills prompt + output again when resumed."""
+        for seq in seqs:
+            self._release(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(group)
 
     def _release(self, seq: Sequence) -> None:
         if seq.seq_id in self.kv_cache:
             self.kv_cache.free(seq.seq_id)
 
 
-@dataclass
-class _Budget:
-    """What is left of a step's token and sequence budget."""
+class FCFSScheduler(Scheduler):
+    """First-come-first-served continuous batching with preemption (vLLM)."""
 
-    tokens: int
-    seqs: int
+    def schedule(self, now: float) -> SchedulerOutput:
+        """Choose this step's work: running groups first, then swapped ones, then new ones.
 
-    def fits(self, seqs: list[Sequence], tokens_each: int) -> bool:
-        return len(seqs) <= self.seqs and len(seqs) * tokens_each <= self.tokens
+        `now` is the clock of whoever drives the scheduler: wall time in the engine, simulated
+        time in the simulator.
+        """
+        self._now = now
+        out = SchedulerOutput()
+        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_swapped(out, budget)
+            if not self.swapped:
+                self._schedule_waiting(out, budget)
+        return out
 
-    def take(self, tokens: int, seqs: int = 1) -> None:
-        self.tokens -= tokens
-        self.seqs -= seqs
+    # -- the three queues --------------------------------------------------------------------------
+
+    def _schedule_running(self, out: SchedulerOutput, budget: _Budget) -> None:
+        queue = deque(self.running)
+        kept: list[SequenceGroup] = []
+        while queue:
+            group = queue.popleft()
+            seqs = group.get_seqs(SequenceStatus.RUNNING)
+            if not budget.fits(seqs, 1):
+                kept.append(group)  # stays running, keeps its blocks, waits for the next step
+                continue
+            while not self._can_append(seqs):
+                victim = queue.pop() if queue else group
+                self._preempt(victim, out)
+                if victim is group:
+                    break
+            else:
+                self._append_and_schedule(group, seqs, out, budget)
+                kept.append(group)
+        self.running = kept
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: _Budget) -> None:
+        while self.swapped:
+            group = self.swapped[0]
+            seqs = group.get_seqs(SequenceStatus.SWAPPED)
+            if not budget.fits(seqs, 1) or not self._can_swap_in(seqs):
+                return
+            self.swapped.popleft()
+            self._swap_in(seqs, out)
+            self._append_and_schedule(group, seqs, out, budget)
+            self.running.append(group)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
+        while self.waiting:
+            group = self.waiting[0]
+            seqs = group.get_seqs(SequenceStatus.WAITING)
+            if not budget.fits(seqs, 1):
+                return
+            if not self._can_allocate(seqs):
+                return  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self._allocate(group, seqs)
+            self._schedule_tokens(group, seqs, out, budget)
+            self.running.append(group)
