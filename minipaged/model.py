@@ -199,10 +199,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        cos = self.cos[positions][:, None, :].to(q.dtype)  # [T, 1, D], broadcast over heads
-        sin = self.sin[positions][:, None, :].to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin `[T, 1, D]` of the tokens at `positions` (looked up once per forward pass,
+        shared by all layers; the 1 broadcasts over heads)."""
+        return self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate each pair (i, i + D/2) of every head of `x [T, heads, D]` by its angle."""
+    return x * cos + rotate_half(x) * sin
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -226,13 +231,12 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, positions: Tensor, rotary: RotaryEmbedding,
-                attn: AttentionBackend) -> Tensor:
+    def forward(self, x: Tensor, rotation: tuple[Tensor, Tensor], attn: AttentionBackend) -> Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, *rotation), apply_rotary(k, *rotation)
         out = attn(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -260,9 +264,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x: Tensor, positions: Tensor, rotary: RotaryEmbedding,
-                attn: AttentionBackend) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
+    def forward(self, x: Tensor, rotation: tuple[Tensor, Tensor], attn: AttentionBackend) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotation, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -286,8 +289,9 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states `[T, hidden_size]` (final norm applied) of a flat token batch."""
         check_flat_batch(self.config, input_ids, positions)
         x = self.embed_tokens(input_ids)
+        rotation = self.rotary(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, attn)
+            x = layer(x, rotation, attn)
         return self.norm(x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
