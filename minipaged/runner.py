@@ -10,12 +10,19 @@ It knows nothing about requests, sampling or scheduling policy.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from torch import Tensor
 
-from minipaged.attention import AttentionMetadata, PagedAttentionBackend, get_attention_ops
+from minipaged.attention import (
+    AttentionMetadata,
+    PagedAttentionBackend,
+    check_paged_attention_args,
+    check_reshape_and_cache_args,
+    get_attention_ops,
+)
 from minipaged.config import ModelConfig
 
 GiB = 1 << 30
@@ -78,6 +85,13 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.ops = get_attention_ops(attention_backend, self.device)
+        # A step's metadata is the same for every layer: `check_metadata` validates it once per
+        # step, so the layers skip the checks (and their host syncs), 30 times per step here.
+        self.layer_ops = replace(
+            self.ops,
+            paged_attention=partial(self.ops.paged_attention, validate=False),
+            reshape_and_cache=partial(self.ops.reshape_and_cache, validate=False),
+        )
         layer_shape = (2, num_gpu_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [
             torch.zeros(layer_shape, dtype=dtype, device=self.device)
@@ -146,6 +160,20 @@ class ModelRunner:
         )
         return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64), metadata
 
+    def check_metadata(self, metadata: AttentionMetadata, num_tokens: int) -> None:
+        """Validate a step's attention metadata against the cache (`ValueError` naming the
+        problem), with the attention backends' own checks, once instead of once per layer."""
+        cfg, cache = self.config, self.kv_caches[0]
+        like = dict(dtype=self.dtype, device=self.device)
+        q = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, **like)
+        kv = torch.empty(num_tokens, cfg.num_kv_heads, cfg.head_dim, **like)
+        check_paged_attention_args(
+            q, cache[0], cache[1], metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc, max_query_len=metadata.max_query_len,
+            max_seq_len=metadata.max_seq_len,
+        )
+        check_reshape_and_cache_args(kv, kv, cache[0], cache[1], metadata.slot_mapping)
+
     @torch.inference_mode()
     def execute(self, entries: Sequence[BatchEntry], cache_ops: CacheOps = CacheOps()) -> Tensor:
         """Run one step; return float32 logits [num entries with needs_logits, vocab]."""
@@ -153,7 +181,8 @@ class ModelRunner:
         if not entries:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         input_ids, positions, metadata = self.prepare(entries)
-        attention = PagedAttentionBackend(self.kv_caches, metadata, self.ops)
+        self.check_metadata(metadata, len(input_ids))
+        attention = PagedAttentionBackend(self.kv_caches, metadata, self.layer_ops)
         hidden = self.model(input_ids, positions, attention)
         last_rows = [
             end - 1
