@@ -9,8 +9,10 @@ counts the useful new tokens (up to and including end-of-sequence), the same for
 Each measurement is the best of `--repeats` runs, alternating the two systems so that load from
 other processes on the machine hits both alike.
 
-Run: .venv/bin/python benchmarks/dense_generation.py      (~2 minutes on 2 idle CPU cores)
-Writes benchmarks/results/dense_generation.json.
+Run: .venv/bin/python benchmarks/dense_generation.py --threads 1    (~1 minute on 2 CPU cores)
+Writes benchmarks/results/dense_generation.json. On a machine shared with other work, use
+`--threads 1`: with torch's default of one OpenMP thread per core, every parallel operator waits
+for a core another process holds, and both systems slow down several-fold, erratically.
 """
 
 from __future__ import annotations
