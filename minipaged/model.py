@@ -8,7 +8,7 @@ an `AttentionBackend`, which owns the KV cache. Two backends plug in:
 * `DenseAttentionBackend` (here): one contiguous K/V tensor per sequence and layer, grown by
   concatenation, attended with `attention.dense_attention`. It is slow and obviously correct: the
   oracle that the paged engine is tested against, token for token, through `generate_dense`.
-* the paged backend (`minipaged.runner`): writes K/V into fixed-size blocks and calls paged
+* `attention.PagedAttentionBackend`: writes K/V into fixed-size blocks and calls paged
   attention with `AttentionMetadata` (Kwon et al., SOSP'23, section 4.1).
 
 Parameter names mirror Hugging Face's, so a checkpoint's state dict loads by name (after the

@@ -31,6 +31,7 @@ from minipaged.model import (  # noqa: E402
     generate_dense,
     load_model,
 )
+from minipaged.tokenizer import Tokenizer  # noqa: E402
 
 VOCAB = 97
 
@@ -251,21 +252,20 @@ CHAT_PROMPTS = [
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """(transformers model, its tokenizer, minipaged model, config), each loaded from the GGUF
-    on its own (minipaged dequantises with `minipaged.checkpoint`), once per session."""
+    """(transformers model, minipaged tokenizer, minipaged model, config), each loaded from the
+    GGUF on its own (minipaged dequantises with `minipaged.checkpoint`), once per session."""
     path = default_model_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tok = Tokenizer.from_gguf(path)
     model, config = load_model(path, progress=False)
     return hf, tok, model, config
 
 
-def _chat_ids(tok, prompt: str) -> list[int]:
-    enc = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                  add_generation_prompt=True, tokenize=True)
-    return list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc)
+def _chat_ids(tok: Tokenizer, prompt: str) -> list[int]:
+    return tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                   add_generation_prompt=True, tokenize=True)
 
 
 def test_smollm2_first_step_logits(smollm2):
