@@ -24,8 +24,9 @@ lint: setup
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
+# Two test workers, one torch thread each: the 2-core machines are not oversubscribed.
 test: lint setup
-	$(VENV)/bin/pytest -n 2 tests/ --nbmake notebooks/
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n 2 tests/ --nbmake notebooks/
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 notebooks: setup
