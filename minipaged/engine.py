@@ -23,7 +23,9 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from minipaged.config import ModelConfig
+from minipaged.cost_model import CostModel
 from minipaged.kv_cache import KVCacheManager
+from minipaged.mlfq import MLFQ_SCHEDULERS
 from minipaged.runner import BatchEntry, CacheOps, GiB, ModelRunner, num_blocks_for_memory
 from minipaged.sampling import (
     Sampler,
@@ -44,7 +46,7 @@ from minipaged.sequence import (
 )
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-SCHEDULERS = {"fcfs": FCFSScheduler}
+SCHEDULERS = {"fcfs": FCFSScheduler, **MLFQ_SCHEDULERS}  # "mlfq" and its ablation variants
 
 # -- configuration --------------------------------------------------------------------------------
 
@@ -153,6 +155,9 @@ class LLMEngine:
             dtype=dtype,
             attention_backend=config.attention_backend,
         )
+        if self.scheduler.needs_cost_model and self.scheduler.cost_model is None:
+            # Skip-join MLFQ predicts prefill times (FastServe §4.1): measure this model.
+            self.scheduler.cost_model = CostModel.profile(self.runner)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer and tokenizer.eos_token_id is not None else set()
@@ -264,7 +269,36 @@ class LLMEngine:
         for group in self.scheduler.finish_step():
             group.metrics.finished_time = time.monotonic()
             self._groups.pop(group.request_id, None)
-        return [g.to_request_output(self.eos_token_ids) for g in touched]
+        return [self._request_output(g) for g in touched]
+
+    def _request_output(self, group: SequenceGroup) -> RequestOutput:
+        """The user's view of a request. While a sample runs, the end of its text that may be
+        the start of a stop string is held back (as vLLM does), so streamed text never has to be
+        taken back when the stop string completes and is cut off."""
+        output = group.to_request_output(self.eos_token_ids)
+        hold_back = max((len(stop) for stop in group.sampling_params.stop), default=1) - 1
+        if hold_back and not group.sampling_params.use_beam_search:
+            by_index = {seq.sample_index: seq for seq in group.seqs}
+            for completion in output.outputs:
+                completion.text = by_index[completion.index].stream_text(hold_back)
+        return output
+
+    def stream(self, request_id: str) -> Iterator[RequestOutput]:
+        """Step the engine until `request_id` finishes, yielding its output after every step
+        that gave it new tokens; the last one is `finished`. Other requests advance meanwhile.
+
+        Each output holds the whole text so far (vLLM's cumulative outputs); successive texts
+        only grow, so `text[len(previous):]` is the new piece (see `stream_text`).
+        """
+        request_id = str(request_id)
+        if request_id not in self._groups:
+            raise ValueError(f"unknown or finished request {request_id!r}")
+        while self.has_unfinished_requests():
+            for output in self.step():
+                if output.request_id == request_id:
+                    yield output
+                    if output.finished:
+                        return
 
     def _sample(self, items: list[ScheduledSequence], logits: Tensor) -> list[SequenceGroup]:
         """Turn each sampling sequence's logits into its next token(s)."""
@@ -477,18 +511,22 @@ class LLM:
 
 
 def stream_text(engine: LLMEngine, request_id: str) -> Iterator[str]:
-    """Step the engine and yield the new text of the first completion of `request_id`."""
-    shown = 0
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.request_id != request_id:
-                continue
-            text = output.outputs[0].text
-            if output.finished or len(text) > shown:
-                yield text[shown:]
-                shown = len(text)
-            if output.finished:
-                return
+    """Step the engine and yield the new text of the first completion of `request_id`.
+
+    The pieces join up to the final text: text that may begin a stop string is held back until
+    the stop string is ruled out (then shown) or completed (then cut off, never shown). Beam
+    search's best beam may change its past, so its text comes in one piece at the end.
+    """
+    group = engine._groups.get(str(request_id))
+    beams = group is not None and group.sampling_params.use_beam_search
+    shown = ""
+    for output in engine.stream(request_id):
+        if beams and not output.finished:
+            continue
+        text = output.outputs[0].text
+        if len(text) > len(shown):
+            yield text[len(shown) :]
+            shown = text
 
 
 def _per_prompt(
