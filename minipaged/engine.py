@@ -23,7 +23,9 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from minipaged.config import ModelConfig
+from minipaged.cost_model import CostModel
 from minipaged.kv_cache import KVCacheManager
+from minipaged.mlfq import MLFQ_SCHEDULERS
 from minipaged.runner import BatchEntry, CacheOps, GiB, ModelRunner, num_blocks_for_memory
 from minipaged.sampling import (
     Sampler,
@@ -44,7 +46,7 @@ from minipaged.sequence import (
 )
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-SCHEDULERS = {"fcfs": FCFSScheduler}
+SCHEDULERS = {"fcfs": FCFSScheduler, **MLFQ_SCHEDULERS}  # "mlfq" and its ablation variants
 
 # -- configuration --------------------------------------------------------------------------------
 
@@ -153,6 +155,9 @@ class LLMEngine:
             dtype=dtype,
             attention_backend=config.attention_backend,
         )
+        if self.scheduler.needs_cost_model and self.scheduler.cost_model is None:
+            # Skip-join MLFQ predicts prefill times (FastServe §4.1): measure this model.
+            self.scheduler.cost_model = CostModel.profile(self.runner)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer and tokenizer.eos_token_id is not None else set()
