@@ -1,0 +1,340 @@
+"""A discrete-event simulator: the engine's loop with a cost model in place of the model.
+
+It drives the *same* scheduler and `KVCacheManager` objects the engine uses (`FCFSScheduler`,
+`SkipJoinMLFQScheduler` and its variants), so a policy measured here is the policy that serves.
+Each step: admit the requests that have arrived, `schedule(now)`, advance the clock by the
+step's predicted time, append a made-up token to every sequence that samples, free what
+finished. Outputs have fixed lengths (`max_tokens` with `ignore_eos`), as in the papers'
+trace-driven evaluations (vLLM §6.1, FastServe §6.1).
+
+Step time = compute (`CostModel.step_time` of the step's shape) + swaps on the critical path;
+swaps moved ahead of time for later steps (proactive swapping, FastServe §4.2) overlap with the
+compute, as on a GPU with a separate copy stream: `max(compute, ahead) + the rest`.
+
+Per request it reports time to first token, job completion time (JCT: finish - arrival) and
+normalized latency (JCT / output tokens); overall, throughput and swap traffic.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from minipaged.cost_model import CostModel, StepShape
+from minipaged.kv_cache import KVCacheManager
+from minipaged.sampling import SamplingParams
+from minipaged.scheduler import FCFSScheduler, Scheduler, SchedulerConfig
+from minipaged.sequence import Sequence as Seq
+from minipaged.sequence import SequenceGroup, check_stop
+from minipaged.traces import TraceRequest
+
+if TYPE_CHECKING:
+    from minipaged.engine import LLMEngine
+
+SchedulerFactory = Callable[[SchedulerConfig, KVCacheManager], Scheduler]
+
+# -- data types -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """One request's times, in seconds of simulated (or measured) time."""
+
+    request_id: str
+    arrival_time: float
+    prompt_len: int
+    output_len: int
+    first_token_time: float
+    finished_time: float
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def jct(self) -> float:
+        """Job completion time: arrival to last token."""
+        return self.finished_time - self.arrival_time
+
+    @property
+    def normalized_latency(self) -> float:
+        """JCT per output token (the vLLM paper's metric)."""
+        return self.jct / self.output_len
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One simulated step, for pictures: when, who ran, and each job's queue level."""
+
+    start: float
+    end: float
+    request_ids: tuple[str, ...]
+    levels: dict[str, int] = field(default_factory=dict)  # MLFQ only: request -> level
+
+
+@dataclass
+class SimulationResult:
+    """Everything a run measured."""
+
+    requests: list[RequestResult]
+    makespan: float
+    num_steps: int
+    swapped_out_blocks: int
+    swapped_in_blocks: int
+    swap_blocks_ahead: int
+    num_preemptions: int
+    steps: list[StepRecord] = field(default_factory=list)  # only with record_steps=True
+
+    def _values(self, name: str) -> np.ndarray:
+        return np.array([getattr(r, name) for r in self.requests])
+
+    @property
+    def mean_jct(self) -> float:
+        return float(self._values("jct").mean())
+
+    @property
+    def p95_jct(self) -> float:
+        return float(np.percentile(self._values("jct"), 95))
+
+    @property
+    def mean_normalized_latency(self) -> float:
+        return float(self._values("normalized_latency").mean())
+
+    @property
+    def p95_normalized_latency(self) -> float:
+        return float(np.percentile(self._values("normalized_latency"), 95))
+
+    @property
+    def mean_ttft(self) -> float:
+        return float(self._values("ttft").mean())
+
+    @property
+    def throughput(self) -> float:
+        """Requests per second over the whole run."""
+        return len(self.requests) / self.makespan if self.makespan > 0 else 0.0
+
+    @property
+    def token_throughput(self) -> float:
+        """Output tokens per second."""
+        tokens = sum(r.output_len for r in self.requests)
+        return tokens / self.makespan if self.makespan > 0 else 0.0
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "mean_jct": self.mean_jct,
+            "p95_jct": self.p95_jct,
+            "mean_normalized_latency": self.mean_normalized_latency,
+            "p95_normalized_latency": self.p95_normalized_latency,
+            "mean_ttft": self.mean_ttft,
+            "throughput": self.throughput,
+            "token_throughput": self.token_throughput,
+            "swapped_blocks": self.swapped_out_blocks + self.swapped_in_blocks,
+            "swap_blocks_ahead": self.swap_blocks_ahead,
+            "num_preemptions": self.num_preemptions,
+            "num_steps": self.num_steps,
+        }
+
+
+# -- the simulation -------------------------------------------------------------------------------
+
+
+def step_duration(cost: CostModel, shape: StepShape, swapped: int, ahead: int) -> float:
+    """A step's time: compute, overlapped with the swaps made ahead of time, plus the others."""
+    compute = cost.step_time(shape)
+    return max(compute, cost.swap_time(ahead)) + cost.swap_time(swapped - ahead)
+
+
+def simulate(
+    trace: Sequence[TraceRequest],
+    cost: CostModel,
+    scheduler: SchedulerFactory = FCFSScheduler,
+    *,
+    num_blocks: int,
+    block_size: int = 16,
+    num_host_blocks: int = 0,
+    config: SchedulerConfig | None = None,
+    record_steps: bool = False,
+    max_steps: int = 10_000_000,
+) -> SimulationResult:
+    """Serve `trace` with `scheduler(config, kv_cache)` and return what happened.
+
+    A scheduler that wants a cost model (`needs_cost_model`) and has none gets `cost`. Requests
+    the cache can never hold are rejected by the scheduler's `add` (`RequestRejectedError`).
+    """
+    config = config or SchedulerConfig(max_model_len=max(r.total_len for r in trace) + 1)
+    kv = KVCacheManager(
+        num_blocks, block_size, num_host_blocks=num_host_blocks, enable_prefix_caching=False
+    )
+    sched = scheduler(config, kv)
+    if sched.needs_cost_model and getattr(sched, "cost_model", None) is None:
+        sched.cost_model = cost  # type: ignore[attr-defined]
+    pending = sorted(enumerate(trace), key=lambda x: x[1].arrival_time)
+    pending.reverse()  # pop() from the end: the earliest arrival
+    results: list[RequestResult] = []
+    first_token: dict[str, float] = {}
+    steps: list[StepRecord] = []
+    now, num_steps = 0.0, 0
+    swapped_out = swapped_in = ahead_total = 0
+
+    while pending or sched.has_unfinished():
+        while pending and pending[-1][1].arrival_time <= now:
+            index, request = pending.pop()
+            sched.add(_make_group(index, request))
+        if not sched.has_unfinished():
+            now = pending[-1][1].arrival_time
+            continue
+        out = sched.schedule(now)
+        if out.is_empty:
+            raise RuntimeError(f"the scheduler made no progress at t={now:.3f}s")
+        num_swaps = len(out.swap_in) + len(out.swap_out)
+        duration = step_duration(cost, StepShape.of(out), num_swaps, out.num_swap_blocks_ahead)
+        sched.mark_computed(out)
+        start, now = now, now + duration
+        swapped_out += len(out.swap_out)
+        swapped_in += len(out.swap_in)
+        ahead_total += out.num_swap_blocks_ahead
+        for item in out.scheduled:
+            if not item.needs_logits:
+                continue
+            first_token.setdefault(item.group.request_id, now)
+            item.seq.append_token(0, 0.0)
+            decision = check_stop(item.seq, item.group.sampling_params)
+            if decision is not None:
+                item.seq.finish(decision)
+        if record_steps:
+            jobs = getattr(sched, "jobs", {})
+            steps.append(
+                StepRecord(
+                    start,
+                    now,
+                    tuple(dict.fromkeys(s.group.request_id for s in out.scheduled)),
+                    {rid: job.level for rid, job in jobs.items()},
+                )
+            )
+        for group in sched.finish_step():
+            seq = group.seqs[0]
+            results.append(
+                RequestResult(
+                    group.request_id,
+                    group.arrival_time,
+                    seq.get_prompt_len(),
+                    seq.get_output_len(),
+                    first_token[group.request_id],
+                    now,
+                    group.metrics.num_preemptions,
+                )
+            )
+        num_steps += 1
+        if num_steps > max_steps:
+            raise RuntimeError(f"gave up after {max_steps} steps")
+    results.sort(key=lambda r: int(r.request_id))
+    first_arrival = min((r.arrival_time for r in trace), default=0.0)
+    return SimulationResult(
+        requests=results,
+        makespan=now - first_arrival,
+        num_steps=num_steps,
+        swapped_out_blocks=swapped_out,
+        swapped_in_blocks=swapped_in,
+        swap_blocks_ahead=ahead_total,
+        num_preemptions=sched.num_preemptions,
+        steps=steps,
+    )
+
+
+def _make_group(index: int, request: TraceRequest) -> SequenceGroup:
+    """A request with made-up prompt tokens and a fixed output length."""
+    prompt = [(7 * index + i) % 30_000 + 3 for i in range(request.prompt_len)]
+    params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
+    seq = Seq(index, prompt)
+    return SequenceGroup(str(index), [seq], params, arrival_time=request.arrival_time)
+
+
+# -- the same trace on the real engine -------------------------------------------------------------
+
+
+def replay_on_engine(
+    engine: LLMEngine, trace: Sequence[TraceRequest], seed: int = 0
+) -> SimulationResult:
+    """Serve `trace` on a real engine in real time (arrivals on the wall clock, random prompt
+    tokens, fixed output lengths) and measure what `simulate` predicts, for comparison."""
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    pending = sorted(enumerate(trace), key=lambda x: x[1].arrival_time)
+    pending.reverse()
+    swaps_before = engine.scheduler.num_preemptions
+    ids: dict[str, TraceRequest] = {}
+    finals = {}
+    num_steps = 0
+    start = time.monotonic()
+    while pending or engine.has_unfinished_requests():
+        now = time.monotonic()
+        while pending and start + pending[-1][1].arrival_time <= now:
+            index, request = pending.pop()
+            prompt = [rng.randrange(3, vocab) for _ in range(request.prompt_len)]
+            params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
+            rid = engine.add_request(str(index), prompt, params, start + request.arrival_time)
+            ids[rid] = request
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, start + pending[-1][1].arrival_time - time.monotonic()))
+            continue
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+        num_steps += 1
+    end = time.monotonic()
+    results = []
+    for rid, request in ids.items():
+        metrics = finals[rid].metrics
+        results.append(
+            RequestResult(
+                rid,
+                metrics.arrival_time - start,
+                request.prompt_len,
+                len(finals[rid].outputs[0].token_ids),
+                metrics.first_token_time - start,
+                metrics.finished_time - start,
+                metrics.num_preemptions,
+            )
+        )
+    results.sort(key=lambda r: int(r.request_id))
+    return SimulationResult(
+        requests=results,
+        makespan=end - start,
+        num_steps=num_steps,
+        swapped_out_blocks=0,
+        swapped_in_blocks=0,
+        swap_blocks_ahead=getattr(engine.scheduler, "num_swap_blocks_ahead", 0),
+        num_preemptions=engine.scheduler.num_preemptions - swaps_before,
+    )
+
+
+# -- arrivals -------------------------------------------------------------------------------------
+
+
+def gamma_arrival_times(
+    num_requests: int, rate: float, cv: float, rng: np.random.Generator
+) -> np.ndarray:
+    """Arrival times with gamma-distributed gaps: mean 1/rate, coefficient of variation `cv`
+    (cv 1 is Poisson; larger is burstier, as FastServe's evaluation uses)."""
+    if rate <= 0 or cv <= 0:
+        raise ValueError(f"rate and cv must be positive, got rate={rate!r}, cv={cv!r}")
+    shape = 1.0 / cv**2
+    gaps = rng.gamma(shape, 1.0 / (rate * shape), num_requests)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+def with_arrivals(trace: Sequence[TraceRequest], arrivals: np.ndarray) -> list[TraceRequest]:
+    """The same requests at new arrival times."""
+    if len(arrivals) != len(trace):
+        raise ValueError(f"{len(arrivals)} arrival times for {len(trace)} requests")
+    return [
+        TraceRequest(float(t), r.prompt_len, r.output_len)
+        for t, r in zip(arrivals, trace, strict=True)
+    ]

@@ -1,0 +1,208 @@
+"""The simulator: exact times on hand-built traces, every request served on random ones, arrival
+processes with the asked-for statistics, and agreement with the real engine on this machine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minipaged.cost_model import CostModel, StepShape
+from minipaged.mlfq import MLFQ_VARIANTS, MLFQConfig, SkipJoinMLFQScheduler, mlfq_factory
+from minipaged.scheduler import FCFSScheduler, SchedulerConfig
+from minipaged.simulate import (
+    gamma_arrival_times,
+    replay_on_engine,
+    simulate,
+    step_duration,
+    with_arrivals,
+)
+from minipaged.traces import TraceRequest, poisson_arrival_times
+
+# One second per step whatever it holds: times count steps.
+UNIT = CostModel(base=1.0, per_prefill_token=0.0, per_decode_seq=0.0, per_context_token=0.0)
+
+
+def config(**kwargs) -> SchedulerConfig:
+    kwargs.setdefault("max_model_len", 256)
+    return SchedulerConfig(**kwargs)
+
+
+def test_one_request_takes_one_step_per_output_token():
+    result = simulate([TraceRequest(0.0, 10, 5)], UNIT, num_blocks=16, block_size=4)
+    (r,) = result.requests
+    assert r.ttft == 1.0  # the prefill step samples the first token
+    assert r.jct == 5.0 and r.normalized_latency == 1.0
+    assert result.num_steps == 5 and result.throughput == pytest.approx(1 / 5)
+
+
+def test_fcfs_head_of_line_blocking_and_mlfq_relief():
+    # One sequence per step. A long job arrives first, three short ones just after.
+    trace = [TraceRequest(0.0, 4, 20)] + [TraceRequest(0.5, 4, 2) for _ in range(3)]
+    fcfs = simulate(trace, UNIT, num_blocks=64, block_size=4, config=config(max_num_seqs=1))
+    # Run to completion: the long job ends at 20, the short ones at 22, 24, 26.
+    assert [r.finished_time for r in fcfs.requests] == [20.0, 22.0, 24.0, 26.0]
+    mlfq = MLFQConfig(base_quantum=1.0, starvation_bound=None)
+    fast = simulate(
+        trace, UNIT, mlfq_factory(mlfq), num_blocks=64, block_size=4, config=config(max_num_seqs=1)
+    )
+    # The long job is demoted after its first quantum; the short ones overtake it.
+    assert max(r.finished_time for r in fast.requests[1:]) < fast.requests[0].finished_time
+    assert fast.mean_jct < fcfs.mean_jct
+    assert fast.makespan == fcfs.makespan  # the same work, in another order
+
+
+def test_swaps_made_ahead_of_time_overlap_with_compute():
+    cost = CostModel(1.0, 0.0, 0.0, 0.0, per_swap_block=0.25)
+    shape = StepShape(decode_seqs=1, context_tokens=4)
+    assert step_duration(cost, shape, swapped=2, ahead=0) == 1.5
+    assert step_duration(cost, shape, swapped=2, ahead=2) == 1.0
+    assert step_duration(cost, shape, swapped=8, ahead=8) == 2.0
+    assert step_duration(cost, shape, swapped=6, ahead=4) == 1.5
+
+
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 30)), min_size=1, max_size=12),
+    rate=st.floats(0.5, 20.0),
+    scheduler=st.sampled_from(["fcfs", *sorted(MLFQ_VARIANTS)]),
+    seed=st.integers(0, 100),
+)
+@settings(max_examples=30)
+def test_every_request_is_served_with_its_output_length(lengths, rate, scheduler, seed):
+    cost = CostModel(0.01, 1e-4, 1e-3, 1e-6, per_swap_block=1e-3)
+    arrivals = poisson_arrival_times(len(lengths), rate, np.random.default_rng(seed))
+    trace = [TraceRequest(float(t), p, o) for t, (p, o) in zip(arrivals, lengths, strict=True)]
+    factory = FCFSScheduler if scheduler == "fcfs" else mlfq_factory(MLFQ_VARIANTS[scheduler])
+    result = simulate(
+        trace,
+        cost,
+        factory,
+        num_blocks=20,
+        block_size=4,
+        num_host_blocks=40,
+        config=config(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=80),
+    )
+    assert [r.output_len for r in result.requests] == [o for _, o in lengths]
+    for r, request in zip(result.requests, trace, strict=True):
+        assert r.arrival_time == request.arrival_time
+        assert request.arrival_time < r.first_token_time <= r.finished_time
+    total = sum(step.end - step.start for step in result.steps)
+    assert total <= result.makespan + 1e-9
+
+
+def test_record_steps_and_levels():
+    trace = [TraceRequest(0.0, 4, 6), TraceRequest(0.0, 30, 3)]
+    cost = CostModel(0.01, 0.001, 0.0, 0.0)
+    mlfq = MLFQConfig(base_quantum=0.02)
+    result = simulate(
+        trace, cost, mlfq_factory(mlfq), num_blocks=32, block_size=4, record_steps=True
+    )
+    assert len(result.steps) == result.num_steps
+    first = result.steps[0]
+    # Skip-join: the short prompt (14 ms) enters Q1, the long one (40 ms) Q2 (40 ms quantum).
+    assert first.levels == {"0": 0, "1": 1}
+    assert all(a.end == b.start for a, b in zip(result.steps, result.steps[1:], strict=False))
+
+
+def test_gamma_arrivals_have_the_asked_for_rate_and_burstiness():
+    rng = np.random.default_rng(0)
+    for cv in (1.0, 3.0):
+        gaps = np.diff(gamma_arrival_times(20_000, 4.0, cv, rng))
+        assert gaps.mean() == pytest.approx(0.25, rel=0.05)
+        assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.1)
+    with pytest.raises(ValueError, match="cv"):
+        gamma_arrival_times(3, 1.0, 0.0, rng)
+    trace = [TraceRequest(0.0, 3, 4)] * 3
+    assert [r.arrival_time for r in with_arrivals(trace, np.array([0.0, 1.0, 2.5]))] == [
+        0.0,
+        1.0,
+        2.5,
+    ]
+
+
+# -- the simulator against the real engine --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    transformers = pytest.importorskip("transformers")
+    from minipaged.config import ModelConfig
+    from minipaged.model import build_model
+
+    hf_config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(hf_config).eval()
+    config = ModelConfig.from_hf_dict(hf_config.to_dict())
+    return build_model(config, hf_model.state_dict()), config
+
+
+@pytest.fixture
+def one_thread():
+    """Two threads on a shared 2-core machine make step times jump by scheduler time slices;
+    one thread keeps them steady enough to fit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "mlfq"])
+def test_the_simulator_agrees_with_the_real_engine(tiny, one_thread, policy):
+    """Same trace, same scheduler settings, a cost model profiled just before on this machine:
+    simulated mean JCT within 20% of the measured one."""
+    from minipaged.engine import EngineConfig, LLMEngine
+
+    model, model_config = tiny
+    engine = LLMEngine(
+        model,
+        model_config,
+        None,
+        EngineConfig(
+            num_gpu_blocks=48,
+            num_cpu_blocks=64,
+            block_size=8,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            enable_prefix_caching=False,
+        ),
+    )
+    scheduler_config = engine.scheduler.config
+    factory = FCFSScheduler
+    if policy == "mlfq":
+        # Skip-join decisions from a first profile; step times from a second one, taken with
+        # the MLFQ scheduler in place (its own bookkeeping is part of every step).
+        mlfq = MLFQConfig(base_quantum=2e-3, starvation_bound=0.2)
+        skip_join_cost = CostModel.profile(engine, max_prefill=64, max_batch=4)
+        factory = mlfq_factory(mlfq, skip_join_cost)
+        engine.scheduler = factory(scheduler_config, engine.kv_cache)
+        assert isinstance(engine.scheduler, SkipJoinMLFQScheduler)
+    cost = CostModel.profile(engine, max_prefill=64, max_batch=4)
+    if policy == "mlfq":
+        engine.scheduler = factory(scheduler_config, engine.kv_cache)  # fresh queues
+    rng = np.random.default_rng(0)
+    arrivals = poisson_arrival_times(40, 50.0, rng)
+    trace = [
+        TraceRequest(float(t), int(rng.integers(4, 64)), int(rng.integers(2, 48))) for t in arrivals
+    ]
+    measured = replay_on_engine(engine, trace)
+    simulated = simulate(
+        trace,
+        cost,
+        factory,
+        num_blocks=48,
+        block_size=8,
+        num_host_blocks=64,
+        config=scheduler_config,
+    )
+    assert [r.output_len for r in measured.requests] == [r.output_len for r in trace]
+    assert simulated.mean_jct == pytest.approx(measured.mean_jct, rel=0.2)
