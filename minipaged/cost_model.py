@@ -159,27 +159,31 @@ class CostModel:
         max_context: int = 256,
         repeats: int = 3,
         seed: int = 0,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> CostModel:
         """Measure steps on this machine and fit a cost model.
 
         Given an `LLMEngine`, whole `engine.step()` calls are timed on a calibration workload
         (scheduling and sampling included: what the simulator must reproduce); the engine must
         be idle and is left idle. Given a `ModelRunner`, its forward passes are timed on
-        synthetic batches -- this overwrites KV blocks, so call it before serving.
+        synthetic batches -- this overwrites KV blocks, so call it before serving. `clock` reads
+        the time (`time.thread_time` measures this thread's CPU time only: steadier on a shared
+        machine, with torch on one thread).
         """
         from minipaged.engine import LLMEngine
 
         if isinstance(target, LLMEngine):
             if target.has_unfinished_requests():
                 raise ValueError("profile an idle engine: it still has unfinished requests")
-            shapes, times = _measure_engine(target, max_prefill, max_batch, seed)
+            shapes, times = _measure_engine(target, max_prefill, max_batch, seed, clock)
             runner = target.runner
         else:
             runner = target
-            shapes, times = _measure_runner(runner, max_prefill, max_batch, max_context, seed)
-        return cls.fit(
-            shapes, times, per_swap_block=_measure_swap(runner, repeats), name="profiled"
-        )
+            shapes, times = _measure_runner(
+                runner, max_prefill, max_batch, max_context, seed, repeats, clock
+            )
+        swap = _measure_swap(runner, repeats, clock)
+        return cls.fit(shapes, times, per_swap_block=swap, name="profiled")
 
 
 # The papers' set-up: OPT-13B in float16 on one A100-40GB (vLLM paper §6, FastServe §6), from
@@ -203,18 +207,24 @@ PRESETS: dict[str, CostModel] = {"opt-13b-a100": OPT_13B_A100}
 # -- measuring ----------------------------------------------------------------------------------
 
 
-def _median_time(run: Callable[[], Any], repeats: int) -> float:
+def _median_time(run: Callable[[], Any], repeats: int, clock: Callable[[], float]) -> float:
     run()  # warm-up: first calls allocate and build kernels
     samples = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         run()
-        samples.append(time.perf_counter() - start)
+        samples.append(clock() - start)
     return statistics.median(samples)
 
 
 def _measure_runner(
-    runner: ModelRunner, max_prefill: int, max_batch: int, max_context: int, seed: int
+    runner: ModelRunner,
+    max_prefill: int,
+    max_batch: int,
+    max_context: int,
+    seed: int,
+    repeats: int,
+    clock: Callable[[], float],
 ) -> tuple[list[StepShape], list[float]]:
     """Time synthetic prefill, decode and mixed batches on blocks 0, 1, 2, ..."""
     from minipaged.runner import BatchEntry
@@ -246,7 +256,7 @@ def _measure_runner(
     plans += [decodes(contexts[-1], batches[-1]) + [prefill(n)] for n in sizes[::2]]
     shapes, times = [], []
     for entries in plans:
-        times.append(_median_time(lambda e=entries: runner.execute(e), 3))
+        times.append(_median_time(lambda e=entries: runner.execute(e), repeats, clock))
         prefill_tokens = sum(len(e.token_ids) for e in entries if e.start_position == 0)
         decodes = [e for e in entries if e.start_position > 0]
         context = sum(e.start_position + 1 for e in decodes)
@@ -255,7 +265,7 @@ def _measure_runner(
 
 
 def _measure_engine(
-    engine: LLMEngine, max_prefill: int, max_batch: int, seed: int
+    engine: LLMEngine, max_prefill: int, max_batch: int, seed: int, clock: Callable[[], float]
 ) -> tuple[list[StepShape], list[float]]:
     """Time `engine.step()` on waves of requests of growing batch size and mixed lengths."""
     from minipaged.sampling import SamplingParams
@@ -275,9 +285,9 @@ def _measure_engine(
                 )
                 engine.add_request(None, prompt, params)
             while engine.has_unfinished_requests():
-                start = time.perf_counter()
+                start = clock()
                 engine.step()
-                elapsed = time.perf_counter() - start
+                elapsed = clock() - start
                 shape = StepShape.of(recorder.last)
                 if shape.prefill_tokens or shape.decode_seqs:
                     shapes.append(shape)
@@ -287,7 +297,7 @@ def _measure_engine(
     return shapes[1:], times[1:]  # the very first step warms up
 
 
-def _measure_swap(runner: ModelRunner, repeats: int) -> float:
+def _measure_swap(runner: ModelRunner, repeats: int, clock: Callable[[], float]) -> float:
     """Seconds per block of a device <-> host copy (0 when there is no host pool)."""
     from minipaged.runner import CacheOps
 
@@ -296,7 +306,7 @@ def _measure_swap(runner: ModelRunner, repeats: int) -> float:
     if n < 1:
         return 0.0
     ops = CacheOps(swap_out=[(i, i) for i in range(n)])
-    return _median_time(lambda: runner.apply_cache_ops(ops), repeats) / n
+    return _median_time(lambda: runner.apply_cache_ops(ops), repeats, clock) / n
 
 
 def _geometric(low: int, high: int) -> list[int]:

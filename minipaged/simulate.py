@@ -259,58 +259,73 @@ def _make_group(index: int, request: TraceRequest) -> SequenceGroup:
 
 
 def replay_on_engine(
-    engine: LLMEngine, trace: Sequence[TraceRequest], seed: int = 0
+    engine: LLMEngine,
+    trace: Sequence[TraceRequest],
+    seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> SimulationResult:
-    """Serve `trace` on a real engine in real time (arrivals on the wall clock, random prompt
-    tokens, fixed output lengths) and measure what `simulate` predicts, for comparison."""
+    """Serve `trace` on a real engine (random prompt tokens, fixed output lengths) and measure
+    what `simulate` predicts, for comparison.
+
+    Times are read from `clock`: wall time by default; `time.thread_time` counts only this
+    thread's CPU time, which keeps other processes on a shared machine out of the measurement
+    (run torch on one thread then). While nothing is in flight the replay jumps to the next
+    arrival instead of sleeping, as the simulator does.
+    """
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     pending = sorted(enumerate(trace), key=lambda x: x[1].arrival_time)
     pending.reverse()
-    swaps_before = engine.scheduler.num_preemptions
-    ids: dict[str, TraceRequest] = {}
-    finals = {}
+    preemptions_before = engine.scheduler.num_preemptions
+    origin = clock()
+    skipped = 0.0
+
+    def now() -> float:
+        return clock() - origin + skipped
+
+    requests: dict[str, TraceRequest] = {}
+    first_token: dict[str, float] = {}
+    finished: dict[str, tuple[float, int, int]] = {}  # time, output tokens, preemptions
     num_steps = 0
-    start = time.monotonic()
     while pending or engine.has_unfinished_requests():
-        now = time.monotonic()
-        while pending and start + pending[-1][1].arrival_time <= now:
+        while pending and pending[-1][1].arrival_time <= now():
             index, request = pending.pop()
             prompt = [rng.randrange(3, vocab) for _ in range(request.prompt_len)]
             params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
-            rid = engine.add_request(str(index), prompt, params, start + request.arrival_time)
-            ids[rid] = request
+            requests[engine.add_request(str(index), prompt, params)] = request
         if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, start + pending[-1][1].arrival_time - time.monotonic()))
+            skipped += pending[-1][1].arrival_time - now()
             continue
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
+        outputs = engine.step()
+        t = now()
         num_steps += 1
-    end = time.monotonic()
-    results = []
-    for rid, request in ids.items():
-        metrics = finals[rid].metrics
-        results.append(
-            RequestResult(
-                rid,
-                metrics.arrival_time - start,
-                request.prompt_len,
-                len(finals[rid].outputs[0].token_ids),
-                metrics.first_token_time - start,
-                metrics.finished_time - start,
-                metrics.num_preemptions,
-            )
+        for output in outputs:
+            first_token.setdefault(output.request_id, t)
+            if output.finished:
+                num_preemptions = output.metrics.num_preemptions if output.metrics else 0
+                tokens = len(output.outputs[0].token_ids)
+                finished[output.request_id] = (t, tokens, num_preemptions)
+    results = [
+        RequestResult(
+            rid,
+            request.arrival_time,
+            request.prompt_len,
+            finished[rid][1],
+            first_token[rid],
+            finished[rid][0],
+            finished[rid][2],
         )
+        for rid, request in requests.items()
+    ]
     results.sort(key=lambda r: int(r.request_id))
     return SimulationResult(
         requests=results,
-        makespan=end - start,
+        makespan=now(),
         num_steps=num_steps,
-        swapped_out_blocks=0,
+        swapped_out_blocks=0,  # not counted on the engine
         swapped_in_blocks=0,
         swap_blocks_ahead=getattr(engine.scheduler, "num_swap_blocks_ahead", 0),
-        num_preemptions=engine.scheduler.num_preemptions - swaps_before,
+        num_preemptions=engine.scheduler.num_preemptions - preemptions_before,
     )
 
 

@@ -3,6 +3,8 @@ processes with the asked-for statistics, and agreement with the real engine on t
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -159,7 +161,11 @@ def one_thread():
 @pytest.mark.parametrize("policy", ["fcfs", "mlfq"])
 def test_the_simulator_agrees_with_the_real_engine(tiny, one_thread, policy):
     """Same trace, same scheduler settings, a cost model profiled just before on this machine:
-    simulated mean JCT within 20% of the measured one."""
+    simulated mean JCT within 20% of the measured one.
+
+    Both the profile and the replay count this thread's CPU time (`time.thread_time`), so other
+    processes on a shared machine do not move the measurement; with wall time the two drift
+    apart by whatever the neighbours take (see benchmarks/fastserve.py for both)."""
     from minipaged.engine import EngineConfig, LLMEngine
 
     model, model_config = tiny
@@ -182,11 +188,13 @@ def test_the_simulator_agrees_with_the_real_engine(tiny, one_thread, policy):
         # Skip-join decisions from a first profile; step times from a second one, taken with
         # the MLFQ scheduler in place (its own bookkeeping is part of every step).
         mlfq = MLFQConfig(base_quantum=2e-3, starvation_bound=0.2)
-        skip_join_cost = CostModel.profile(engine, max_prefill=64, max_batch=4)
+        skip_join_cost = CostModel.profile(
+            engine, max_prefill=64, max_batch=4, clock=time.thread_time
+        )
         factory = mlfq_factory(mlfq, skip_join_cost)
         engine.scheduler = factory(scheduler_config, engine.kv_cache)
         assert isinstance(engine.scheduler, SkipJoinMLFQScheduler)
-    cost = CostModel.profile(engine, max_prefill=64, max_batch=4)
+    cost = CostModel.profile(engine, max_prefill=64, max_batch=4, clock=time.thread_time)
     if policy == "mlfq":
         engine.scheduler = factory(scheduler_config, engine.kv_cache)  # fresh queues
     rng = np.random.default_rng(0)
@@ -194,7 +202,7 @@ def test_the_simulator_agrees_with_the_real_engine(tiny, one_thread, policy):
     trace = [
         TraceRequest(float(t), int(rng.integers(4, 64)), int(rng.integers(2, 48))) for t in arrivals
     ]
-    measured = replay_on_engine(engine, trace)
+    measured = replay_on_engine(engine, trace, clock=time.thread_time)
     simulated = simulate(
         trace,
         cost,
