@@ -31,7 +31,7 @@ from minipaged.sampling import SamplingParams
 from minipaged.scheduler import FCFSScheduler, Scheduler, SchedulerConfig
 from minipaged.sequence import Sequence as Seq
 from minipaged.sequence import SequenceGroup, check_stop
-from minipaged.traces import TraceRequest
+from minipaged.traces import TraceRequest, sharegpt_like
 
 if TYPE_CHECKING:
     from minipaged.engine import LLMEngine
@@ -353,3 +353,24 @@ def with_arrivals(trace: Sequence[TraceRequest], arrivals: np.ndarray) -> list[T
         TraceRequest(float(t), r.prompt_len, r.output_len)
         for t, r in zip(arrivals, trace, strict=True)
     ]
+
+
+def heavy_tailed(
+    num_requests: int,
+    seed: int = 0,
+    output_median: float = 40.0,
+    output_sigma: float = 1.5,
+    max_seq_len: int = 2048,
+) -> list[TraceRequest]:
+    """ShareGPT-like prompts with heavy-tailed output lengths (log-normal, sigma 1.5: the mean
+    is ~3x the median and a few jobs are 10-50x it): the workload where run-to-completion
+    suffers most from head-of-line blocking (FastServe §2). All arrive at 0; see
+    `with_arrivals`."""
+    rng = np.random.default_rng(seed + 7919)
+    prompts = sharegpt_like(num_requests, seed=seed, max_seq_len=max_seq_len)
+    outputs = np.round(rng.lognormal(np.log(output_median), output_sigma, num_requests))
+    return [
+        TraceRequest(0.0, r.prompt_len, int(min(max(o, 1), max_seq_len - r.prompt_len)))
+        for r, o in zip(prompts, outputs, strict=True)
+    ]
+
