@@ -17,9 +17,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minipaged.attention import PagedAttentionBackend
 from minipaged.config import ModelConfig
 from minipaged.model import DenseAttentionBackend, DenseKVCache, GPT2ForCausalLM, LlamaForCausalLM
-from minipaged.runner import BatchEntry, CacheOps, ModelRunner
+from minipaged.runner import (
+    BatchEntry,
+    CacheOps,
+    GroupedPagedAttention,
+    ModelRunner,
+    attention_groups,
+)
 
 VOCAB = 64
 
@@ -136,6 +143,44 @@ def test_check_metadata_rejects_a_block_outside_the_cache():
     _, _, md = runner.prepare([BatchEntry([1, 2, 3], 0, [9])])
     with pytest.raises(ValueError, match="outside"):
         runner.check_metadata(md, 3)
+
+
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 200)), min_size=1, max_size=20))
+def test_attention_groups_partition_the_batch(shapes):
+    query_lens = [q for q, _ in shapes]
+    seq_lens = [q + cached for q, cached in shapes]
+    groups = attention_groups(query_lens, seq_lens)
+    assert sorted(i for g in groups for i in g) == list(range(len(shapes)))  # each exactly once
+    for g in groups:
+        if any(query_lens[i] > 1 for i in g):
+            assert len(g) == 1  # a prefill attends alone
+        else:
+            lengths = [seq_lens[i] for i in g]
+            assert max(lengths) <= 2 * min(lengths)  # decodes padded at most 2x
+
+
+def test_grouped_attention_equals_one_call():
+    """Attending group by group gives what one padded call over the whole batch gives."""
+    model = tiny_model()
+    runner = make_runner(model, num_gpu_blocks=40, block_size=4)
+    for cache in runner.kv_caches:
+        cache.normal_()
+    rng = random.Random(3)
+    entries = []
+    free = list(range(40))
+    rng.shuffle(free)
+    for start, n in [(3, 1), (30, 1), (0, 9), (12, 1), (5, 6), (60, 1)]:
+        table = [free.pop() for _ in range(-(-(start + n) // 4))]
+        entries.append(BatchEntry([rng.randrange(VOCAB) for _ in range(n)], start, table))
+    _, _, md = runner.prepare(entries)
+    groups = runner.group_metadata(entries, md)
+    assert len(groups) == 5  # decodes of contexts 4 | 13 | 31 and 61; two prefills
+    q = torch.randn(len(md.slot_mapping), 4, 8)
+    k, v = torch.randn(2, len(md.slot_mapping), 2, 8)
+    grouped = GroupedPagedAttention(runner.kv_caches, md, runner.layer_ops, groups)
+    plain = PagedAttentionBackend(runner.kv_caches, md, runner.ops)
+    with torch.inference_mode():  # as in `execute` (the reference's gather buffer is shared)
+        torch.testing.assert_close(grouped(0, q, k, v, 0.3), plain(0, q, k, v, 0.3))
 
 
 # -- block movements ------------------------------------------------------------------------------
