@@ -102,6 +102,12 @@ class CostModel:
         """A job's first iteration alone: FastServe's skip-join key (§4.1)."""
         return self.step_time(StepShape(prefill_tokens=prompt_len))
 
+    @property
+    def min_iteration_time(self) -> float:
+        """The shortest possible step: one sequence decoding one token over a context of one.
+        FastServe sizes the quantum of its highest-priority queue to it (§4.1)."""
+        return self.step_time(StepShape(decode_seqs=1, context_tokens=1))
+
     def swap_time(self, num_blocks: int) -> float:
         return self.per_swap_block * num_blocks
 

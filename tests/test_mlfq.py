@@ -263,6 +263,104 @@ def test_swap_policies_differ_in_how_they_make_room(policy):
     assert (ahead > 0) == (policy is SwapPolicy.PROACTIVE)
 
 
+def test_without_chunked_prefill_a_whole_prefill_must_fit_the_remaining_budget():
+    # Budget 40 tokens; three 30-token prompts. A prefill is never split, so only one fits a
+    # step (the bug this guards against scheduled 60 tokens: the budget check counted 1 token).
+    scheduler = make_scheduler(
+        MLFQConfig(skip_join=False),
+        max_num_batched_tokens=40,
+        max_num_seqs=8,
+        max_model_len=40,
+        enable_chunked_prefill=False,
+    )
+    groups = [make_group(30, 3) for _ in range(3)]
+    for g in groups:
+        scheduler.add(g)
+    driver = Driver(scheduler)
+    while scheduler.has_unfinished():
+        out = driver.step()
+        assert out.num_batched_tokens <= 40
+        # Every prefill scheduled in one piece (the whole prompt), then one token at a time.
+        for item in out.scheduled:
+            assert (item.start, item.num_new_tokens) == (0, 30) or item.num_new_tokens == 1
+    first = driver.steps[0][2]
+    assert [s.num_new_tokens for s in first.scheduled] == [30]
+
+
+def _memory_held_by_a_demoted_job(policy: SwapPolicy):
+    """A cache of 12 blocks of 4 tokens; job `old` has sunk to Q3 and holds some of them.
+    Returns (scheduler, driver, old, free blocks)."""
+    mlfq = MLFQConfig(
+        base_quantum=2 * MS,
+        skip_join=False,  # a new job enters Q1 whatever its prompt
+        swap_policy=policy,
+        reserve_blocks=0,
+        num_levels=4,
+        starvation_bound=None,
+    )
+    scheduler = make_scheduler(
+        mlfq, num_blocks=12, num_host_blocks=32, max_num_seqs=4, max_model_len=48
+    )
+    driver = Driver(scheduler)
+    old = make_group(3, 30)
+    scheduler.add(old)
+    while level_of(scheduler, old) < 2:
+        driver.step()
+    return scheduler, driver, old, scheduler.kv_cache.num_free_blocks
+
+
+def _bigger_than(free_blocks: int, arrival: float) -> SequenceGroup:
+    """A new job whose prompt needs one block more than is free."""
+    prompt = BLOCK * free_blocks + 1
+    return make_group(prompt, min(10, 47 - prompt), arrival=arrival)
+
+
+@pytest.mark.parametrize("policy", [SwapPolicy.REACTIVE, SwapPolicy.RECOMPUTE])
+def test_a_new_job_evicts_only_jobs_of_strictly_lower_queues(policy):
+    scheduler, driver, old, free = _memory_held_by_a_demoted_job(policy)
+    new = _bigger_than(free, driver.now)
+    scheduler.add(new)  # Q1, above `old` in Q3: `old` makes room
+    out = driver.step()
+    assert scheduled_groups(out) == [new] and out.preempted == [old]
+    # The same job entering Q3 itself, even ahead of `old` in that queue, may not evict it.
+    scheduler, driver, old, free = _memory_held_by_a_demoted_job(policy)
+    peer = _bigger_than(free, driver.now)
+    scheduler.add(peer)
+    scheduler.jobs[peer.request_id].level = level_of(scheduler, old)
+    scheduler.jobs[peer.request_id].order = -1  # first in the queue
+    out = driver.step()
+    assert not out.preempted and scheduled_groups(out) == [old]
+
+
+@pytest.mark.parametrize("policy", [SwapPolicy.REACTIVE, SwapPolicy.RECOMPUTE])
+def test_a_preempted_job_returns_when_its_blocks_fit_without_evicting_others(policy):
+    scheduler, driver, old, free = _memory_held_by_a_demoted_job(policy)
+    new = _bigger_than(free, driver.now)
+    scheduler.add(new)
+    driver.step()
+    assert old.seqs[0].status is not SequenceStatus.RUNNING  # swapped or waiting
+    # `new` sinks to Q3 behind `old` while it runs; `old`, now ahead of it, does not evict it
+    # to come back: it waits until `new` has finished and freed its blocks.
+    while not new.is_finished():
+        out = driver.step()
+        assert new in scheduled_groups(out)
+        assert not out.preempted
+    assert level_of(scheduler, old) <= 2
+    driver.run()
+    assert old.is_finished()
+    assert not scheduler.jobs
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
+
+
+def test_quanta_sized_to_a_cost_model_start_at_the_shortest_iteration():
+    cost = CostModel(
+        base=17e-3, per_prefill_token=1e-4, per_decode_seq=2e-4, per_context_token=1e-6
+    )
+    mlfq = MLFQConfig.sized_to(cost, num_levels=3)
+    assert mlfq.base_quantum == pytest.approx(17e-3 + 2e-4 + 1e-6)
+    assert mlfq.num_levels == 3 and mlfq.quantum(2) == pytest.approx(4 * mlfq.base_quantum)
+
+
 # -- random traces --------------------------------------------------------------------------------
 
 jobs_strategy = st.lists(
@@ -278,11 +376,14 @@ jobs_strategy = st.lists(
     num_blocks=st.integers(10, 24),
     host_blocks=st.sampled_from([0, 6, 40]),
     token_budget=st.integers(4, 32),
+    chunked=st.booleans(),
 )
 @settings(max_examples=60)
 def test_random_traces_finish_within_budgets_and_invariants(
-    jobs, variant, num_blocks, host_blocks, token_budget
+    jobs, variant, num_blocks, host_blocks, token_budget, chunked
 ):
+    if not chunked:  # a whole prefill must fit one step
+        token_budget = max(token_budget, 64)
     mlfq = MLFQ_VARIANTS[variant]
     mlfq = MLFQConfig(**{**mlfq.__dict__, "base_quantum": 2 * MS, "reserve_blocks": 2})
     if mlfq.starvation_bound is not None:
@@ -294,6 +395,7 @@ def test_random_traces_finish_within_budgets_and_invariants(
         max_num_seqs=3,
         max_num_batched_tokens=token_budget,
         max_model_len=64,
+        enable_chunked_prefill=chunked,
     )
     driver = Driver(scheduler)
     pending = sorted(
