@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from minipaged.config import ModelConfig
 from minipaged.cost_model import CostModel
 from minipaged.kv_cache import KVCacheManager
-from minipaged.mlfq import MLFQ_SCHEDULERS
+from minipaged.mlfq import MLFQ_SCHEDULERS, MLFQConfig, mlfq_factory
 from minipaged.runner import BatchEntry, CacheOps, GiB, ModelRunner, num_blocks_for_memory
 from minipaged.sampling import (
     Sampler,
@@ -69,6 +69,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduler: str = "fcfs"
+    # MLFQ schedulers: settings replacing the variant's (`MLFQConfig`), and a ready cost model
+    # (`CostModel`) so that the engine need not profile this model at start-up.
+    mlfq: MLFQConfig | None = None
+    cost_model: CostModel | None = None
     preemption_mode: str | None = None  # None: recompute single sequences, swap groups
     attention_backend: str | None = None  # None: Triton on CUDA, PyTorch elsewhere
     seed: int = 0  # the engine's generator, for requests without a seed of their own
@@ -80,6 +84,8 @@ class EngineConfig:
             raise ValueError(
                 f"scheduler must be one of {sorted(SCHEDULERS)}, got {self.scheduler!r}"
             )
+        if self.mlfq is not None and not self.scheduler.startswith("mlfq"):
+            raise ValueError(f"mlfq settings need an MLFQ scheduler, got {self.scheduler!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
@@ -135,7 +141,10 @@ class LLMEngine:
             num_host_blocks=num_cpu_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
         )
-        self.scheduler = SCHEDULERS[config.scheduler](
+        make_scheduler = SCHEDULERS[config.scheduler]
+        if config.mlfq is not None:
+            make_scheduler = mlfq_factory(config.mlfq, config.cost_model)
+        self.scheduler = make_scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
@@ -156,8 +165,8 @@ class LLMEngine:
             attention_backend=config.attention_backend,
         )
         if self.scheduler.needs_cost_model and self.scheduler.cost_model is None:
-            # Skip-join MLFQ predicts prefill times (FastServe §4.1): measure this model.
-            self.scheduler.cost_model = CostModel.profile(self.runner)
+            # Skip-join MLFQ predicts prefill times (FastServe §4.1): given, or measured here.
+            self.scheduler.cost_model = config.cost_model or CostModel.profile(self.runner)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer and tokenizer.eos_token_id is not None else set()

@@ -541,3 +541,25 @@ def test_greedy_outputs_under_mlfq_equal_fcfs(tiny, seed, variant):
     expected = greedy(tiny, "fcfs", prompts, max_tokens)
     # A small cache: jobs are preempted, swapped and recomputed on the way.
     assert greedy(tiny, variant, prompts, max_tokens, num_gpu_blocks=14) == expected
+
+
+def test_the_engine_takes_a_ready_cost_model_and_mlfq_settings(tiny, monkeypatch):
+    from minipaged.engine import EngineConfig, LLMEngine
+
+    def no_profile(*args, **kwargs):
+        raise AssertionError("profiled although a cost model was given")
+
+    monkeypatch.setattr(CostModel, "profile", classmethod(no_profile))
+    model, config = tiny
+    mlfq = MLFQConfig.sized_to(COST, num_levels=3, skip_join=False)
+    engine_config = EngineConfig(
+        num_gpu_blocks=32, block_size=8, scheduler="mlfq", mlfq=mlfq, cost_model=COST
+    )
+    engine = LLMEngine(model, config, tokenizer=None, config=engine_config)
+    assert engine.scheduler.cost_model is COST
+    assert engine.scheduler.mlfq == mlfq
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    request = engine.add_request(None, [5, 6, 7], params)
+    assert len(engine.run_until_done()[request].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="MLFQ scheduler"):
+        EngineConfig(scheduler="fcfs", mlfq=mlfq)
