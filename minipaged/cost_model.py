@@ -104,9 +104,10 @@ class CostModel:
 
     @property
     def min_iteration_time(self) -> float:
-        """The shortest possible step: one sequence decoding one token over a context of one.
-        FastServe sizes the quantum of its highest-priority queue to it (§4.1)."""
-        return self.step_time(StepShape(decode_seqs=1, context_tokens=1))
+        """The shortest possible step: one token of one sequence (a decode over a context of
+        one, or a one-token prefill). FastServe sizes its highest queue's quantum to it (§4.1)."""
+        decode = self.step_time(StepShape(decode_seqs=1, context_tokens=1))
+        return min(decode, self.step_time(StepShape(prefill_tokens=1)))
 
     def swap_time(self, num_blocks: int) -> float:
         return self.per_swap_block * num_blocks

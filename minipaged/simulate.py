@@ -361,16 +361,23 @@ def heavy_tailed(
     output_median: float = 40.0,
     output_sigma: float = 1.5,
     max_seq_len: int = 2048,
+    prompt_median: float | None = None,
+    prompt_sigma: float = 1.0,
 ) -> list[TraceRequest]:
     """ShareGPT-like prompts with heavy-tailed output lengths (log-normal, sigma 1.5: the mean
     is ~3x the median and a few jobs are 10-50x it): the workload where run-to-completion
-    suffers most from head-of-line blocking (FastServe §2). All arrive at 0; see
-    `with_arrivals`."""
+    suffers most from head-of-line blocking (FastServe §2). With `prompt_median`, prompts are
+    log-normal too (long-context jobs: long prefills and large KV caches). All arrive at 0;
+    see `with_arrivals`."""
     rng = np.random.default_rng(seed + 7919)
-    prompts = sharegpt_like(num_requests, seed=seed, max_seq_len=max_seq_len)
+    if prompt_median is None:
+        prompts = sharegpt_like(num_requests, seed=seed, max_seq_len=max_seq_len)
+        prompt_lens = [r.prompt_len for r in prompts]
+    else:
+        drawn = np.round(rng.lognormal(np.log(prompt_median), prompt_sigma, num_requests))
+        prompt_lens = [int(p) for p in drawn.clip(1, max_seq_len - 1)]
     outputs = np.round(rng.lognormal(np.log(output_median), output_sigma, num_requests))
     return [
-        TraceRequest(0.0, r.prompt_len, int(min(max(o, 1), max_seq_len - r.prompt_len)))
-        for r, o in zip(prompts, outputs, strict=True)
+        TraceRequest(0.0, p, int(min(max(o, 1), max_seq_len - p)))
+        for p, o in zip(prompt_lens, outputs, strict=True)
     ]
-

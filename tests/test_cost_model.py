@@ -76,6 +76,15 @@ def test_predictions():
     assert TRUE.scaled(2.0).prefill_time(100) == pytest.approx(2 * TRUE.prefill_time(100))
 
 
+def test_the_shortest_iteration_is_one_token_of_one_sequence():
+    assert TRUE.min_iteration_time == pytest.approx(2e-3 + 5e-5)  # a one-token prefill here
+    # Here a decode (17.1505 ms) is a hair longer than a one-token prefill (17.15 ms).
+    assert OPT_13B_A100.min_iteration_time == pytest.approx(17e-3 + 0.15e-3, rel=1e-9)
+    for cost in (TRUE, OPT_13B_A100):
+        shapes = random_shapes(np.random.default_rng(3), 200)
+        assert min(cost.step_time(s) for s in shapes) >= cost.min_iteration_time
+
+
 def test_shape_of_a_scheduled_step_counts_prefill_and_decode():
     kv = KVCacheManager(32, 4)
     scheduler = FCFSScheduler(SchedulerConfig(max_model_len=64), kv)

@@ -357,7 +357,7 @@ def test_quanta_sized_to_a_cost_model_start_at_the_shortest_iteration():
         base=17e-3, per_prefill_token=1e-4, per_decode_seq=2e-4, per_context_token=1e-6
     )
     mlfq = MLFQConfig.sized_to(cost, num_levels=3)
-    assert mlfq.base_quantum == pytest.approx(17e-3 + 2e-4 + 1e-6)
+    assert mlfq.base_quantum == pytest.approx(17e-3 + 1e-4)  # a one-token prefill
     assert mlfq.num_levels == 3 and mlfq.quantum(2) == pytest.approx(4 * mlfq.base_quantum)
 
 

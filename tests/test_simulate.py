@@ -16,6 +16,7 @@ from minipaged.mlfq import MLFQ_VARIANTS, MLFQConfig, SkipJoinMLFQScheduler, mlf
 from minipaged.scheduler import FCFSScheduler, SchedulerConfig
 from minipaged.simulate import (
     gamma_arrival_times,
+    heavy_tailed,
     replay_on_engine,
     simulate,
     step_duration,
@@ -122,6 +123,19 @@ def test_gamma_arrivals_have_the_asked_for_rate_and_burstiness():
         1.0,
         2.5,
     ]
+
+
+def test_heavy_tailed_traces_with_log_normal_prompts():
+    default = heavy_tailed(2000, seed=1)
+    long = heavy_tailed(2000, seed=1, prompt_median=300, max_seq_len=1024)
+    prompts = np.array([r.prompt_len for r in long])
+    assert np.median(prompts) == pytest.approx(300, rel=0.1)
+    assert np.median([r.prompt_len for r in default]) < 100  # ShareGPT-like: mostly short
+    for trace, limit in ((default, 2048), (long, 1024)):
+        assert all(r.prompt_len >= 1 and r.output_len >= 1 for r in trace)
+        assert max(r.total_len for r in trace) <= limit
+    outputs = np.array([r.output_len for r in default])
+    assert outputs.mean() > 2 * np.median(outputs)  # heavy tail: the mean well above the median
 
 
 # -- the simulator against the real engine --------------------------------------------------------
