@@ -285,10 +285,14 @@ def main() -> None:
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()
+    # `generate` fills an unset eos_token_id from the model's own generation config, and would
+    # then pad a row after its EOS: clear it there too, so every row runs to its length.
+    hf_model.generation_config.eos_token_id = None
     hf_runs = {}
     hf_tokens_at: dict[int, list[list[int]]] = {}
     for batch_size in tqdm(args.hf_batch_sizes, desc="transformers batch sizes"):
         seconds, tokens = run_transformers(hf_model, requests, batch_size, pad=0)
+        assert [len(t) for t in tokens] == [r.output_len for r in requests]
         hf_runs[batch_size], hf_tokens_at[batch_size] = seconds, tokens
     peak = max(peak, matmul_gflops())  # measured before and after: the better of the two
     best_batch = min(hf_runs, key=hf_runs.get)
