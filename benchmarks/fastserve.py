@@ -9,18 +9,24 @@ time (JCT) and normalized latency (JCT / output tokens) against the request rate
 
 and the highest rate each meets a latency target (mean and p95 normalized latency).
 
-1. **Simulator** (`minipaged.simulate`, the engine's own scheduler and KV manager code):
-   OPT-13B on one A100 (`cost_model.OPT_13B_A100`: public figures, 930 KV blocks of 16 tokens,
-   host swap space for 4000), ShareGPT-like prompts with heavy-tailed outputs, bursty gamma
-   arrivals (CV 2). Rates are fractions of FCFS's saturated throughput.
-2. **Real engine on CPU**: a tiny random LLaMA on a small heavy-tailed trace, measured in thread
-   CPU time (`time.thread_time`, torch on one thread: a shared machine's neighbours stay out),
-   beside the simulator's prediction from a cost model profiled just before.
+1. **Simulator, FastServe's setting** (the main table; `minipaged.simulate` drives the engine's
+   own scheduler and KV manager code): OPT-13B on one A100 (`cost_model.OPT_13B_A100`: public
+   figures, 930 KV blocks of 16 tokens, host swap space for 4000), *no chunked prefill* (a
+   job's whole prompt is one iteration, as in FastServe), quanta sized to the cost model (Q1's
+   quantum = the shortest iteration, ratio 2: `MLFQConfig.sized_to`), ShareGPT-like prompts
+   (9% of them 256-2048 tokens long) with heavy-tailed outputs, bursty gamma arrivals (CV 2).
+   Rates are fractions of FCFS's saturated throughput.
+2. **Simulator with chunked prefill** (second table): the same with vLLM's chunked prefill, for
+   the scheduling systems only.
+3. **Real engine on CPU**: a tiny random LLaMA on a small heavy-tailed trace at three request
+   rates, measured in thread CPU time (`time.thread_time`, torch on one thread: a shared
+   machine's neighbours stay out), beside the simulator's prediction from a cost model profiled
+   once just before (and handed to every engine: `EngineConfig(cost_model=...)`).
 
 Paper ratios (FastServe §6): skip-join MLFQ up to 8.9x lower average JCT than FCFS (vLLM) and
 1.87x lower than naive MLFQ; proactive swapping 2.7x vs recomputation and 1.7x vs reactive.
 
-Run: .venv/bin/python benchmarks/fastserve.py            (~1-2 minutes on 2 CPU cores)
+Run: .venv/bin/python benchmarks/fastserve.py            (~3-4 minutes on 2 CPU cores)
      .venv/bin/python benchmarks/fastserve.py --quick    (fewer requests and rates)
 """
 
@@ -63,15 +69,21 @@ HOST_BLOCKS = 4000
 ARRIVAL_CV = 2.0
 
 
-def factory(name: str, mlfq_overrides: dict | None = None, cost: CostModel | None = None):
-    """The scheduler constructor of a named system; overrides apply to MLFQ settings (fixed
-    priority keeps no starvation promotion)."""
-    if name == "fcfs":
-        return FCFSScheduler
-    settings = {**MLFQ_VARIANTS[name].__dict__, **(mlfq_overrides or {})}
+def mlfq_config(name: str, cost: CostModel, overrides: dict | None = None) -> MLFQConfig:
+    """A named MLFQ variant with quanta sized to `cost` (Q1 = its shortest iteration, FastServe
+    §4.1); overrides apply on top (fixed priority keeps no starvation promotion)."""
+    variant = {k: v for k, v in MLFQ_VARIANTS[name].__dict__.items() if k != "base_quantum"}
+    settings = {**variant, **(overrides or {})}
     if MLFQ_VARIANTS[name].starvation_bound is None:
         settings["starvation_bound"] = None
-    return mlfq_factory(MLFQConfig(**settings), cost)
+    return MLFQConfig.sized_to(cost, **settings)
+
+
+def factory(name: str, cost: CostModel, overrides: dict | None = None):
+    """The scheduler constructor of a named system."""
+    if name == "fcfs":
+        return FCFSScheduler
+    return mlfq_factory(mlfq_config(name, cost, overrides), cost)
 
 
 def metrics(result: SimulationResult) -> dict:
@@ -81,10 +93,21 @@ def metrics(result: SimulationResult) -> dict:
 # -- 1. the simulator ----------------------------------------------------------------------------
 
 
-def simulated(num_requests: int, loads: list[float], max_num_seqs: int, seed: int) -> dict:
-    base = heavy_tailed(num_requests, seed=seed)
+def simulated(
+    num_requests: int,
+    loads: list[float],
+    max_num_seqs: int,
+    seed: int,
+    chunked_prefill: bool,
+    names: list[str],
+    prompt_median: float | None = None,
+) -> dict:
+    base = heavy_tailed(num_requests, seed=seed, prompt_median=prompt_median)
     config = SchedulerConfig(
-        max_num_batched_tokens=2048, max_num_seqs=max_num_seqs, max_model_len=2048
+        max_num_batched_tokens=2048,
+        max_num_seqs=max_num_seqs,
+        max_model_len=2048,
+        enable_chunked_prefill=chunked_prefill,
     )
     kwargs = dict(
         num_blocks=OPT_13B_A100_KV_BLOCKS, block_size=16, num_host_blocks=HOST_BLOCKS, config=config
@@ -94,8 +117,8 @@ def simulated(num_requests: int, loads: list[float], max_num_seqs: int, seed: in
     finish = sorted(r.finished_time for r in saturated.requests)
     capacity = 0.9 * num_requests / finish[int(0.9 * num_requests) - 1]
     rows: dict[str, dict[str, dict]] = {}
-    names = list(dict.fromkeys(SCHEDULING + SWAPPING))
-    for load in tqdm(loads, desc="simulated loads"):
+    label = "chunked prefill" if chunked_prefill else "no chunked prefill"
+    for load in tqdm(loads, desc=f"simulated loads, {label}"):
         rate = load * capacity
         trace = with_arrivals(
             base, gamma_arrival_times(num_requests, rate, ARRIVAL_CV, np.random.default_rng(seed))
@@ -103,15 +126,17 @@ def simulated(num_requests: int, loads: list[float], max_num_seqs: int, seed: in
         rows[f"{load:.2f}"] = {
             name: {
                 "rate": round(rate, 4),
-                **metrics(simulate(trace, OPT_13B_A100, factory(name), **kwargs)),
+                **metrics(simulate(trace, OPT_13B_A100, factory(name, OPT_13B_A100), **kwargs)),
             }
             for name in names
         }
     outputs = np.array([r.output_len for r in base])
+    prompts = np.array([r.prompt_len for r in base])
     return {
         "trace": {
             "num_requests": num_requests,
-            "prompt_mean": round(float(np.mean([r.prompt_len for r in base])), 1),
+            "prompt_mean": round(float(prompts.mean()), 1),
+            "prompt_p99": float(np.percentile(prompts, 99)),
             "output_mean": round(float(outputs.mean()), 1),
             "output_median": float(np.median(outputs)),
             "output_p99": float(np.percentile(outputs, 99)),
@@ -121,6 +146,13 @@ def simulated(num_requests: int, loads: list[float], max_num_seqs: int, seed: in
         "kv_blocks": OPT_13B_A100_KV_BLOCKS,
         "host_blocks": HOST_BLOCKS,
         "max_num_seqs": max_num_seqs,
+        "enable_chunked_prefill": chunked_prefill,
+        "mlfq": {
+            "base_quantum_s": round(OPT_13B_A100.min_iteration_time, 6),
+            "quantum_ratio": MLFQConfig().quantum_ratio,
+            "num_levels": MLFQConfig().num_levels,
+            "starvation_bound_s": MLFQConfig().starvation_bound,
+        },
         "capacity_req_per_s": round(capacity, 4),
         "by_load": rows,
     }
@@ -135,7 +167,10 @@ def ratios(by_load: dict) -> dict:
         "proactive vs reactive": ("mlfq", "mlfq-reactive"),
     }
     out = {}
+    names = next(iter(by_load.values()))
     for label, (ours, other) in pairs.items():
+        if other not in names:
+            continue
         per_load = {
             load: round(rows[other]["mean_jct"] / rows[ours]["mean_jct"], 3)
             for load, rows in by_load.items()
@@ -162,7 +197,8 @@ def max_rate_meeting(by_load: dict, mean_target: float, p95_target: float) -> di
 # -- 2. the real engine ---------------------------------------------------------------------------
 
 
-def real_engine(num_requests: int, seed: int) -> dict:
+def real_engine(num_requests: int, loads: list[float], seed: int) -> dict:
+    """FCFS, skip-join and naive MLFQ on a tiny LLaMA (no chunked prefill), at a few rates."""
     import torch
     import transformers
 
@@ -190,62 +226,53 @@ def real_engine(num_requests: int, seed: int) -> dict:
         num_cpu_blocks=96,
         block_size=8,
         max_num_seqs=4,
-        max_num_batched_tokens=64,
+        max_num_batched_tokens=200,
+        max_model_len=200,
+        enable_chunked_prefill=False,
         enable_prefix_caching=False,
     )
     base = heavy_tailed(num_requests, seed=seed, output_median=12, max_seq_len=200)
     base = [r.__class__(0.0, min(r.prompt_len, 64), min(r.output_len, 120)) for r in base]
-    # Quanta of a few steps of this machine (a step is ~1-2 ms of CPU here).
-    overrides = {"base_quantum": 2e-3, "starvation_bound": 0.5}
-    rows = {}
-    rate = None
-    for name in tqdm(SCHEDULING + SWAPPING[1:], desc="real engine"):
-        engine = LLMEngine(model, model_config, None, EngineConfig(**engine_config))
-        cost = CostModel.profile(engine, max_prefill=64, max_batch=4, clock=time.thread_time)
-        make = factory(name, overrides, cost)
-        if name != "fcfs":
-            engine.scheduler = make(engine.scheduler.config, engine.kv_cache)
-            cost = CostModel.profile(engine, max_prefill=64, max_batch=4, clock=time.thread_time)
-            engine.scheduler = make(engine.scheduler.config, engine.kv_cache)
-        if rate is None:  # ~90% of FCFS's saturated throughput, from the first profile
-            saturated = simulate(
-                base,
-                cost,
-                FCFSScheduler,
-                num_blocks=48,
-                block_size=8,
-                num_host_blocks=96,
-                config=engine.scheduler.config,
-            )
-            rate = 0.9 * saturated.throughput
-            trace = with_arrivals(
-                base,
-                gamma_arrival_times(num_requests, rate, ARRIVAL_CV, np.random.default_rng(seed)),
-            )
-        measured = replay_on_engine(engine, trace, clock=time.thread_time)
-        predicted = simulate(
-            trace,
-            cost,
-            make,
-            num_blocks=48,
-            block_size=8,
-            num_host_blocks=96,
-            config=engine.scheduler.config,
-        )
-        rows[name] = {
-            "measured": {
-                k: round(v, 5) for k, v in measured.summary().items() if not k.startswith("swap")
-            },
-            "simulated": metrics(predicted),
-            "sim_over_measured_mean_jct": round(predicted.mean_jct / measured.mean_jct, 3),
-        }
+    # Profiled once, in CPU time (a step is ~1-2 ms here); every engine gets it ready-made.
+    probe = LLMEngine(model, model_config, None, EngineConfig(**engine_config))
+    cost = CostModel.profile(probe, max_prefill=64, max_batch=4, clock=time.thread_time)
+    sim_kwargs = dict(
+        num_blocks=48, block_size=8, num_host_blocks=96, config=probe.scheduler.config
+    )
+    saturated = simulate(base, cost, FCFSScheduler, **sim_kwargs).throughput
+    overrides = {"starvation_bound": 0.5}
+    names = ["fcfs", "mlfq", "mlfq-naive"]
+    by_load: dict[str, dict] = {}
+    for load in tqdm(loads, desc="real engine loads"):
+        rate = load * saturated
+        arrivals = gamma_arrival_times(num_requests, rate, ARRIVAL_CV, np.random.default_rng(seed))
+        trace = with_arrivals(base, arrivals)
+        rows = {}
+        for name in names:
+            extra = {}
+            if name != "fcfs":
+                extra = {"mlfq": mlfq_config(name, cost, overrides), "cost_model": cost}
+            config = EngineConfig(**engine_config, scheduler=name, **extra)
+            engine = LLMEngine(model, model_config, None, config)
+            measured = replay_on_engine(engine, trace, clock=time.thread_time)
+            predicted = simulate(trace, cost, factory(name, cost, overrides), **sim_kwargs)
+            rows[name] = {
+                "measured": {
+                    k: round(v, 5)
+                    for k, v in measured.summary().items()
+                    if not k.startswith("swap")
+                },
+                "simulated": metrics(predicted),
+                "sim_over_measured_mean_jct": round(predicted.mean_jct / measured.mean_jct, 3),
+            }
+        by_load[f"{load:.2f}"] = {"rate_req_per_cpu_s": round(rate, 2), "rows": rows}
     torch.set_num_threads(threads)
     return {
         "num_requests": num_requests,
-        "rate_req_per_cpu_s": round(rate, 2),
         "engine": engine_config,
-        "mlfq": overrides,
-        "rows": rows,
+        "cost_model": cost.__dict__,
+        "mlfq": {"base_quantum_s": round(cost.min_iteration_time, 6), **overrides},
+        "by_load": by_load,
     }
 
 
@@ -269,10 +296,20 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--prompt-median",
+        type=float,
+        default=None,
+        help="log-normal prompts of this median (sigma 1) instead of ShareGPT-like ones",
+    )
     args = parser.parse_args()
 
     loads = [0.5, 0.9] if args.quick else [0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1]
-    sim = simulated(150 if args.quick else 400, loads, args.max_num_seqs, args.seed)
+    num_requests = 200 if args.quick else 600
+    every = list(dict.fromkeys(SCHEDULING + SWAPPING))
+    common = dict(max_num_seqs=args.max_num_seqs, seed=args.seed, prompt_median=args.prompt_median)
+    sim = simulated(num_requests, loads, chunked_prefill=False, names=every, **common)
+    chunked = simulated(num_requests, loads, chunked_prefill=True, names=SCHEDULING[:3], **common)
     lowest = sim["by_load"][f"{loads[0]:.2f}"]["fcfs"]
     targets = {
         "mean": round(2 * lowest["mean_normalized_latency"], 4),
@@ -289,7 +326,11 @@ def main() -> None:
         "max_rate_meeting_targets": max_rate_meeting(
             sim["by_load"], targets["mean"], targets["p95"]
         ),
-        "real_engine": real_engine(16 if args.quick else 40, args.seed),
+        "simulated_chunked_prefill": chunked,
+        "ratios_chunked_prefill": ratios(chunked["by_load"]),
+        "real_engine": real_engine(
+            16 if args.quick else 40, [0.5, 1.0] if args.quick else [0.5, 0.8, 1.1], args.seed
+        ),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -297,11 +338,11 @@ def main() -> None:
     print(f"\nwrote {args.out}")
 
 
-def print_tables(report: dict) -> None:
-    sim = report["simulated"]
+def print_sim_table(sim: dict, title: str) -> None:
     t = sim["trace"]
     print(
-        f"\nSimulated OPT-13B/A100, {t['num_requests']} heavy-tailed requests (output mean "
+        f"\n{title}: simulated OPT-13B/A100, {sim['max_num_seqs']} seqs/step, "
+        f"{t['num_requests']} requests (prompt mean {t['prompt_mean']}; output mean "
         f"{t['output_mean']}, median {t['output_median']}, p99 {t['output_p99']}), gamma "
         f"arrivals CV {t['arrival_cv']}, capacity {sim['capacity_req_per_s']} req/s"
     )
@@ -315,36 +356,45 @@ def print_tables(report: dict) -> None:
             ("p95 NL", "p95_normalized_latency"),
         ):
             print(f"{load:>5} {metric:>10} " + " ".join(f"{rows[n][key]:>14.3f}" for n in names))
-    print("\nratios of mean JCT (higher is better for the first), ours vs the paper's:")
-    for label, entry in report["ratios"].items():
+
+
+def print_ratios(ratios_: dict, paper: dict) -> None:
+    print("ratios of mean JCT (higher is better for the first), ours vs the paper's:")
+    for label, entry in ratios_.items():
         per_load = ", ".join(f"{k}: {v}" for k, v in entry["by_load"].items())
-        print(
-            f"  {label:<30} max {entry['max']:>6}  paper {report['paper_ratios'][label]:>5}"
-            f"   ({per_load})"
-        )
+        print(f"  {label:<30} max {entry['max']:>6}  paper {paper[label]:>5}   ({per_load})")
+
+
+def print_tables(report: dict) -> None:
+    print_sim_table(report["simulated"], "1. FastServe's setting (no chunked prefill)")
+    print_ratios(report["ratios"], report["paper_ratios"])
     targets = report["latency_targets_s_per_token"]
     print(
-        f"\nhighest rate meeting mean NL <= {targets['mean']} and p95 NL <= {targets['p95']}"
-        " s/token:"
+        f"highest rate meeting mean NL <= {targets['mean']} and p95 NL <= {targets['p95']} s/token:"
     )
     for name, rate in report["max_rate_meeting_targets"].items():
         print(f"  {name:<16} {rate}")
+    print_sim_table(report["simulated_chunked_prefill"], "2. With chunked prefill")
+    print_ratios(report["ratios_chunked_prefill"], report["paper_ratios"])
     real = report["real_engine"]
     print(
-        f"\nReal engine (tiny LLaMA, CPU, thread time), {real['num_requests']} requests at "
-        f"{real['rate_req_per_cpu_s']} req/s:"
+        f"\n3. Real engine (tiny LLaMA, CPU, thread time, no chunked prefill), "
+        f"{real['num_requests']} requests:"
     )
     print(
-        f"{'scheduler':>16} {'mean JCT':>10} {'p95 JCT':>10} {'mean NL':>10} {'sim JCT':>10}"
-        f" {'sim/real':>9}"
+        f"{'load':>5} {'req/s':>7} {'scheduler':>12} {'mean JCT':>10} {'p95 JCT':>10}"
+        f" {'mean NL':>10} {'sim JCT':>10} {'sim/real':>9} {'FCFS/this':>10}"
     )
-    for name, row in real["rows"].items():
-        m, s = row["measured"], row["simulated"]
-        print(
-            f"{name:>16} {m['mean_jct']:>10.4f} {m['p95_jct']:>10.4f} "
-            f"{m['mean_normalized_latency']:>10.5f} {s['mean_jct']:>10.4f} "
-            f"{row['sim_over_measured_mean_jct']:>9}"
-        )
+    for load, entry in real["by_load"].items():
+        fcfs = entry["rows"]["fcfs"]["measured"]["mean_jct"]
+        for name, row in entry["rows"].items():
+            m, s = row["measured"], row["simulated"]
+            print(
+                f"{load:>5} {entry['rate_req_per_cpu_s']:>7} {name:>12} {m['mean_jct']:>10.4f} "
+                f"{m['p95_jct']:>10.4f} {m['mean_normalized_latency']:>10.5f} "
+                f"{s['mean_jct']:>10.4f} {row['sim_over_measured_mean_jct']:>9} "
+                f"{fcfs / m['mean_jct']:>10.3f}"
+            )
 
 
 if __name__ == "__main__":
