@@ -127,7 +127,7 @@ def scheduler_for(system: str, **paged) -> FCFSScheduler:
 
 def run_sampling(quick: bool) -> dict:
     num = 300 if quick else 600
-    rates = [2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0]
+    rates = [2.5, 5.0, 7.5, 10.0, 12.5, 15.0, 17.5, 20.0, 25.0, 30.0, 35.0, 40.0, 50.0, 60.0, 70.0]
     rates = rates[::2] if quick else rates
     out: dict = {}
     for kind, widths in (("basic", [1]), ("parallel", [2, 4, 6]), ("beam", [2, 4, 6])):
