@@ -26,7 +26,7 @@ and the highest rate each meets a latency target (mean and p95 normalized latenc
 Paper ratios (FastServe §6): skip-join MLFQ up to 8.9x lower average JCT than FCFS (vLLM) and
 1.87x lower than naive MLFQ; proactive swapping 2.7x vs recomputation and 1.7x vs reactive.
 
-Run: .venv/bin/python benchmarks/fastserve.py            (~3-4 minutes on 2 CPU cores)
+Run: .venv/bin/python benchmarks/fastserve.py            (~4-5 minutes on 2 busy CPU cores)
      .venv/bin/python benchmarks/fastserve.py --quick    (fewer requests and rates)
 """
 
