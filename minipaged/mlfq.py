@@ -237,14 +237,6 @@ class SkipJoinMLFQScheduler(Scheduler):
         self._last_now = now
         return out
 
-    def _fits_budget(self, seqs: list[Sequence], budget: _Budget) -> bool:
-        """Room in this step's budget: one token per sequence with chunked prefill (a chunk
-        takes what is left), else every pending token (a prefill is never split)."""
-        if self.config.enable_chunked_prefill:
-            return budget.fits(seqs, 1)
-        pending = sum(max(1, s.get_len() - s.num_computed_tokens) for s in seqs)
-        return len(seqs) <= budget.seqs and pending <= budget.tokens
-
     # -- feedback: demotion and promotion ----------------------------------------------------------
 
     def _charge_previous_step(self, now: float) -> None:

@@ -288,6 +288,14 @@ class Scheduler:
                 out.copy.extend(self.kv_cache.append_slots(seq.seq_id, pending))
         self._schedule_tokens(group, seqs, out, budget)
 
+    def _fits_budget(self, seqs: list[Sequence], budget: _Budget) -> bool:
+        """Room in this step's budget: one token per sequence with chunked prefill (a chunk
+        takes what is left), else every pending token (a prefill is never split)."""
+        if self.config.enable_chunked_prefill:
+            return budget.fits(seqs, 1)
+        pending = sum(max(1, s.get_len() - s.num_computed_tokens) for s in seqs)
+        return len(seqs) <= budget.seqs and pending <= budget.tokens
+
     def _schedule_tokens(
         self, group: SequenceGroup, seqs: list[Sequence], out: SchedulerOutput, budget: _Budget
     ) -> None:
@@ -373,7 +381,7 @@ class FCFSScheduler(Scheduler):
         while queue:
             group = queue.popleft()
             seqs = group.get_seqs(SequenceStatus.RUNNING)
-            if not budget.fits(seqs, 1):
+            if not self._fits_budget(seqs, budget):
                 kept.append(group)  # stays running, keeps its blocks, waits for the next step
                 continue
             while not self._can_append(seqs):
@@ -390,7 +398,7 @@ class FCFSScheduler(Scheduler):
         while self.swapped:
             group = self.swapped[0]
             seqs = group.get_seqs(SequenceStatus.SWAPPED)
-            if not budget.fits(seqs, 1) or not self._can_swap_in(seqs):
+            if not self._fits_budget(seqs, budget) or not self._can_swap_in(seqs):
                 return
             self.swapped.popleft()
             self._swap_in(seqs, out)
@@ -401,7 +409,7 @@ class FCFSScheduler(Scheduler):
         while self.waiting:
             group = self.waiting[0]
             seqs = group.get_seqs(SequenceStatus.WAITING)
-            if not budget.fits(seqs, 1):
+            if not self._fits_budget(seqs, budget):
                 return
             if not self._can_allocate(seqs):
                 return  # first come, first served: nobody overtakes the head of the queue

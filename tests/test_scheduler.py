@@ -223,3 +223,18 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+
+
+def test_without_chunked_prefill_a_whole_prefill_must_fit_the_budget():
+    scheduler = make_scheduler(
+        max_num_batched_tokens=40, max_model_len=40, enable_chunked_prefill=False
+    )
+    groups = [make_group(30, 2) for _ in range(3)]
+    for g in groups:
+        scheduler.add(g)
+    while scheduler.has_unfinished():
+        out = run_step(scheduler)
+        assert out.num_batched_tokens <= 40
+        for item in out.scheduled:  # prefills are never split
+            assert item.start == 0 or item.num_new_tokens == 1
+    assert all(g.seqs[0].get_output_len() == 2 for g in groups)
