@@ -389,9 +389,10 @@ class ReservationKVCacheManager:
             for seq_id in request.members:
                 seq = self._seqs[seq_id]
                 assert seq.request is request
-                assert 0 <= seq.num_computed <= seq.num_tokens <= seq.chunk.num_blocks * (
-                    self.block_size
-                ), f"sequence {seq_id!r} overflows its chunk"
+                capacity = seq.chunk.num_blocks * self.block_size
+                assert 0 <= seq.num_computed <= seq.num_tokens <= capacity, (
+                    f"sequence {seq_id!r} overflows its chunk"
+                )
         assert all(c <= 1 for c in covered), "two chunks overlap"
         assert chunk_blocks == self.num_used_blocks, (
             f"chunks cover {chunk_blocks} blocks but the allocator has {self.num_used_blocks} used"
