@@ -299,11 +299,12 @@ def check_copy_blocks_args(kv_caches: Sequence[Tensor], block_mapping: Tensor) -
 # fresh multi-megabyte tensor costs page faults on first touch, which took longer than the
 # gather itself in `benchmarks/attention_cpu.py`. minipaged runs one step at a time, so one
 # buffer per (device, dtype) is enough; it only grows.
-_GATHER_BUFFERS: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+# A buffer made under `torch.inference_mode` cannot be written outside it, so each mode has its own.
+_GATHER_BUFFERS: dict[tuple[torch.device, torch.dtype, bool], Tensor] = {}
 
 
 def _gather_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    key = (device, dtype)
+    key = (device, dtype, torch.is_inference_mode_enabled())
     buffer = _GATHER_BUFFERS.get(key)
     if buffer is None or buffer.numel() < numel:
         buffer = torch.empty(numel, dtype=dtype, device=device)

@@ -148,6 +148,15 @@ def test_reused_gather_buffer_never_aliases_an_output():
     assert torch.equal(out, kept)
 
 
+def test_gather_buffer_works_in_and_out_of_inference_mode():
+    case = make_attention_case([24], [24], num_heads=4, num_kv_heads=2, head_dim=32,
+                               block_size=8, seed=3)
+    with torch.inference_mode():  # as the engine runs it
+        inside = paged_attention(*case.args())
+    outside = paged_attention(*case.args())  # as a notebook or a test might, afterwards
+    torch.testing.assert_close(outside, inside.clone(), rtol=0, atol=0)
+
+
 def test_empty_batch():
     case = make_attention_case([5], [1], num_heads=2, num_kv_heads=1, head_dim=32, block_size=8)
     c = case.cache
