@@ -265,11 +265,17 @@ class Scheduler:
         return self.kv_cache.num_free_blocks - needed >= self.kv_cache.watermark_blocks
 
     def _allocate(self, group: SequenceGroup, seqs: list[Sequence]) -> None:
-        """Give waiting sequences blocks for all their tokens (prefix-cache hits included)."""
+        """Give waiting sequences blocks for all their tokens (prefix-cache hits included).
+
+        The request's `num_cached_tokens` counts the prompt tokens found at its first admission
+        only: a re-admission after recomputation finding its own blocks again is no prefix hit.
+        """
+        first_admission = group.metrics.first_scheduled_time is None
         for seq in seqs:
             cached = self.kv_cache.allocate(seq.seq_id, seq.get_token_ids())
             seq.num_computed_tokens = cached
-            group.metrics.num_cached_tokens += cached
+            if first_admission:
+                group.metrics.num_cached_tokens += cached
             seq.status = SequenceStatus.RUNNING
 
     def _swap_in(self, seqs: list[Sequence], out: SchedulerOutput) -> None:

@@ -119,6 +119,8 @@ def test_preemption_takes_the_latest_arrival_and_resumes_it(mode):
     run_to_completion(scheduler)
     assert early.seqs[0].get_output_len() == late.seqs[0].get_output_len() == 6
     assert late.metrics.num_preemptions >= 1
+    # Recomputation re-finds the request's own blocks; that is not a prefix-cache hit.
+    assert late.metrics.num_cached_tokens == 0
     assert scheduler.kv_cache.num_free_blocks == 4
 
 
