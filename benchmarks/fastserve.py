@@ -35,13 +35,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from machine import machine_info
 from tqdm import tqdm
 
 from minipaged.cost_model import OPT_13B_A100, OPT_13B_A100_KV_BLOCKS, CostModel
@@ -279,17 +278,6 @@ def real_engine(num_requests: int, loads: list[float], seed: int) -> dict:
 # -- report ---------------------------------------------------------------------------------------
 
 
-def machine() -> dict:
-    import torch
-
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests and loads")
@@ -318,7 +306,7 @@ def main() -> None:
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": machine_info(),
         "paper_ratios": PAPER,
         "simulated": sim,
         "ratios": ratios(sim["by_load"]),

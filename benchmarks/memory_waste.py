@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import sys
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from machine import machine_info
 from tqdm import tqdm
 
 from minipaged.kv_cache import KVCacheManager, MemoryUsage
@@ -288,21 +287,6 @@ def trace_stats(trace: list[TraceRequest]) -> dict:
     }
 
 
-def machine() -> dict:
-    try:
-        import torch
-
-        torch_version = torch.__version__
-    except ImportError:
-        torch_version = None
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch_version,
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests (about 20 s)")
@@ -339,7 +323,7 @@ def main() -> None:
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": machine_info(),
         "capacity_slots": CAPACITY_SLOTS,
         "paper_token_percent": PAPER_TOKEN_PERCENT,
         "paper_sharing_savings_percent": PAPER_SAVINGS_PERCENT,

@@ -34,7 +34,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from machine import machine_info
 from tqdm import tqdm
 
 import minipaged.simulate
@@ -456,18 +456,6 @@ def _cost_dict(cost: CostModel) -> dict:
     return {k: getattr(cost, k) for k in vars(cost)}
 
 
-def machine() -> dict:
-    import torch
-
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "load_average_1min": round(os.getloadavg()[0], 2),
-    }
-
-
 def print_summary(name: str, block: dict) -> None:
     summary = block["summary"]
     print(
@@ -497,7 +485,7 @@ def main(argv: list[str] | None = None) -> None:
         print_summary("engine", result)
     result["command"] = " ".join([".venv/bin/python", "benchmarks/paper_vllm.py", *sys.argv[1:]])
     result["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    result["machine"] = machine() | {"load_average_1min_before": round(load_before, 2)}
+    result["machine"] = machine_info() | {"load_average_1min_before": round(load_before, 2)}
     result["wall_seconds"] = round(time.monotonic() - started, 1)
     suffix = "_quick" if args.quick else ""
     path = RESULTS / f"paper_vllm_{args.what}{suffix}.json"

@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import platform
 import random
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from machine import machine_info
 from tqdm import tqdm
 
 from minipaged.tokenizer import Tokenizer
@@ -110,25 +109,10 @@ def best_time(fn, repeats: int, label: str) -> float:
     return min(times)
 
 
-def machine() -> dict:
+def tokenizers_version() -> str:
     import tokenizers
 
-    info = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "tokenizers": tokenizers.__version__,
-        # Other work on the machine slows both tokenizers alike; the ratio is what to read.
-        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-    }
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-    except ImportError:
-        info["torch"] = None
-    return info
+    return tokenizers.__version__
 
 
 def main() -> None:
@@ -203,7 +187,7 @@ def main() -> None:
     result = {
         "command": "python " + " ".join(sys.argv),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": machine_info(tokenizers=tokenizers_version()),
         "text_megabytes": round(megabytes, 3),
         "documents": len(documents),
         "tokens": tokens,
