@@ -28,7 +28,7 @@ import numpy as np
 from minipaged.cost_model import CostModel, StepShape
 from minipaged.kv_cache import KVCacheManager
 from minipaged.sampling import SamplingParams
-from minipaged.scheduler import FCFSScheduler, Scheduler, SchedulerConfig
+from minipaged.scheduler import FCFSScheduler, ScheduledSequence, Scheduler, SchedulerConfig
 from minipaged.sequence import Sequence as Seq
 from minipaged.sequence import SequenceGroup, check_stop
 from minipaged.traces import TraceRequest, sharegpt_like
@@ -37,6 +37,10 @@ if TYPE_CHECKING:
     from minipaged.engine import LLMEngine
 
 SchedulerFactory = Callable[[SchedulerConfig, KVCacheManager], Scheduler]
+# The sampler's part of parallel sampling and beam search, called after each step's tokens are
+# appended: (scheduler, the step's sampling items, the next free sequence id) -> the next free id.
+SampleHook = Callable[[Scheduler, list[ScheduledSequence], int], int]
+FORKED_SEQ_IDS = 1_000_000_000  # the first id of a sequence forked by an `on_sample` hook
 
 # -- data types -----------------------------------------------------------------------------------
 
@@ -76,6 +80,7 @@ class StepRecord:
     end: float
     request_ids: tuple[str, ...]
     levels: dict[str, int] = field(default_factory=dict)  # MLFQ only: request -> level
+    num_running: int = 0  # requests holding KV memory (running) at the step's end
 
 
 @dataclass
@@ -151,43 +156,61 @@ def step_duration(cost: CostModel, shape: StepShape, swapped: int, ahead: int) -
 
 
 def simulate(
-    trace: Sequence[TraceRequest],
+    trace: Sequence[TraceRequest] | None,
     cost: CostModel,
     scheduler: SchedulerFactory = FCFSScheduler,
     *,
-    num_blocks: int,
+    num_blocks: int | None = None,
     block_size: int = 16,
     num_host_blocks: int = 0,
     config: SchedulerConfig | None = None,
     record_steps: bool = False,
     max_steps: int = 10_000_000,
+    groups: Sequence[SequenceGroup] | None = None,
+    kv_cache: KVCacheManager | None = None,
+    on_sample: SampleHook | None = None,
 ) -> SimulationResult:
     """Serve `trace` with `scheduler(config, kv_cache)` and return what happened.
+
+    The requests come either as a `trace` (made-up prompts, fixed output lengths) or, with
+    `trace=None`, as ready `groups`: real prompt tokens, so requests can share a prefix, and any
+    sampling parameters. The KV cache is a fresh `KVCacheManager(num_blocks, block_size)` without
+    prefix caching, or `kv_cache` as given (prefix caching on, say). `on_sample`, called after each
+    step's tokens are appended, is the sampler's part of parallel sampling and beam search: it
+    forks and drops sequences (vLLM §4.4); stops are then checked on every unfinished sequence of
+    each group that sampled.
 
     A scheduler that wants a cost model (`needs_cost_model`) and has none gets `cost`. Requests
     the cache can never hold are rejected by the scheduler's `add` (`RequestRejectedError`).
     """
-    config = config or SchedulerConfig(max_model_len=max(r.total_len for r in trace) + 1)
-    kv = KVCacheManager(
-        num_blocks, block_size, num_host_blocks=num_host_blocks, enable_prefix_caching=False
-    )
-    sched = scheduler(config, kv)
+    requests = _requests(trace, groups)
+    if kv_cache is None:
+        if num_blocks is None:
+            raise ValueError("simulate needs num_blocks (or a ready kv_cache)")
+        kv_cache = KVCacheManager(
+            num_blocks, block_size, num_host_blocks=num_host_blocks, enable_prefix_caching=False
+        )
+    if config is None:
+        longest = max(g.seqs[0].get_prompt_len() + g.sampling_params.max_tokens for g in requests)
+        config = SchedulerConfig(max_model_len=longest + 1)
+    sched = scheduler(config, kv_cache)
     if sched.needs_cost_model and getattr(sched, "cost_model", None) is None:
         sched.cost_model = cost  # type: ignore[attr-defined]
-    pending = sorted(enumerate(trace), key=lambda x: x[1].arrival_time)
+    position = {g.request_id: i for i, g in enumerate(requests)}
+    pending = sorted(requests, key=lambda g: g.arrival_time)
     pending.reverse()  # pop() from the end: the earliest arrival
     results: list[RequestResult] = []
     first_token: dict[str, float] = {}
     steps: list[StepRecord] = []
     now, num_steps = 0.0, 0
     swapped_out = swapped_in = ahead_total = 0
+    next_seq_id = FORKED_SEQ_IDS
 
     while pending or sched.has_unfinished():
-        while pending and pending[-1][1].arrival_time <= now:
-            index, request = pending.pop()
-            sched.add(_make_group(index, request))
+        while pending and pending[-1].arrival_time <= now:
+            sched.add(pending.pop())
         if not sched.has_unfinished():
-            now = pending[-1][1].arrival_time
+            now = pending[-1].arrival_time
             continue
         out = sched.schedule(now)
         if out.is_empty:
@@ -199,14 +222,18 @@ def simulate(
         swapped_out += len(out.swap_out)
         swapped_in += len(out.swap_in)
         ahead_total += out.num_swap_blocks_ahead
-        for item in out.scheduled:
-            if not item.needs_logits:
-                continue
+        sampled = [item for item in out.scheduled if item.needs_logits]
+        for item in sampled:
             first_token.setdefault(item.group.request_id, now)
             item.seq.append_token(0, 0.0)
-            decision = check_stop(item.seq, item.group.sampling_params)
-            if decision is not None:
-                item.seq.finish(decision)
+        if on_sample is not None:
+            next_seq_id = on_sample(sched, sampled, next_seq_id)
+        touched = {id(item.group): item.group for item in sampled}
+        for group in touched.values():  # forked samples and beams included
+            for seq in group.get_unfinished_seqs():
+                decision = check_stop(seq, group.sampling_params)
+                if decision is not None:
+                    seq.finish(decision)
         if record_steps:
             jobs = getattr(sched, "jobs", {})
             steps.append(
@@ -215,6 +242,7 @@ def simulate(
                     now,
                     tuple(dict.fromkeys(s.group.request_id for s in out.scheduled)),
                     {rid: job.level for rid, job in jobs.items()},
+                    len(sched.running),
                 )
             )
         for group in sched.finish_step():
@@ -233,8 +261,8 @@ def simulate(
         num_steps += 1
         if num_steps > max_steps:
             raise RuntimeError(f"gave up after {max_steps} steps")
-    results.sort(key=lambda r: int(r.request_id))
-    first_arrival = min((r.arrival_time for r in trace), default=0.0)
+    results.sort(key=lambda r: position[r.request_id])
+    first_arrival = min((g.arrival_time for g in requests), default=0.0)
     return SimulationResult(
         requests=results,
         makespan=now - first_arrival,
@@ -245,6 +273,21 @@ def simulate(
         num_preemptions=sched.num_preemptions,
         steps=steps,
     )
+
+
+def _requests(
+    trace: Sequence[TraceRequest] | None, groups: Sequence[SequenceGroup] | None
+) -> list[SequenceGroup]:
+    """The requests to serve, from exactly one of a trace or ready groups."""
+    if (trace is None) == (groups is None):
+        raise ValueError("simulate takes exactly one of trace and groups (the other None)")
+    if groups is None:
+        assert trace is not None
+        return [_make_group(index, request) for index, request in enumerate(trace)]
+    groups = list(groups)
+    if len({g.request_id for g in groups}) != len(groups):
+        raise ValueError("simulate needs a distinct request_id for every group")
+    return groups
 
 
 def _make_group(index: int, request: TraceRequest) -> SequenceGroup:

@@ -12,9 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged.cost_model import CostModel, StepShape
+from minipaged.kv_cache import KVCacheManager
 from minipaged.mlfq import MLFQ_VARIANTS, MLFQConfig, SkipJoinMLFQScheduler, mlfq_factory
+from minipaged.sampling import SamplingParams
 from minipaged.scheduler import FCFSScheduler, SchedulerConfig
+from minipaged.sequence import Sequence as Seq
+from minipaged.sequence import SequenceGroup
 from minipaged.simulate import (
+    FORKED_SEQ_IDS,
     gamma_arrival_times,
     heavy_tailed,
     replay_on_engine,
@@ -107,6 +112,96 @@ def test_record_steps_and_levels():
     # Skip-join: the short prompt (14 ms) enters Q1, the long one (40 ms) Q2 (40 ms quantum).
     assert first.levels == {"0": 0, "1": 1}
     assert all(a.end == b.start for a, b in zip(result.steps, result.steps[1:], strict=False))
+
+
+# -- ready groups, a given KV cache, a sampling hook -------------------------------------------
+
+
+def group(rid: int, prompt: list[int], max_tokens: int, arrival: float, n: int = 1):
+    temperature = 1.0 if n > 1 else 0.0  # parallel samples need sampling, not greedy
+    params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
+    return SequenceGroup(str(rid), [Seq(rid, prompt)], params, arrival_time=arrival)
+
+
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 30)), min_size=1, max_size=8),
+    seed=st.integers(0, 100),
+)
+@settings(max_examples=15)
+def test_groups_serve_like_the_trace_of_their_lengths(lengths, seed):
+    # Without prefix caching the prompt tokens cannot matter: only the lengths and arrivals do.
+    rng = np.random.default_rng(seed)
+    arrivals = poisson_arrival_times(len(lengths), 5.0, rng)
+    trace = [TraceRequest(float(t), p, o) for t, (p, o) in zip(arrivals, lengths, strict=True)]
+    groups = [
+        group(i, rng.integers(3, 1000, r.prompt_len).tolist(), r.output_len, r.arrival_time)
+        for i, r in enumerate(trace)
+    ]
+    kwargs = dict(num_blocks=20, block_size=4, config=config(max_num_seqs=4, max_model_len=80))
+    cost = CostModel(0.01, 1e-4, 1e-3, 1e-6)
+    from_trace = simulate(trace, cost, **kwargs)
+    from_groups = simulate(None, cost, groups=groups, **kwargs)
+    assert from_groups.requests == from_trace.requests
+    assert from_groups.num_steps == from_trace.num_steps
+
+
+def test_a_given_kv_cache_with_prefix_caching_skips_the_shared_prefix():
+    # One second per step plus one per prefill token: a prefill's time counts its new tokens.
+    cost = CostModel(base=1.0, per_prefill_token=1.0, per_decode_seq=0.0, per_context_token=0.0)
+    prefix = list(range(100, 132))  # 8 full blocks of 4
+    groups = lambda: [  # noqa: E731
+        group(0, prefix + [7, 8, 9, 10], 1, 0.0),
+        group(1, prefix + [11, 12, 13, 14], 1, 100.0),  # arrives long after the first is done
+    ]
+    plain = simulate(None, cost, groups=groups(), num_blocks=32, block_size=4)
+    assert [r.ttft for r in plain.requests] == [1.0 + 36, 1.0 + 36]
+    kv = KVCacheManager(32, 4, enable_prefix_caching=True)
+    cached = simulate(None, cost, groups=groups(), kv_cache=kv)
+    # The second request finds the prefix's 8 blocks in the cache and computes only its own 4.
+    assert [r.ttft for r in cached.requests] == [1.0 + 36, 1.0 + 4]
+
+
+def test_the_sampling_hook_forks_parallel_samples_that_all_finish():
+    seen_ids: list[int] = []
+
+    def fork_samples(sched, sampled, next_id: int) -> int:
+        seen_ids.append(next_id)
+        for item in sampled:
+            while len(item.group.seqs) < item.group.sampling_params.n:
+                child = item.seq.fork(next_id, sample_index=len(item.group.seqs))
+                sched.kv_cache.fork(item.seq.seq_id, next_id)
+                item.group.add(child)
+                next_id += 1
+        return next_id
+
+    served = group(0, [5, 6, 7, 8, 9], max_tokens=6, arrival=0.0, n=3)
+    result = simulate(
+        None,
+        UNIT,
+        groups=[served],
+        num_blocks=32,
+        block_size=4,
+        on_sample=fork_samples,
+        record_steps=True,
+    )
+    # The forks decode alongside the first sample: still one step per output token.
+    assert result.num_steps == 6 and result.requests[0].jct == 6.0
+    assert len(served.seqs) == 3
+    assert all(s.is_finished() and s.get_output_len() == 6 for s in served.seqs)
+    assert seen_ids == [FORKED_SEQ_IDS] + [FORKED_SEQ_IDS + 2] * 5  # two forks, then none
+    assert [step.num_running for step in result.steps] == [1] * 6
+
+
+def test_bad_arguments_are_named():
+    trace = [TraceRequest(0.0, 4, 2)]
+    with pytest.raises(ValueError, match="exactly one of trace and groups"):
+        simulate(trace, UNIT, groups=[group(0, [5, 6], 2, 0.0)], num_blocks=8)
+    with pytest.raises(ValueError, match="exactly one of trace and groups"):
+        simulate(None, UNIT, num_blocks=8)
+    with pytest.raises(ValueError, match="num_blocks"):
+        simulate(trace, UNIT)
+    with pytest.raises(ValueError, match="distinct request_id"):
+        simulate(None, UNIT, groups=[group(0, [5], 1, 0.0), group(0, [6], 1, 0.0)], num_blocks=8)
 
 
 def test_gamma_arrivals_have_the_asked_for_rate_and_burstiness():
