@@ -1,6 +1,6 @@
 """The vLLM paper's sharing and ablation experiments, in the simulator at the OPT-13B setting.
 
-Kwon et al. SOSP'23, simulated with `paper_vllm.simulate` (the real `FCFSScheduler`, KV cache
+Kwon et al. SOSP'23, simulated with `minipaged.simulate` (the real `FCFSScheduler`, KV cache
 managers and baselines, timed by the A100-like `OPT_13B_A100` cost model, 15.7K KV slots):
 
 * `sampling` (§6.3, Fig. 14): parallel sampling n = 2, 4, 6 and beam search width 2, 4, 6 on the
@@ -38,6 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from machine import machine_info  # noqa: E402
 from paper_vllm import (  # noqa: E402  (a sibling script)
     CAPACITY_SLOTS,
     LATENCY_BOUND,
@@ -46,9 +47,8 @@ from paper_vllm import (  # noqa: E402  (a sibling script)
     SIM_SCHEDULER,
     RunStats,
     fork_parallel_samples,
-    machine,
     make_groups,
-    simulate,
+    simulate_groups,
     sustained_rate,
     sweep,
 )
@@ -139,7 +139,7 @@ def run_sampling(quick: bool) -> dict:
                 hook = {"beam": beam_search_hook(np.random.default_rng(0))}.get(
                     kind, fork_parallel_samples
                 )
-                return simulate(scheduler_for(system), groups, OPT_13B_A100, hook)
+                return simulate_groups(scheduler_for(system), groups, OPT_13B_A100, hook)
 
             name = f"{kind}" + (f"-{width}" if kind != "basic" else "")
             curves = sweep(name, rates, list(SYSTEMS), serve, give_up=10 * LATENCY_BOUND)
@@ -196,7 +196,9 @@ def run_prefix(quick: bool) -> dict:
 
         def serve(system: str, rate: float, prefix_len=prefix_len) -> RunStats:
             groups = prefix_groups(translation_like(num, rate), prefix_len)
-            return simulate(scheduler_for(system, enable_prefix_caching=True), groups, OPT_13B_A100)
+            return simulate_groups(
+                scheduler_for(system, enable_prefix_caching=True), groups, OPT_13B_A100
+            )
 
         curves = sweep(name, rates, list(SYSTEMS), serve, give_up=10 * LATENCY_BOUND)
         out[name] = {"prefix_len": prefix_len, **_with_ratio(curves)}
@@ -216,7 +218,7 @@ def run_blocksize(quick: bool) -> dict:
         for bs in BLOCK_SIZES[:: 2 if quick else 1]:
             for rate in rates:
                 trace = TRACES[trace_name](num, rate=rate, seed=0, max_seq_len=MAX_SEQ_LEN)
-                stats = simulate(
+                stats = simulate_groups(
                     scheduler_for("paged", block_size=bs), make_groups(trace), OPT_13B_A100
                 )
                 points.append({"block_size": bs, "rate": rate, **stats.as_dict()})
@@ -259,7 +261,7 @@ def run_swap(quick: bool) -> dict:
                 "paged", config, CAPACITY_SLOTS // bs, bs, num_host_blocks=CAPACITY_SLOTS // bs
             )
             trace = TRACES["sharegpt"](num, rate=rate, seed=0, max_seq_len=MAX_SEQ_LEN)
-            stats = simulate(scheduler, make_groups(trace), cost)
+            stats = simulate_groups(scheduler, make_groups(trace), cost)
             points.append({"block_size": bs, "mode": mode.value, "rate": rate, **stats.as_dict()})
             print(
                 f"swap {bs:>3} {mode.value:<9}: {stats.normalized_latency:.4f} "
@@ -310,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
                 "latency_bound_s_per_token": LATENCY_BOUND,
             },
             "paper": PAPER[name],
-            "machine": machine() | {"load_average_1min_before": round(load_before, 2)},
+            "machine": machine_info() | {"load_average_1min_before": round(load_before, 2)},
             "wall_seconds": round(time.monotonic() - started, 1),
         }
         for case, block in result.items():

@@ -46,10 +46,11 @@ from tqdm import tqdm
 
 import minipaged.simulate
 from minipaged.baselines import SYSTEMS, build_scheduler
-from minipaged.cost_model import OPT_13B_A100, CostModel, StepShape
+from minipaged.cost_model import OPT_13B_A100, CostModel
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import FCFSScheduler, SchedulerConfig
-from minipaged.sequence import Sequence, SequenceGroup, check_stop
+from minipaged.sequence import Sequence, SequenceGroup
+from minipaged.simulate import SampleHook
 from minipaged.traces import TRACES, TraceRequest
 
 RESULTS = Path(__file__).parent / "results"
@@ -97,11 +98,6 @@ class RunStats:
         return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in vars(self).items()}
 
 
-# Called after each step's tokens are appended (the "sampler"): the forks and drops of parallel
-# sampling and beam search live here. Arguments: the scheduler, the step's sampled items and
-# the next free sequence id; returns the next free sequence id.
-SampleHook = Callable[[FCFSScheduler, list, int], int]
-
 # -- the simulated server -------------------------------------------------------------------------
 
 
@@ -121,53 +117,26 @@ def make_groups(
     return groups
 
 
-def simulate(
+def simulate_groups(
     scheduler: FCFSScheduler,
     groups: list[SequenceGroup],
     cost_model: CostModel,
     sample: SampleHook | None = None,
 ) -> RunStats:
-    """Serve `groups` (sorted by arrival) in simulated time, the scheduler's real decisions
-    timed by the cost model: each step lasts `cost_model.step_time` of its shape plus its swaps.
-
-    `minipaged.simulate.simulate` is the project's simulator (used by `sim`); this loop is its
-    twin for what that one cannot express yet (benchmarks/paper_sharing.py): any scheduler
-    and KV cache manager object (prefix caching on), made-up prompts given as groups (shared
-    prefixes), and a `sample` hook for the forks and drops of parallel sampling and beam search.
-    """
-    now, next_arrival, done, steps = 0.0, 0, 0, 0
-    batched = 0
-    ids = 1_000_000_000  # ids of forked sequences
-    while done < len(groups):
-        while next_arrival < len(groups) and groups[next_arrival].arrival_time <= now:
-            scheduler.add(groups[next_arrival])
-            next_arrival += 1
-        if not scheduler.has_unfinished():
-            now = groups[next_arrival].arrival_time
-            continue
-        out = scheduler.schedule(now)
-        if not out.scheduled and not out.swap_in and not out.swap_out:
-            raise RuntimeError(f"no progress at t={now:.3f}s with work queued")
-        swaps = len(out.swap_in) + len(out.swap_out)
-        now += cost_model.step_time(StepShape.of(out)) + cost_model.swap_time(swaps)
-        scheduler.mark_computed(out)
-        sampled = [item for item in out.scheduled if item.needs_logits]
-        for item in sampled:
-            item.seq.append_token(5, 0.0)
-        if sample is not None:
-            ids = sample(scheduler, sampled, ids)
-        touched = {id(item.group): item.group for item in sampled}
-        for group in touched.values():  # forked samples and beams included
-            for seq in group.get_unfinished_seqs():
-                decision = check_stop(seq, group.sampling_params)
-                if decision is not None:
-                    seq.finish(decision)
-        batched += len(scheduler.running)
-        steps += 1
-        for group in scheduler.finish_step():
-            group.metrics.finished_time = now
-            done += 1
-    return _stats(groups, steps, batched, scheduler.num_preemptions)
+    """Serve `groups` with a ready `scheduler` (and its KV cache manager, prefix caching on or
+    off) in `minipaged.simulate`, with `sample` as the sampler's forks and drops."""
+    result = minipaged.simulate.simulate(
+        None,
+        cost_model,
+        lambda _config, _kv: scheduler,
+        config=scheduler.config,
+        kv_cache=scheduler.kv_cache,
+        groups=groups,
+        on_sample=sample,
+        record_steps=True,
+    )
+    batched = sum(step.num_running for step in result.steps)  # requests holding KV memory
+    return _run_stats(result, batched / max(result.num_steps, 1))
 
 
 def fork_parallel_samples(scheduler: FCFSScheduler, sampled: list, next_id: int) -> int:
@@ -223,12 +192,17 @@ def simulate_system(system: str, trace: list[TraceRequest]) -> RunStats:
         config=SIM_SCHEDULER,
         record_steps=True,
     )
-    latencies = np.array([r.jct for r in result.requests])
     batched = [len(step.request_ids) for step in result.steps]
+    return _run_stats(result, float(np.mean(batched)))
+
+
+def _run_stats(result: minipaged.simulate.SimulationResult, mean_batched: float) -> RunStats:
+    """A simulation's numbers, with the mean batch size as the caller counts it."""
+    latencies = np.array([r.jct for r in result.requests])
     return RunStats(
         normalized_latency=result.mean_normalized_latency,
         mean_latency=float(latencies.mean()),
-        mean_batched_requests=float(np.mean(batched)),
+        mean_batched_requests=mean_batched,
         num_steps=result.num_steps,
         num_preemptions=result.num_preemptions,
         duration=result.makespan,
