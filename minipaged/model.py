@@ -17,6 +17,7 @@ Parameter names mirror Hugging Face's, so a checkpoint's state dict loads by nam
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -26,6 +27,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
 
 from minipaged.attention import dense_attention
 from minipaged.config import ModelConfig
@@ -102,7 +104,10 @@ class DenseAttentionBackend:
     """`AttentionBackend` over a `DenseKVCache` for one step of a flat batch.
 
     The flat batch holds `query_lens[i]` new tokens of sequence `seq_ids[i]`, in that order (the
-    same layout as `AttentionMetadata.query_start_loc`). Each sequence is attended on its own.
+    same layout as `AttentionMetadata.query_start_loc`). A step with a prompt in it attends each
+    sequence on its own with the oracle, `dense_attention`. A decode step (one new token per
+    sequence) attends all sequences at once with `decode_attention`: the same sums, one batched
+    matmul instead of a Python loop, which at batch 8 was most of the step's non-matmul time.
     """
 
     def __init__(self, cache: DenseKVCache, seq_ids: Sequence[int], query_lens: Sequence[int]):
@@ -113,19 +118,54 @@ class DenseAttentionBackend:
         self.cache = cache
         self.seq_ids = list(seq_ids)
         self.query_lens = list(query_lens)
+        self.is_decode = all(n == 1 for n in self.query_lens)
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         if q.shape[0] != sum(self.query_lens):
             raise ValueError(f"{q.shape[0]} query tokens but query_lens sum to "
                              f"{sum(self.query_lens)}")
-        outputs = []
+        keys, values = [], []
         start = 0
         for seq_id, n in zip(self.seq_ids, self.query_lens, strict=True):
-            end = start + n
-            k_all, v_all = self.cache.append(seq_id, layer_idx, k[start:end], v[start:end])
-            outputs.append(dense_attention(q[start:end], k_all, v_all, scale))
-            start = end
-        return torch.cat(outputs)
+            k_all, v_all = self.cache.append(seq_id, layer_idx, k[start:start + n],
+                                             v[start:start + n])
+            keys.append(k_all)
+            values.append(v_all)
+            start += n
+        if self.is_decode:
+            return decode_attention(q, keys, values, scale)
+        starts = [0, *itertools.accumulate(self.query_lens)]
+        return torch.cat([
+            dense_attention(q[starts[i]:starts[i + 1]], keys[i], values[i], scale)
+            for i in range(len(keys))
+        ])
+
+
+def decode_attention(q: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor],
+                     scale: float) -> Tensor:
+    """Attention of one new query per sequence over that sequence's whole contiguous K/V.
+
+    q: `[B, H, D]`, row i the last position of sequence i; keys[i], values[i]: `[L_i, H_kv, D]`.
+    Returns `[B, H, D]`, what `dense_attention(q[i:i+1], keys[i], values[i], scale)` gives for
+    each i. A query at the last position sees every key of its context, so the only mask is the
+    padding of shorter contexts to the longest. Query heads are grouped onto their KV head by a
+    reshape (GQA, H % H_kv == 0). Computed in float32, returned in q's dtype.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    if len(keys) != num_seqs or len(values) != num_seqs:
+        raise ValueError(f"{num_seqs} queries but {len(keys)} keys and {len(values)} values")
+    num_kv_heads = keys[0].shape[1]
+    group = num_heads // num_kv_heads
+    lengths = torch.tensor([k.shape[0] for k in keys], device=q.device)
+    # [B, L_max, H_kv, D] -> [B, H_kv, L_max, D]; padding rows are zeros.
+    k_pad = pad_sequence(list(keys), batch_first=True).float().transpose(1, 2)
+    v_pad = pad_sequence(list(values), batch_first=True).float().transpose(1, 2)
+    qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = (qg @ k_pad.transpose(-1, -2)) * scale  # [B, H_kv, G, L_max]
+    padding = torch.arange(k_pad.shape[2], device=q.device)[None, :] >= lengths[:, None]
+    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v_pad  # [B, H_kv, G, D]
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

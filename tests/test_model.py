@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
+from minipaged.attention import dense_attention  # noqa: E402
 from minipaged.checkpoint import default_model_path, load_checkpoint  # noqa: E402
 from minipaged.config import ModelConfig  # noqa: E402
 from minipaged.model import (  # noqa: E402
@@ -28,6 +29,7 @@ from minipaged.model import (  # noqa: E402
     DenseKVCache,
     ModelInputError,
     build_model,
+    decode_attention,
     generate_dense,
     load_model,
 )
@@ -147,6 +149,43 @@ def test_incremental_decoding_equals_recomputation(name, tmp_root, data):
         assert torch.allclose(step_logits[:n], full[-n:], atol=1e-5, rtol=0)
         other_full = _flat_forward(model, [other[:cache.length(1)]])
         assert torch.allclose(step_logits[n], other_full[-1], atol=1e-5, rtol=0)
+
+
+@settings(max_examples=25)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+    heads=st.sampled_from([(4, 4), (6, 2), (8, 2), (3, 1)]),
+    seed=st.integers(0, 2**16),
+)
+def test_batched_decode_equals_per_sequence_oracle(lengths, heads, seed):
+    """A decode step's one-batch attention (contexts padded to the longest) equals the oracle,
+    `dense_attention`, run on each sequence alone, and so does the backend that chooses it."""
+    num_heads, num_kv_heads = heads
+    gen = torch.Generator().manual_seed(seed)
+    keys = [torch.randn(n, num_kv_heads, 8, generator=gen) for n in lengths]
+    values = [torch.randn(n, num_kv_heads, 8, generator=gen) for n in lengths]
+    q = torch.randn(len(lengths), num_heads, 8, generator=gen)
+    expected = torch.cat([dense_attention(q[i:i + 1], keys[i], values[i], 0.3)
+                          for i in range(len(lengths))])
+    assert torch.allclose(decode_attention(q, keys, values, 0.3), expected, atol=1e-5, rtol=0)
+
+    # Through the backend: cache all but each sequence's last token, then one decode step.
+    cache = DenseKVCache(num_layers=1)
+    seq_ids = list(range(len(lengths)))
+    for i in seq_ids:
+        cache.append(i, 0, keys[i][:-1], values[i][:-1])
+    backend = DenseAttentionBackend(cache, seq_ids, [1] * len(lengths))
+    out = backend(0, q, torch.stack([k[-1] for k in keys]), torch.stack([v[-1] for v in values]),
+                  0.3)
+    assert torch.allclose(out, expected, atol=1e-5, rtol=0)
+    assert [cache.length(i) for i in seq_ids] == lengths
+
+
+def test_decode_attention_rejects_mismatched_batch():
+    q = torch.randn(2, 4, 8)
+    kv = [torch.randn(3, 2, 8)]
+    with pytest.raises(ValueError, match="2 queries but 1 keys"):
+        decode_attention(q, kv, kv, 1.0)
 
 
 def _greedy_by_recomputation(model, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
