@@ -6,8 +6,9 @@ model knows where past keys and values live: each layer hands its new queries, k
 an `AttentionBackend`, which owns the KV cache. Two backends plug in:
 
 * `DenseAttentionBackend` (here): one contiguous K/V tensor per sequence and layer, grown by
-  concatenation, attended with `attention.dense_attention`. It is slow and obviously correct: the
-  oracle that the paged engine is tested against, token for token, through `generate_dense`.
+  concatenation, attended with `attention.dense_attention` (decode steps: `decode_attention`,
+  the same sums over the whole batch at once). It is simple and obviously correct: the oracle
+  that the paged engine is tested against, token for token, through `generate_dense`.
 * `attention.PagedAttentionBackend`: writes K/V into fixed-size blocks and calls paged
   attention with `AttentionMetadata` (Kwon et al., SOSP'23, section 4.1).
 
