@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from memory_waste import machine
+from machine import machine_info
 from tqdm import tqdm
 
 from minipaged.kv_cache import KVCacheManager
@@ -94,7 +94,7 @@ def main() -> None:
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": machine_info(),
         "results": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
