@@ -32,6 +32,8 @@ from paged_utils import (
 
 import minipaged.attention as reference
 from minipaged import kernels
+from minipaged.kernels.decode import paged_decode_attention
+from minipaged.kernels.prefill import paged_prefill_attention
 
 dispatch = kernels.attention  # the module holding the dispatcher, for patching
 
@@ -90,7 +92,7 @@ def test_prefill_tiles_equal_dense(shapes: dict, data: st.DataObject) -> None:
     group_pad = 1 << (shapes["num_heads"] // shapes["num_kv_heads"] - 1).bit_length()
     query_tile = data.draw(st.sampled_from([16, 32])) // min(group_pad, 16)
     key_tile = data.draw(st.sampled_from([max(block_size, 16), 2 * block_size]))
-    out = kernels.paged_prefill_attention(*case.args(), query_tile=query_tile, key_tile=key_tile)
+    out = paged_prefill_attention(*case.args(), query_tile=query_tile, key_tile=key_tile)
     assert_matches_oracles(case, out)
 
 
@@ -103,14 +105,14 @@ def test_decode_every_split_count_gives_the_same_result(shapes: dict, data: st.D
     # Up to 8 key tiles per context, so that 8 partitions can all hold work (or some none).
     seq_lens = data.draw(st.lists(lengths(block_size, 8 * key_tile), min_size=1, max_size=2))
     case = make_attention_case(seq_lens, [1] * len(seq_lens), device=DEVICE, **shapes)
-    single = kernels.paged_decode_attention(*case.args(), num_splits=1, key_tile=key_tile)
+    single = paged_decode_attention(*case.args(), num_splits=1, key_tile=key_tile)
     assert_matches_oracles(case, single)
     # The merge only reorders float32 sums, so splits agree far more tightly than the oracle
     # tolerance in float32; in 16-bit dtypes they may round one unit apart.
     same = ({"rtol": 2e-6, "atol": 2e-6} if case.q.dtype == torch.float32
             else tolerance(case.q.dtype))
     for num_splits in range(2, 9):
-        out = kernels.paged_decode_attention(*case.args(), num_splits=num_splits,
+        out = paged_decode_attention(*case.args(), num_splits=num_splits,
                                              key_tile=key_tile)
         torch.testing.assert_close(out.float(), single.float(), **same)
         torch.testing.assert_close(out.float().cpu(), dense_reference(case).float().cpu(),
@@ -129,7 +131,7 @@ def test_boundary_lengths_and_odd_head_shapes(dtype: torch.dtype) -> None:
     assert_matches_oracles(case, kernels.paged_attention(*case.args()))
     decode = make_attention_case(seq_lens, [1] * len(seq_lens), num_heads=9, num_kv_heads=3,
                                  head_dim=80, block_size=bs, dtype=dtype, device=DEVICE)
-    assert_matches_oracles(decode, kernels.paged_decode_attention(*decode.args(), num_splits=3,
+    assert_matches_oracles(decode, paged_decode_attention(*decode.args(), num_splits=3,
                                                                   key_tile=bs))
 
 
@@ -235,11 +237,11 @@ def test_decode_rejects_bad_decode_arguments() -> None:
     prefill = make_attention_case([9, 20], [2, 1], num_heads=4, num_kv_heads=2, head_dim=32,
                                   block_size=8, device=DEVICE)
     with pytest.raises(ValueError, match="one query per sequence"):
-        kernels.paged_decode_attention(*prefill.args())
+        paged_decode_attention(*prefill.args())
     case = _decode_case()
     with pytest.raises(ValueError, match="num_splits"):
-        kernels.paged_decode_attention(*case.args(), num_splits=0)
+        paged_decode_attention(*case.args(), num_splits=0)
     with pytest.raises(ValueError, match="key_tile"):
-        kernels.paged_decode_attention(*case.args(), key_tile=24)
+        paged_decode_attention(*case.args(), key_tile=24)
     with pytest.raises(ValueError, match="key_tile"):
-        kernels.paged_prefill_attention(*case.args(), key_tile=4)
+        paged_prefill_attention(*case.args(), key_tile=4)
