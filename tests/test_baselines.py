@@ -12,9 +12,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import assert_engine_drained, tiny_engine, tiny_llama_parts
 
 from minipaged.baselines import (
     SYSTEMS,
@@ -27,6 +27,7 @@ from minipaged.baselines import (
     reservation_len,
 )
 from minipaged.kv_cache import KVCacheError, NoFreeBlocksError
+from minipaged.model import generate_dense
 from minipaged.reservation import ReservationCache
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import SchedulerConfig
@@ -273,37 +274,13 @@ def test_orca_max_admits_fewer_requests_than_oracle_at_equal_capacity():
 
 @pytest.fixture(scope="module")
 def tiny():
-    transformers = pytest.importorskip("transformers")
-    from minipaged.config import ModelConfig
-    from minipaged.model import build_model
-
-    hf_config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_LEN,
-        initializer_range=0.3,
-    )
-    torch.manual_seed(0)
-    hf_model = transformers.LlamaForCausalLM(hf_config).eval()
-    config = ModelConfig.from_hf_dict(hf_config.to_dict())
-    return build_model(config, hf_model.state_dict()), config
+    return tiny_llama_parts(max_position_embeddings=MAX_LEN, initializer_range=0.3)
 
 
 @pytest.mark.parametrize("system", SYSTEMS)
 def test_engine_greedy_tokens_equal_dense_under_every_system(tiny, system):
-    from minipaged.engine import EngineConfig, LLMEngine
-    from minipaged.model import generate_dense
-
-    model, config = tiny
-    engine = LLMEngine(
-        model,
-        config,
-        config=EngineConfig(num_gpu_blocks=40, block_size=4, num_cpu_blocks=0, seed=0),
-    )
+    model, _ = tiny
+    engine = tiny_engine(tiny, num_gpu_blocks=40, block_size=4, num_cpu_blocks=0, seed=0)
     install(engine, system)
     assert type(engine.scheduler).__name__ == {
         "static": "StaticBatchScheduler",
@@ -319,8 +296,7 @@ def test_engine_greedy_tokens_equal_dense_under_every_system(tiny, system):
     for request_id, prompt, n in zip(ids, prompts, lengths, strict=True):
         expected = generate_dense(model, [prompt], n)[0]
         assert finals[request_id].outputs[0].token_ids == expected
-    engine.kv_cache.check_invariants()
-    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    assert_engine_drained(engine)
 
 
 def test_every_system_is_built_at_the_capacity_asked_for():

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import tiny_engine, tiny_llama_parts
 
 from minipaged.cost_model import OPT_13B_A100, CostModel, StepShape
 from minipaged.kv_cache import KVCacheManager
@@ -104,33 +104,12 @@ def test_shape_of_a_scheduled_step_counts_prefill_and_decode():
 
 
 @pytest.fixture(scope="module")
-def tiny_engine_parts():
-    transformers = pytest.importorskip("transformers")
-    from minipaged.config import ModelConfig
-    from minipaged.model import build_model
-
-    hf_config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    hf_model = transformers.LlamaForCausalLM(hf_config).eval()
-    config = ModelConfig.from_hf_dict(hf_config.to_dict())
-    return build_model(config, hf_model.state_dict()), config
+def tiny():
+    return tiny_llama_parts()
 
 
-def test_profiling_an_engine_leaves_it_idle_with_its_own_scheduler(tiny_engine_parts):
-    from minipaged.engine import EngineConfig, LLMEngine
-
-    model, config = tiny_engine_parts
-    engine = LLMEngine(
-        model, config, None, EngineConfig(num_gpu_blocks=64, num_cpu_blocks=16, block_size=8)
-    )
+def test_profiling_an_engine_leaves_it_idle_with_its_own_scheduler(tiny):
+    engine = tiny_engine(tiny, num_gpu_blocks=64, num_cpu_blocks=16, block_size=8)
     scheduler = engine.scheduler
     cost = CostModel.profile(engine, max_prefill=32, max_batch=4)
     assert engine.scheduler is scheduler
@@ -143,16 +122,8 @@ def test_profiling_an_engine_leaves_it_idle_with_its_own_scheduler(tiny_engine_p
         CostModel.profile(engine)
 
 
-def test_profiling_a_runner_fits_its_forward_passes(tiny_engine_parts):
-    from minipaged.engine import EngineConfig, LLMEngine
-
-    model, config = tiny_engine_parts
-    engine = LLMEngine(
-        model,
-        config,
-        None,
-        EngineConfig(num_gpu_blocks=64, num_cpu_blocks=16, block_size=8, scheduler="mlfq"),
-    )
+def test_profiling_a_runner_fits_its_forward_passes(tiny):
+    engine = tiny_engine(tiny, num_gpu_blocks=64, num_cpu_blocks=16, block_size=8, scheduler="mlfq")
     # The engine profiled its runner for skip-join at start-up.
     cost = engine.scheduler.cost_model
     assert isinstance(cost, CostModel) and cost.name == "profiled"

@@ -13,10 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from tiny_models import assert_engine_drained, dense_last_logits, tiny_engine, tiny_llama_parts
 
-from minipaged.config import ModelConfig
-from minipaged.engine import EngineConfig, LLMEngine
-from minipaged.model import build_model, generate_dense
+from minipaged.engine import LLMEngine
+from minipaged.model import generate_dense
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import RequestRejectedError
 
@@ -26,31 +26,21 @@ EOS = 1  # ignored unless a test says otherwise: random models emit it at random
 
 @pytest.fixture(scope="module")
 def tiny():
-    transformers = pytest.importorskip("transformers")
-    hf_config = transformers.LlamaConfig(
+    return tiny_llama_parts(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=512,
         initializer_range=0.3,  # wide logits: greedy choices far from ties
         eos_token_id=EOS,
     )
-    torch.manual_seed(0)
-    hf_model = transformers.LlamaForCausalLM(hf_config).eval()
-    config = ModelConfig.from_hf_dict(hf_config.to_dict())
-    model = build_model(config, hf_model.state_dict())
-    return model, config
 
 
 def make_engine(tiny, **kwargs) -> LLMEngine:
-    model, config = tiny
     kwargs.setdefault("num_gpu_blocks", 256)
     kwargs.setdefault("num_cpu_blocks", 256)
     kwargs.setdefault("block_size", 8)
-    return LLMEngine(model, config, tokenizer=None, config=EngineConfig(**kwargs))
+    return tiny_engine(tiny, **kwargs)
 
 
 def random_prompts(count: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
@@ -66,12 +56,6 @@ def run_greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
     ids = [engine.add_request(None, p, params) for p in prompts]
     finals = engine.run_until_done()
     return [finals[i].outputs[0].token_ids for i in ids]
-
-
-def assert_all_blocks_free(engine: LLMEngine) -> None:
-    engine.kv_cache.check_invariants()
-    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
-    assert not engine.has_unfinished_requests()
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +81,7 @@ def test_greedy_batch_equals_dense(tiny, batch_and_oracle, engine_kwargs, expect
     engine = make_engine(tiny, **engine_kwargs)
     assert run_greedy(engine, prompts, max_tokens=12) == expected
     assert (engine.scheduler.num_preemptions > 0) == expect_preemption
-    assert_all_blocks_free(engine)
+    assert_engine_drained(engine)
 
 
 def test_prefix_cache_hits_and_same_outputs(tiny):
@@ -112,7 +96,7 @@ def test_prefix_cache_hits_and_same_outputs(tiny):
     cached = [finals[i].metrics.num_cached_tokens for i in ids]
     assert cached[0] == 0 and all(c == 24 for c in cached[1:])  # 3 full blocks of 8
     assert engine.kv_cache.prefix_cache_hits >= 3 * 7
-    assert_all_blocks_free(engine)
+    assert_engine_drained(engine)
 
 
 def test_parallel_sampling_seeded_is_reproducible_and_batch_independent(tiny):
@@ -126,7 +110,7 @@ def test_parallel_sampling_seeded_is_reproducible_and_batch_independent(tiny):
                 engine.add_request(None, other, SamplingParams(temperature=1.0, max_tokens=7))
         rid = engine.add_request(None, prompt, params)
         finals = engine.run_until_done()
-        assert_all_blocks_free(engine)
+        assert_engine_drained(engine)
         return [c.token_ids for c in finals[rid].outputs]
 
     alone = run(False)
@@ -142,7 +126,7 @@ def reference_beam_search(model, prompt, width, max_tokens, length_penalty=1.0):
     for _ in range(max_tokens):
         scored = []
         for tokens, cum in beams:
-            logits = dense_logits(model, prompt + tokens)
+            logits = dense_last_logits(model, prompt + tokens)
             logprobs = torch.log_softmax(logits, dim=-1)
             for tok in range(VOCAB):
                 scored.append((cum + float(logprobs[tok]), tokens, tok))
@@ -151,20 +135,6 @@ def reference_beam_search(model, prompt, width, max_tokens, length_penalty=1.0):
     finished = beams
     key = lambda b: b[1] / (len(prompt) + len(b[0])) ** length_penalty  # noqa: E731
     return [tokens for tokens, _ in sorted(finished, key=key, reverse=True)]
-
-
-def dense_logits(model, tokens: list[int]) -> torch.Tensor:
-    return torch.tensor(generate_logits(model, tokens))
-
-
-def generate_logits(model, tokens: list[int]) -> list[float]:
-    from minipaged.model import DenseAttentionBackend, DenseKVCache
-
-    cache = DenseKVCache(model.config.num_layers)
-    attn = DenseAttentionBackend(cache, [0], [len(tokens)])
-    with torch.inference_mode():
-        hidden = model(torch.tensor(tokens), torch.arange(len(tokens)), attn)
-        return model.compute_logits(hidden[-1:])[0].tolist()
 
 
 def test_beam_search_equals_brute_force_reference(tiny):
@@ -184,7 +154,7 @@ def test_beam_search_equals_brute_force_reference(tiny):
     rid = engine.add_request(None, prompt, params)
     out = engine.run_until_done()[rid]
     assert [c.token_ids for c in out.outputs] == expected
-    assert_all_blocks_free(engine)
+    assert_engine_drained(engine)
 
 
 @pytest.mark.parametrize(
@@ -208,7 +178,7 @@ def test_bad_requests_are_rejected_and_others_finish(tiny, bad, message):
         engine.add_request(None, bad["prompt"], bad.get("params", params))
     finals = engine.run_until_done()
     assert [finals[i].outputs[0].token_ids for i in ids] == generate_dense(model, prompts, 5)
-    assert_all_blocks_free(engine)
+    assert_engine_drained(engine)
 
 
 def test_rejection_is_a_value_error_subclass():
@@ -233,7 +203,7 @@ def test_abort_returns_blocks_and_others_finish(tiny):
         expected[2],
         expected[3],
     ]
-    assert_all_blocks_free(engine)
+    assert_engine_drained(engine)
 
 
 @given(st.data())
@@ -254,7 +224,7 @@ def test_eos_and_stop_tokens_end_sequences_like_dense(tiny, data):
         cut = expected.index(stop_token) + 1 if stop_token in expected else len(expected)
         assert completion.token_ids == expected[:cut]
         assert completion.finish_reason == ("stop" if stop_token in expected else "length")
-    assert_all_blocks_free(engine)
+    assert_engine_drained(engine)
 
 
 class EngineMachine(RuleBasedStateMachine):

@@ -16,10 +16,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import dense_last_logits
 
 from minipaged.attention import PagedAttentionBackend
 from minipaged.config import ModelConfig
-from minipaged.model import DenseAttentionBackend, DenseKVCache, GPT2ForCausalLM, LlamaForCausalLM
+from minipaged.model import GPT2ForCausalLM, LlamaForCausalLM
 from minipaged.runner import (
     BatchEntry,
     CacheOps,
@@ -241,14 +242,6 @@ def test_swap_out_then_in_restores_a_block_elsewhere():
 
 
 # -- execute against dense logits -----------------------------------------------------------------
-
-
-def dense_last_logits(model, tokens: list[int]) -> torch.Tensor:
-    """Logits after `tokens`, from one dense forward pass over the whole context."""
-    attn = DenseAttentionBackend(DenseKVCache(model.config.num_layers), [0], [len(tokens)])
-    with torch.inference_mode():
-        hidden = model(torch.tensor(tokens), torch.arange(len(tokens)), attn)
-        return model.compute_logits(hidden[-1:])[0]
 
 
 class PagedSequences:

@@ -1,0 +1,116 @@
+"""Tiny random models for tests: built with `transformers`, run by minipaged.
+
+Many tests need a real model but not a good one: a few layers of random weights are enough to
+compare minipaged against a reference (transformers' logits, the dense generation oracle, a
+brute-force search) or to give the engine real forward passes to schedule. Import from any test
+module in `tests/` as
+
+    from tiny_models import tiny_llama_parts, tiny_engine, assert_engine_drained
+
+(pytest puts `tests/` on `sys.path` because the folder has no `__init__.py`).
+
+* `random_llama` / `random_gpt2`: a seeded, randomly initialised `transformers` model for any
+  config; each test module keeps its own config, these builders only remove the ceremony.
+* `minipaged_parts`: the same weights as a minipaged model, through `ModelConfig.from_hf_dict`
+  and `build_model` -- what the engine tests run on.
+* `tiny_llama_parts`: both steps at once, starting from `SMALL_LLAMA` (a two-layer GQA LLaMA).
+* `tiny_engine`, `assert_engine_drained`: an `LLMEngine` around such a model without a
+  tokenizer, and the check that a finished run gave every block back.
+* `dense_last_logits`: the logits after a token list from one dense forward pass, the oracle
+  the paged paths are compared with.
+* `assert_llama_config_matches`: a `ModelConfig` equals transformers' `LlamaConfig` field by
+  field.
+
+`transformers` is a development dependency, imported only when a builder runs, so a module that
+imports this one still collects (and its other tests still run) where it is missing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+
+from minipaged.config import ModelConfig
+from minipaged.engine import EngineConfig, LLMEngine
+from minipaged.model import DenseAttentionBackend, DenseKVCache, build_model
+
+if TYPE_CHECKING:
+    from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+# A two-layer LLaMA with grouped-query attention (4 query heads share 2 KV heads): small enough
+# that an engine step costs milliseconds on a CPU, and still every part of the architecture.
+SMALL_LLAMA: dict[str, Any] = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def random_llama(seed: int = 0, **config: Any) -> LlamaForCausalLM:
+    """A `transformers` LLaMA of this config with random weights drawn after `torch.manual_seed`
+    (so the same every time), in eval mode."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+
+
+def random_gpt2(seed: int = 0, **config: Any) -> GPT2LMHeadModel:
+    """A `transformers` GPT-2 of this config with random weights drawn after `torch.manual_seed`
+    (so the same every time), in eval mode."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**config)).eval()
+
+
+def minipaged_parts(hf_model: torch.nn.Module) -> tuple[torch.nn.Module, ModelConfig]:
+    """(minipaged model, its config) holding the weights of a `transformers` model."""
+    config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
+    return build_model(config, hf_model.state_dict()), config
+
+
+def tiny_llama_parts(**overrides: Any) -> tuple[torch.nn.Module, ModelConfig]:
+    """(minipaged model, config) of a random `SMALL_LLAMA`, with `overrides` in its config."""
+    return minipaged_parts(random_llama(**(SMALL_LLAMA | overrides)))
+
+
+def tiny_engine(parts: tuple[torch.nn.Module, ModelConfig], **engine_config: Any) -> LLMEngine:
+    """An engine without a tokenizer (requests are token ids) around `tiny_llama_parts`'s
+    result, configured by `EngineConfig(**engine_config)`."""
+    model, config = parts
+    return LLMEngine(model, config, tokenizer=None, config=EngineConfig(**engine_config))
+
+
+def assert_engine_drained(engine: LLMEngine) -> None:
+    """Nothing left to run, the KV cache consistent and every block free again."""
+    engine.kv_cache.check_invariants()
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    assert not engine.has_unfinished_requests()
+
+
+def dense_last_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    """Logits after `tokens`, from one dense forward pass over the whole context."""
+    attn = DenseAttentionBackend(DenseKVCache(model.config.num_layers), [0], [len(tokens)])
+    with torch.inference_mode():
+        hidden = model(torch.tensor(tokens), torch.arange(len(tokens)), attn)
+        return model.compute_logits(hidden[-1:])[0]
+
+
+def assert_llama_config_matches(ours: ModelConfig, hf: LlamaConfig) -> None:
+    """Every size, the norm epsilon, the rope base and the head tying read as transformers did."""
+    assert ours.vocab_size == hf.vocab_size
+    assert ours.hidden_size == hf.hidden_size
+    assert ours.num_layers == hf.num_hidden_layers
+    assert ours.num_heads == hf.num_attention_heads
+    assert ours.num_kv_heads == hf.num_key_value_heads
+    assert ours.head_dim == hf.head_dim
+    assert ours.intermediate_size == hf.intermediate_size
+    assert ours.max_position_embeddings == hf.max_position_embeddings
+    assert ours.norm_eps == hf.rms_norm_eps
+    assert ours.rope_theta == hf.rope_parameters["rope_theta"]
+    assert ours.tie_word_embeddings == hf.tie_word_embeddings
