@@ -85,13 +85,13 @@ def paged_decode(x: dict, validate: bool) -> torch.Tensor:
 
 def gather_only(x: dict) -> None:
     """The part of `paged_decode` that dense attention does not do: copying K and V out of
-    their blocks (the reference's own gather, on the same buffers)."""
+    their blocks (the reference's own gather, the whole batch at once into one buffer)."""
     k_cache, v_cache = x["k_cache"], x["v_cache"]
     block_ids = x["block_tables"].long()
     numel = block_ids.numel() * k_cache[0].numel()
     buffer = attention._gather_buffer(2 * numel, k_cache.dtype, k_cache.device)
-    attention._gather_context(k_cache, block_ids, buffer[:numel])
-    attention._gather_context(v_cache, block_ids, buffer[numel:])
+    attention.gather_blocks(k_cache, block_ids, buffer[:numel])
+    attention.gather_blocks(v_cache, block_ids, buffer[numel:])
 
 
 def bench(batch: int, context: int, block_size: int, repeats: int) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -112,6 +113,16 @@ def test_max_lengths_and_validate_flag_do_not_change_the_result(case, slack):
     out = paged_attention(*case.args(), max_query_len=case.max_query_len + slack,
                           max_seq_len=case.max_seq_len + slack, validate=False)
     torch.testing.assert_close(out, expected, **tolerance(torch.float32))  # padding reorders sums
+
+
+@given(case=attention_cases(torch.float32), chunk_bytes=st.sampled_from([1, 3000, 20000]))
+@settings(max_examples=20)
+def test_gathering_in_chunks_of_sequences_does_not_change_the_result(case, chunk_bytes):
+    # The default budget holds every test case in one chunk; a small one cuts the batch into
+    # chunks of one or a few sequences.
+    with mock.patch.object(attention, "GATHER_CHUNK_BYTES", chunk_bytes):
+        out = paged_attention(*case.args())
+    torch.testing.assert_close(out, dense_reference(case), **tolerance(torch.float32))
 
 
 def test_blocks_shared_between_sequences():
