@@ -23,6 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
+from tiny_models import assert_llama_config_matches, random_gpt2, random_llama
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
@@ -48,8 +49,8 @@ Q = gguf.GGMLQuantizationType
 
 
 def tiny_llama(tie: bool = False, **overrides) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    kwargs = dict(
+    """A random LLaMA (GQA, untied by default) whose norms are random too."""
+    config = dict(
         vocab_size=64,
         hidden_size=64,
         num_hidden_layers=2,
@@ -61,7 +62,7 @@ def tiny_llama(tie: bool = False, **overrides) -> LlamaForCausalLM:
         rms_norm_eps=1e-5,
         tie_word_embeddings=tie,
     )
-    model = LlamaForCausalLM(LlamaConfig(**(kwargs | overrides))).eval()
+    model = random_llama(**(config | overrides))
     with torch.no_grad():  # norms start at 1: make them random so a mix-up would show
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -70,10 +71,10 @@ def tiny_llama(tie: bool = False, **overrides) -> LlamaForCausalLM:
 
 
 def tiny_gpt2(tie: bool = True) -> GPT2LMHeadModel:
-    torch.manual_seed(0)
+    """A random GPT-2 whose biases and layer norms are random too."""
     # n_positions stays at GPT-2's 1024: transformers' GGUF reader puts gpt2.context_length
     # into `n_ctx`, not `n_positions`, so any other value would not load there.
-    config = GPT2Config(
+    model = random_gpt2(
         n_embd=32,
         n_layer=2,
         n_head=4,
@@ -83,7 +84,6 @@ def tiny_gpt2(tie: bool = True) -> GPT2LMHeadModel:
         bos_token_id=0,
         eos_token_id=1,
     )
-    model = GPT2LMHeadModel(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias") or "ln_" in name:
@@ -248,8 +248,12 @@ def gpt2_meta(cfg: GPT2Config) -> dict:
     }
 
 
-def write_llama_gguf(path: Path, model: LlamaForCausalLM, qtypes=None, **meta) -> Path:
-    tensors = llama_gguf_tensors(model)
+def write_llama_gguf(
+    path: Path, model: LlamaForCausalLM, qtypes=None, tensors=None, **meta
+) -> Path:
+    """`model` as llama.cpp writes it, or `tensors` in its place (a file that differs from the
+    model in some way), with `model`'s metadata plus `meta`."""
+    tensors = llama_gguf_tensors(model) if tensors is None else tensors
     return write_gguf(
         path, "llama", tensors, llama_meta(model.config, **meta), model.config.vocab_size, qtypes
     )
@@ -308,18 +312,7 @@ def test_bundled_config(bundled) -> None:
 
 
 def test_bundled_config_equals_transformers(bundled, bundled_hf) -> None:
-    ours, hf = bundled[0], bundled_hf.config
-    assert ours.vocab_size == hf.vocab_size
-    assert ours.hidden_size == hf.hidden_size
-    assert ours.num_layers == hf.num_hidden_layers
-    assert ours.num_heads == hf.num_attention_heads
-    assert ours.num_kv_heads == hf.num_key_value_heads
-    assert ours.head_dim == hf.head_dim
-    assert ours.intermediate_size == hf.intermediate_size
-    assert ours.max_position_embeddings == hf.max_position_embeddings
-    assert ours.norm_eps == hf.rms_norm_eps
-    assert ours.rope_theta == hf.rope_parameters["rope_theta"]
-    assert ours.tie_word_embeddings == hf.tie_word_embeddings
+    assert_llama_config_matches(bundled[0], bundled_hf.config)
 
 
 def test_bundled_tensors_equal_transformers(bundled, bundled_hf) -> None:
@@ -514,27 +507,28 @@ def tiny_files(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def check_message(info: pytest.ExceptionInfo, path: Path, *words: str) -> None:
-    """The CheckpointError's message names the file and the problem."""
+def assert_load_fails(
+    source: Path, *words: str, names: Path | None = None, **load_kwargs
+) -> None:
+    """Loading `source` raises a CheckpointError whose message names the file at fault (`names`,
+    by default `source` itself) and contains each of `words`."""
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(source, **load_kwargs)
     message = str(info.value)
-    assert str(path) in message, message
+    assert str(names or source) in message, message
     for word in words:
         assert word in message, message
 
 
 def test_missing_path(tmp_path) -> None:
-    with pytest.raises(CheckpointError) as info:
-        load_checkpoint(tmp_path / "nope.gguf")
-    check_message(info, tmp_path / "nope.gguf", "missing")
+    assert_load_fails(tmp_path / "nope.gguf", "missing")
 
 
 def test_bad_magic(tmp_path) -> None:
     for name in ("weights.gguf", "weights.bin"):
         path = tmp_path / name
         path.write_bytes(b"PK\x03\x04 this is a zip, not a model" * 4)
-        with pytest.raises(CheckpointError) as info:
-            load_checkpoint(path)
-        check_message(info, path, "bad magic")
+        assert_load_fails(path, "bad magic")
 
 
 def _end_of_data(path: Path) -> int:
@@ -549,9 +543,7 @@ def test_truncated_gguf(tiny_files, fraction) -> None:
     source = tiny_files["gguf"]
     path = tiny_files["root"] / "cut.gguf"
     path.write_bytes(source.read_bytes()[: int(fraction * _end_of_data(source))])
-    with pytest.raises(CheckpointError) as info:
-        load_checkpoint(path, progress=False)
-    check_message(info, path, "truncated")
+    assert_load_fails(path, "truncated", progress=False)
 
 
 @settings(max_examples=25)
@@ -564,37 +556,29 @@ def test_truncated_safetensors(tiny_files, fraction) -> None:
     data = source.read_bytes()
     path = folder / "model.safetensors"
     path.write_bytes(data[: int(fraction * len(data))])
-    with pytest.raises(CheckpointError) as info:
-        load_checkpoint(folder, progress=False)
-    check_message(info, path, "truncated")
+    assert_load_fails(folder, "truncated", names=path, progress=False)
 
 
 def test_unsupported_gguf_architecture(tmp_path) -> None:
     model = tiny_llama()
     meta = {k.replace("llama.", "falcon."): v for k, v in llama_meta(model.config).items()}
     path = write_gguf(tmp_path / "falcon.gguf", "falcon", llama_gguf_tensors(model), meta, 64)
-    with pytest.raises(CheckpointError) as info:
-        load_checkpoint(path)
-    check_message(info, path, "unsupported architecture", "falcon")
+    assert_load_fails(path, "unsupported architecture", "falcon")
 
 
 def test_unsupported_config_architecture(tmp_path) -> None:
     tiny_llama().save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text()) | {"model_type": "bert"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError) as info:
-        load_checkpoint(tmp_path)
-    check_message(info, tmp_path / "config.json", "unsupported", "bert")
+    assert_load_fails(tmp_path, "unsupported", "bert", names=tmp_path / "config.json")
 
 
 def test_missing_tensor_gguf(tmp_path) -> None:
     model = tiny_llama()
     tensors = llama_gguf_tensors(model)
     del tensors["blk.1.ffn_up.weight"]
-    path = write_gguf(tmp_path / "holey.gguf", "llama", tensors, llama_meta(model.config), 64)
-    with pytest.raises(CheckpointError) as info:
-        load_checkpoint(path)
-    check_message(info, path, "model.layers.1.mlp.up_proj.weight missing in")
+    path = write_llama_gguf(tmp_path / "holey.gguf", model, tensors=tensors)
+    assert_load_fails(path, "model.layers.1.mlp.up_proj.weight missing in")
 
 
 def test_missing_tensor_safetensors(tmp_path) -> None:
@@ -602,19 +586,15 @@ def test_missing_tensor_safetensors(tmp_path) -> None:
     state = load_file(tmp_path / "model.safetensors")
     del state["lm_head.weight"]  # untied in config.json, so the head is required
     save_file(state, tmp_path / "model.safetensors")
-    with pytest.raises(CheckpointError) as info:
-        load_checkpoint(tmp_path)
-    check_message(info, tmp_path, "lm_head.weight missing in")
+    assert_load_fails(tmp_path, "lm_head.weight missing in")
 
 
 def test_shape_mismatch_against_config(tmp_path) -> None:
     tiny_llama().save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(cfg | {"intermediate_size": 80}))
-    with pytest.raises(CheckpointError) as info:
-        load_checkpoint(tmp_path)
-    check_message(
-        info, tmp_path, "model.layers.0.mlp.gate_proj.weight", "shape [96, 64]", "needs [80, 64]"
+    assert_load_fails(
+        tmp_path, "model.layers.0.mlp.gate_proj.weight", "shape [96, 64]", "needs [80, 64]"
     )
 
 
@@ -622,10 +602,7 @@ def test_shape_mismatch_gguf_kv_heads(tmp_path) -> None:
     path = write_llama_gguf(
         tmp_path / "kv.gguf", tiny_llama(), **{"llama.attention.head_count_kv": 4}
     )
-    with pytest.raises(CheckpointError) as info:
-        load_checkpoint(path)
-    check_message(
-        info,
+    assert_load_fails(
         path,
         "model.layers.0.self_attn.k_proj.weight",
         "blk.0.attn_k.weight",
@@ -639,30 +616,23 @@ def test_unexpected_tensor(tmp_path) -> None:
     state = load_file(tmp_path / "model.safetensors")
     state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
     save_file(state, tmp_path / "model.safetensors")
-    with pytest.raises(CheckpointError) as info:
-        load_checkpoint(tmp_path)
-    check_message(info, tmp_path, "unexpected tensor model.layers.0.self_attn.q_proj.bias")
+    assert_load_fails(tmp_path, "unexpected tensor model.layers.0.self_attn.q_proj.bias")
 
 
 def test_folder_problems(tmp_path) -> None:
-    with pytest.raises(CheckpointError) as info:
-        load_checkpoint(tmp_path)  # an empty folder
-    check_message(info, tmp_path / "config.json", "missing")
+    assert_load_fails(tmp_path, "missing", names=tmp_path / "config.json")  # an empty folder
 
     model = tiny_llama()
     model.save_pretrained(tmp_path / "hf")
     lone = tmp_path / "lone.safetensors"
     shutil.copy(tmp_path / "hf" / "model.safetensors", lone)
-    with pytest.raises(CheckpointError) as info:
-        load_checkpoint(lone)  # no config.json next to it
-    check_message(info, tmp_path / "config.json", "missing")
+    # No config.json next to the file.
+    assert_load_fails(lone, "missing", names=tmp_path / "config.json")
 
     model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
     shard = sorted((tmp_path / "sharded").glob("model-*.safetensors"))[1]
     shard.unlink()
-    with pytest.raises(CheckpointError) as info:
-        load_checkpoint(tmp_path / "sharded")
-    check_message(info, shard, "missing", "model.safetensors.index.json")
+    assert_load_fails(tmp_path / "sharded", "missing", "model.safetensors.index.json", names=shard)
 
 
 def test_default_model_path_when_missing(monkeypatch) -> None:
@@ -693,7 +663,5 @@ def test_type_gguf_cannot_dequantise(tmp_path) -> None:
     model = tiny_llama()
     tensors = llama_gguf_tensors(model)
     tensors["output_norm.weight"] = tensors["output_norm.weight"].astype(np.float64)
-    path = write_gguf(tmp_path / "f64.gguf", "llama", tensors, llama_meta(model.config), 64)
-    with pytest.raises(CheckpointError) as info:
-        load_checkpoint(path, progress=False)
-    check_message(info, path, "output_norm.weight", "F64", "cannot dequantise")
+    path = write_llama_gguf(tmp_path / "f64.gguf", model, tensors=tensors)
+    assert_load_fails(path, "output_norm.weight", "F64", "cannot dequantise", progress=False)

@@ -7,6 +7,7 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from tiny_models import assert_llama_config_matches
 from transformers import GPT2Config, LlamaConfig
 
 from minipaged.config import ModelConfig
@@ -57,16 +58,7 @@ def test_llama_config_matches_transformers(tmp_path, rope_scaling) -> None:
     )
     ours = saved(hf, tmp_path)
     assert ours.architecture == "llama"
-    assert ours.vocab_size == hf.vocab_size
-    assert ours.hidden_size == hf.hidden_size
-    assert ours.num_layers == hf.num_hidden_layers
-    assert ours.num_heads == hf.num_attention_heads
-    assert ours.num_kv_heads == hf.num_key_value_heads
-    assert ours.head_dim == hf.head_dim
-    assert ours.intermediate_size == hf.intermediate_size
-    assert ours.max_position_embeddings == hf.max_position_embeddings
-    assert ours.norm_eps == hf.rms_norm_eps
-    assert ours.rope_theta == hf.rope_parameters["rope_theta"]
+    assert_llama_config_matches(ours, hf)
     assert ours.rope_scaling == hf_rope_scaling(hf)
     assert ours.tie_word_embeddings is True
     assert (ours.bos_token_id, ours.eos_token_ids) == (5, (6, 7))
