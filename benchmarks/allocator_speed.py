@@ -13,14 +13,11 @@ Run: .venv/bin/python benchmarks/allocator_speed.py      (~30 s on 2 CPU cores)
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from machine import machine_info
+from machine import report_header, save_report
 from tqdm import tqdm
 
 from minipaged.kv_cache import KVCacheManager
@@ -91,14 +88,7 @@ def main() -> None:
         for block_size in (16, 128)
         for caching in (False, True)
     ]
-    report = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "results": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    save_report(args.out, {**report_header(), "results": rows})
     print(f"\n{'block':>5} {'prefix cache':>12} {'step mean ms':>12} {'p99 ms':>8} {'us/seq':>7}")
     for r in rows:
         print(

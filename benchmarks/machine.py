@@ -1,13 +1,17 @@
-"""What every benchmark records beside its numbers: the machine it ran on.
+"""What every benchmark records beside its numbers: the command, the date and the machine.
 
 Benchmarks run as scripts (`python benchmarks/NAME.py`), so this module sits next to them and is
-imported as `from machine import machine_info`.
+imported as `from machine import report_header, save_report`.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import platform
+import sys
+from pathlib import Path
 
 
 def machine_info(**extra: object) -> dict[str, object]:
@@ -31,3 +35,18 @@ def machine_info(**extra: object) -> dict[str, object]:
     except ImportError:
         info["torch"] = None
     return info | extra
+
+
+def report_header(**machine_extra: object) -> dict[str, object]:
+    """The first fields of every results JSON: how it was run, when (UTC) and on what."""
+    return {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine_info(**machine_extra),
+    }
+
+
+def save_report(path: Path, report: dict) -> None:
+    """Write `report` as indented JSON at `path`, creating its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

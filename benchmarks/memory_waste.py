@@ -22,15 +22,12 @@ Run: .venv/bin/python benchmarks/memory_waste.py            (~2-4 minutes on 2 C
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import sys
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from machine import machine_info
+from machine import report_header, save_report
 from tqdm import tqdm
 
 from minipaged.kv_cache import KVCacheManager, MemoryUsage
@@ -321,16 +318,13 @@ def main() -> None:
         }
 
     report = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
+        **report_header(),
         "capacity_slots": CAPACITY_SLOTS,
         "paper_token_percent": PAPER_TOKEN_PERCENT,
         "paper_sharing_savings_percent": PAPER_SAVINGS_PERCENT,
         **results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    save_report(args.out, report)
     print_tables(report)
     print(f"\nwrote {args.out}")
 

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import random
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-from machine import machine_info
+from machine import report_header, save_report
 from tqdm import tqdm
 
 from minipaged.tokenizer import Tokenizer
@@ -185,9 +183,7 @@ def main() -> None:
     print("(ratio: time relative to tokenizers on the same input; >1 means slower)")
 
     result = {
-        "command": "python " + " ".join(sys.argv),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(tokenizers=tokenizers_version()),
+        **report_header(tokenizers=tokenizers_version()),
         "text_megabytes": round(megabytes, 3),
         "documents": len(documents),
         "tokens": tokens,
@@ -198,8 +194,7 @@ def main() -> None:
         "mb_per_s": {k: megabytes / v for k, v in seconds.items()},
         "time_ratio_vs_tokenizers": ratios,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    save_report(args.out, result)
     print(f"\nwrote {args.out}")
 
 
