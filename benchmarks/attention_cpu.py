@@ -19,17 +19,13 @@ alike; the table reports medians and the median of per-pair ratios. Writes
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from machine import report_header, save_report
 from tqdm import tqdm
 
 from minipaged import attention
@@ -156,23 +152,13 @@ def main() -> None:
               f"{r['paged_validated_ms']:>13.3f} {r['ratio_validated_over_dense']:>15.2f}x")
 
     result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "load_average_1min": os.getloadavg()[0],
-        },
+        **report_header(),
         "shapes": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                    "dtype": "float32"},
         "method": "medians over alternating calls; ratio = median of per-pair ratios",
         "results": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    save_report(args.out, result)
     print(f"\nwrote {args.out}")
 
 

@@ -26,10 +26,7 @@ on CPU (wall-clock times meaningless, nothing written): it checks this script, n
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -38,6 +35,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+from machine import report_header, save_report
 from tqdm import tqdm
 
 from minipaged import kernels
@@ -321,12 +319,8 @@ def main(argv: list[str] | None = None) -> int:
 
     device_name = torch.cuda.get_device_name(0)
     report: dict = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **report_header(cuda=torch.version.cuda, triton=__import__("triton").__version__),
         "gpu": device_name,
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                    "torch": torch.__version__, "cuda": torch.version.cuda,
-                    "triton": __import__("triton").__version__},
     }
     failures: list[str] = []
 
@@ -378,10 +372,9 @@ def main(argv: list[str] | None = None) -> int:
         if not t["met"]:
             failures.append(f"target missed: {name}")
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"gpu_{gpu_slug(device_name)}.json"
     report["failures"] = failures
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    save_report(path, report)
     print(f"\nwrote {path.relative_to(ROOT)}")
     for f in failures:
         print("FAILED:", f, file=sys.stderr)

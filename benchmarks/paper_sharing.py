@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import os
 import sys
 import time
@@ -38,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from machine import machine_info  # noqa: E402
+from machine import report_header, save_report  # noqa: E402
 from paper_vllm import (  # noqa: E402  (a sibling script)
     CAPACITY_SLOTS,
     LATENCY_BOUND,
@@ -302,8 +300,7 @@ def main(argv: list[str] | None = None) -> None:
             "benchmark": f"paper_sharing_{name}",
             "what": f"vLLM paper {name} experiment, simulated OPT-13B on one A100",
             **EXPERIMENTS[name](args.quick),
-            "command": " ".join([".venv/bin/python", "benchmarks/paper_sharing.py", *sys.argv[1:]]),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            **report_header(load_average_1min_before=round(load_before, 2)),
             "setup": {
                 "capacity_slots": CAPACITY_SLOTS,
                 "max_seq_len": MAX_SEQ_LEN,
@@ -312,7 +309,6 @@ def main(argv: list[str] | None = None) -> None:
                 "latency_bound_s_per_token": LATENCY_BOUND,
             },
             "paper": PAPER[name],
-            "machine": machine_info() | {"load_average_1min_before": round(load_before, 2)},
             "wall_seconds": round(time.monotonic() - started, 1),
         }
         for case, block in result.items():
@@ -322,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"paged/Orca-Oracle {block['paged_over_orca_oracle']}"
                 )
         path = RESULTS / f"paper_sharing_{name}{suffix}.json"
-        path.write_text(json.dumps(result, indent=1) + "\n")
+        save_report(path, result)
         print(f"wrote {path} in {result['wall_seconds']} s")
 
 

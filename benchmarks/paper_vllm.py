@@ -30,18 +30,15 @@ Writes benchmarks/results/paper_vllm_sim.json and paper_vllm_engine.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from machine import machine_info
+from machine import report_header, save_report
 from tqdm import tqdm
 
 import minipaged.simulate
@@ -457,13 +454,11 @@ def main(argv: list[str] | None = None) -> None:
     else:
         result = run_engine(args.quick, args.threads)
         print_summary("engine", result)
-    result["command"] = " ".join([".venv/bin/python", "benchmarks/paper_vllm.py", *sys.argv[1:]])
-    result["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    result["machine"] = machine_info() | {"load_average_1min_before": round(load_before, 2)}
+    result |= report_header(load_average_1min_before=round(load_before, 2))
     result["wall_seconds"] = round(time.monotonic() - started, 1)
     suffix = "_quick" if args.quick else ""
     path = RESULTS / f"paper_vllm_{args.what}{suffix}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    save_report(path, result)
     print(f"\nwrote {path} in {result['wall_seconds']} s")
 
 

@@ -27,11 +27,7 @@ Writes benchmarks/results/throughput.json (or throughput_quick.json).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from machine import report_header, save_report
 from tqdm import tqdm
 
 from minipaged.checkpoint import default_model_path
@@ -348,18 +345,8 @@ def main() -> None:
         "what": "offline throughput (all requests at once), greedy, ignore_eos; minipaged's "
                 "engine vs transformers generate with static batches at its best batch size; "
                 "bundled SmolLM2-135M-Instruct float32 CPU",
-        "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "load_average_1min_before_after": [round(load_before[0], 2),
-                                               round(os.getloadavg()[0], 2)],
-        },
+        **report_header(transformers=transformers.__version__,
+                        load_average_1min_before=round(load_before[0], 2)),
         "workload": {
             "num_requests": len(requests),
             "prompt_tokens": prompt_tokens,
@@ -400,8 +387,7 @@ def main() -> None:
             "fraction_of_matmul": round(decode_gflops_step / peak, 3),
         },
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    save_report(args.out, report)
     print(f"wrote {args.out}")
 
 
