@@ -9,8 +9,12 @@ multi-level feedback queue (MLFQ), which favours short jobs without knowing job 
 * **Skip-join** (§4.1): a new job joins the highest-priority queue whose quantum covers its
   predicted first-iteration (prefill) time, from a `CostModel`: a long prompt skips the queues
   it would be demoted from in the middle of its prefill.
-* **Demotion**: a job that has used its queue's quantum moves to the back of the next queue,
-  at the end of a step that gave it a token: a chunked prefill is one FastServe iteration.
+* **Demotion**: a job that has used its queue's quantum moves to the back of a lower queue,
+  at the end of a step that gave it a token (a chunked prefill is one FastServe iteration):
+  the next queue, or, when the time it used exceeds that queue's quantum too (a long
+  prefill in Q1 under naive MLFQ), the first queue whose quantum covers it -- where skip-join
+  would have put it. Demoting one level only would leave a job that just received 300 ms of
+  service ahead of jobs that received 50 ms.
 * **Promotion**: a job not scheduled for longer than `starvation_bound` seconds moves to Q1,
   ahead of Q1's other jobs (promoted jobs in promotion order) until it is demoted again, so it
   runs in the very next step and keeps running until it has made progress.
@@ -181,9 +185,12 @@ class SkipJoinMLFQScheduler(Scheduler):
                 "skip-join MLFQ needs a cost model to predict prefill times: pass cost_model= "
                 "(e.g. CostModel.profile(engine)) or use MLFQConfig(skip_join=False)"
             )
-        prefill = self.cost_model.prefill_time(prompt_len)
+        return self.level_covering(self.cost_model.prefill_time(prompt_len))
+
+    def level_covering(self, seconds: float) -> int:
+        """The first queue whose quantum is at least `seconds` (the last queue if none is)."""
         for level in range(self.mlfq.num_levels):
-            if self.mlfq.quantum(level) >= prefill:
+            if self.mlfq.quantum(level) >= seconds:
                 return level
         return self.mlfq.num_levels - 1
 
@@ -251,7 +258,7 @@ class SkipJoinMLFQScheduler(Scheduler):
             job.used += duration
             job.last_served = now
             if self._should_demote(group, job):
-                job.level += 1
+                job.level = max(job.level + 1, self.level_covering(job.used))
                 job.used = 0.0
                 job.order = next(self._orders)  # the back of the lower queue
                 job.promoted = False

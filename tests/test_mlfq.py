@@ -178,6 +178,32 @@ def test_a_job_is_demoted_after_its_quantum_and_a_newcomer_overtakes_it():
     assert scheduler.num_demotions >= 1
 
 
+@pytest.mark.parametrize(
+    "prompt_len, expected_level",
+    # quanta 10, 20, 40, 80, 160 ms; a prefill takes prompt + 1 ms. After its prefill in Q1 the
+    # job belongs where skip-join would have put it: the first queue whose quantum covers the
+    # time it used, not merely the next queue (it would then outrank jobs that have received
+    # far less service than it). An ordinary exhausted quantum still demotes by one.
+    [(12, 1), (25, 2), (60, 3), (100, 4), (200, 4)],
+)
+def test_one_iteration_longer_than_several_quanta_demotes_several_levels(
+    prompt_len, expected_level
+):
+    mlfq = MLFQConfig(num_levels=5, base_quantum=10 * MS, skip_join=False)
+    scheduler = make_scheduler(mlfq, max_model_len=512, num_blocks=128)
+    driver = Driver(scheduler)
+    job = make_group(prompt_len, 20)
+    scheduler.add(job)
+    assert level_of(scheduler, job) == 0  # naive MLFQ: everyone enters Q1
+    driver.step()  # the prefill: one iteration of prompt + 1 ms
+    driver.step()  # its schedule() charges the prefill
+    assert level_of(scheduler, job) == expected_level
+    assert scheduler.num_demotions == 1
+    skip_join = make_scheduler(MLFQConfig(num_levels=5, base_quantum=10 * MS), max_model_len=512)
+    skip_join.add(same := make_group(prompt_len, 20))
+    assert level_of(skip_join, same) == expected_level  # the level skip-join gives it up front
+
+
 def test_a_starving_job_is_promoted_to_the_front_of_q1():
     bound = 30 * MS
     mlfq = MLFQConfig(base_quantum=2 * MS, starvation_bound=bound, num_levels=4)
