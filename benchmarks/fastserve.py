@@ -26,8 +26,14 @@ and the highest rate each meets a latency target (mean and p95 normalized latenc
 Paper ratios (FastServe §6): skip-join MLFQ up to 8.9x lower average JCT than FCFS (vLLM) and
 1.87x lower than naive MLFQ; proactive swapping 2.7x vs recomputation and 1.7x vs reactive.
 
+4. **`--study skip-join`** (own JSON, `fastserve_skip_join.json`): skip-join vs naive MLFQ (and
+   FCFS) over three workloads from short to long first iterations, 4/16/64 sequences per step
+   and loads 0.5-1.1, two seeds each; and MLFQ vs FCFS at 64 sequences per step over five
+   seeds, with FCFS's queueing delay (is a tie noise, or is nobody waiting?).
+
 Run: .venv/bin/python benchmarks/fastserve.py            (~4-5 minutes on 2 busy CPU cores)
      .venv/bin/python benchmarks/fastserve.py --quick    (fewer requests and rates)
+     .venv/bin/python benchmarks/fastserve.py --study skip-join   (~6 minutes; --quick: 30 s)
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import numpy as np
 from machine import machine_info
 from tqdm import tqdm
 
-from minipaged.cost_model import OPT_13B_A100, OPT_13B_A100_KV_BLOCKS, CostModel
+from minipaged.cost_model import OPT_13B_A100, OPT_13B_A100_KV_BLOCKS, CostModel, StepShape
 from minipaged.mlfq import MLFQ_VARIANTS, MLFQConfig, mlfq_factory
 from minipaged.scheduler import FCFSScheduler, SchedulerConfig
 from minipaged.simulate import (
@@ -56,6 +62,7 @@ from minipaged.simulate import (
 )
 
 RESULTS = Path(__file__).parent / "results" / "fastserve.json"
+SWEEP_RESULTS = RESULTS.with_name("fastserve_skip_join.json")
 PAPER = {
     "skip-join vs FCFS (mean JCT)": 8.9,
     "skip-join vs naive MLFQ": 1.87,
@@ -275,6 +282,193 @@ def real_engine(num_requests: int, loads: list[float], seed: int) -> dict:
     }
 
 
+# -- 3. skip-join vs naive MLFQ: where the first iteration matters --------------------------------
+
+# Workloads from short to long first iterations: (label, prompt median or None for ShareGPT-like,
+# output median). Outputs stay log-normal with sigma 1.5 (heavy-tailed).
+SWEEP_WORKLOADS = [
+    ("ShareGPT-like prompts, outputs median 40", None, 40.0),
+    ("prompts median 300, outputs median 40", 300.0, 40.0),
+    ("prompts median 1000, outputs median 10", 1000.0, 10.0),
+]
+
+
+def prefill_share(trace: list, cost: CostModel, batch: int) -> float:
+    """The first iterations' share of the work when batches are full: the prompts' tokens
+    (`per_prefill_token` each) against the decode steps, one `batch`-th of a full step each."""
+    prefill = cost.per_prefill_token * sum(r.prompt_len for r in trace)
+    context = int(np.mean([r.prompt_len + r.output_len / 2 for r in trace]))
+    step = cost.step_time(StepShape(decode_seqs=batch, context_tokens=batch * context))
+    decode = sum(r.output_len - 1 for r in trace) * step / batch
+    return prefill / (prefill + decode)
+
+
+def _trace_at(base: list, load: float, seed: int, kwargs: dict) -> tuple[list, float]:
+    """`base` at `load` times FCFS's saturated throughput (as in `simulated`)."""
+    n = len(base)
+    saturated = simulate(base, OPT_13B_A100, FCFSScheduler, **kwargs)
+    finish = sorted(r.finished_time for r in saturated.requests)
+    capacity = 0.9 * n / finish[int(0.9 * n) - 1]
+    arrivals = gamma_arrival_times(n, load * capacity, ARRIVAL_CV, np.random.default_rng(seed))
+    return with_arrivals(base, arrivals), capacity
+
+
+def _spread(values: list[float]) -> dict:
+    return {
+        "mean": round(float(np.mean(values)), 3),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+        "per_seed": [round(v, 3) for v in values],
+    }
+
+
+def skip_join_sweep(
+    num_requests: int, loads: list[float], batch_limits: list[int], seeds: list[int]
+) -> dict:
+    """Skip-join vs naive MLFQ (and both vs FCFS) over workloads, batch limits and loads,
+    several seeds each (FastServe's setting: no chunked prefill, quanta sized to the cost)."""
+    rows = []
+    cells = [(w, b, x) for w in SWEEP_WORKLOADS for b in batch_limits for x in loads]
+    for (label, prompt_median, output_median), batch, load in tqdm(cells, desc="skip-join sweep"):
+        config = SchedulerConfig(
+            max_num_batched_tokens=2048,
+            max_num_seqs=batch,
+            max_model_len=2048,
+            enable_chunked_prefill=False,
+        )
+        kwargs = dict(
+            num_blocks=OPT_13B_A100_KV_BLOCKS,
+            block_size=16,
+            num_host_blocks=HOST_BLOCKS,
+            config=config,
+        )
+        jct: dict[str, list[float]] = {"fcfs": [], "mlfq": [], "mlfq-naive": []}
+        shares = []
+        for seed in seeds:
+            base = heavy_tailed(
+                num_requests, seed=seed, prompt_median=prompt_median, output_median=output_median
+            )
+            shares.append(prefill_share(base, OPT_13B_A100, batch))
+            trace, _ = _trace_at(base, load, seed, kwargs)
+            for name in jct:
+                result = simulate(trace, OPT_13B_A100, factory(name, OPT_13B_A100), **kwargs)
+                jct[name].append(result.mean_jct)
+        rows.append(
+            {
+                "workload": label,
+                "max_num_seqs": batch,
+                "load": load,
+                "prefill_share": round(float(np.mean(shares)), 3),
+                "mean_jct": {name: round(float(np.mean(v)), 3) for name, v in jct.items()},
+                "skip_join_vs_naive": _spread(
+                    [n / s for n, s in zip(jct["mlfq-naive"], jct["mlfq"], strict=True)]
+                ),
+                "skip_join_vs_fcfs": _spread(
+                    [f / s for f, s in zip(jct["fcfs"], jct["mlfq"], strict=True)]
+                ),
+            }
+        )
+    return {
+        "num_requests": num_requests,
+        "seeds": seeds,
+        "chunked_prefill": False,
+        "arrival_cv": ARRIVAL_CV,
+        "rows": rows,
+    }
+
+
+def fcfs_seed_spread(
+    num_requests: int, loads: list[float], max_num_seqs: int, seeds: list[int]
+) -> dict:
+    """Skip-join MLFQ vs FCFS on the main table's trace at several seeds: is a tie noise?
+    With it, FCFS's mean queueing delay (time to first token minus the prefill alone): where
+    nobody waits, every work-conserving order gives the same JCT."""
+    config = SchedulerConfig(
+        max_num_batched_tokens=2048,
+        max_num_seqs=max_num_seqs,
+        max_model_len=2048,
+        enable_chunked_prefill=False,
+    )
+    kwargs = dict(
+        num_blocks=OPT_13B_A100_KV_BLOCKS, block_size=16, num_host_blocks=HOST_BLOCKS, config=config
+    )
+    bases = {seed: heavy_tailed(num_requests, seed=seed) for seed in seeds}
+    rows = {}
+    for load in tqdm(loads, desc=f"seeds, {max_num_seqs} seqs/step"):
+        ratios_, waits = [], []
+        for seed in seeds:
+            trace, _ = _trace_at(bases[seed], load, seed, kwargs)
+            fcfs = simulate(trace, OPT_13B_A100, FCFSScheduler, **kwargs)
+            mlfq = simulate(trace, OPT_13B_A100, factory("mlfq", OPT_13B_A100), **kwargs)
+            ratios_.append(fcfs.mean_jct / mlfq.mean_jct)
+            prefill = [OPT_13B_A100.prefill_time(r.prompt_len) for r in fcfs.requests]
+            waits.append(fcfs.mean_ttft - float(np.mean(prefill)))
+        rows[f"{load:.2f}"] = {
+            "skip_join_vs_fcfs": _spread(ratios_),
+            "fcfs_mean_queueing_s": [round(w, 3) for w in waits],
+        }
+    return {
+        "num_requests": num_requests,
+        "max_num_seqs": max_num_seqs,
+        "seeds": seeds,
+        "by_load": rows,
+    }
+
+
+def print_sweep(sweep: dict, spread: dict) -> None:
+    print(
+        f"\nskip-join vs naive MLFQ (mean JCT ratio, >1: skip-join faster; mean [min, max] over "
+        f"seeds {sweep['seeds']}, {sweep['num_requests']} requests, no chunked prefill)"
+    )
+    print(
+        f"{'workload':<42} {'seqs':>4} {'prefill':>7} {'load':>5} {'vs naive':>22} {'vs FCFS':>22}"
+    )
+    for row in sweep["rows"]:
+        cells = []
+        for key in ("skip_join_vs_naive", "skip_join_vs_fcfs"):
+            s = row[key]
+            cells.append(f"{s['mean']:.3f} [{s['min']:.2f}, {s['max']:.2f}]")
+        print(
+            f"{row['workload']:<42} {row['max_num_seqs']:>4} {row['prefill_share']:>7.3f}"
+            f" {row['load']:>5} {cells[0]:>22} {cells[1]:>22}"
+        )
+    print(
+        f"\nskip-join MLFQ vs FCFS over seeds {spread['seeds']} "
+        f"({spread['max_num_seqs']} seqs/step, {spread['num_requests']} requests): "
+        "mean [min, max]; FCFS mean queueing per seed (s)"
+    )
+    for load, row in spread["by_load"].items():
+        s = row["skip_join_vs_fcfs"]
+        print(
+            f"  load {load}: {s['mean']:.3f} [{s['min']:.3f}, {s['max']:.3f}]  "
+            f"per seed {s['per_seed']}  queueing {row['fcfs_mean_queueing_s']}"
+        )
+
+
+def study_main(args: argparse.Namespace) -> None:
+    """`--study skip-join`: the sweep and the seed spread, written to their own JSON."""
+    if args.quick:
+        sweep = skip_join_sweep(150, [0.7, 1.1], [4, 16], [0])
+        spread = fcfs_seed_spread(200, [0.6], 64, [0, 1])
+    else:
+        sweep = skip_join_sweep(300, [0.5, 0.7, 0.9, 1.1], [4, 16, 64], [0, 1])
+        spread = fcfs_seed_spread(400, [0.5, 0.6, 0.7, 0.9, 1.1], 64, [0, 1, 2, 3, 4])
+    out = args.out if args.out != RESULTS else SWEEP_RESULTS
+    report = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "paper_ratios": PAPER,
+        "cost_model": OPT_13B_A100.__dict__,
+        "skip_join_sweep": sweep,
+        "fcfs_seed_spread": spread,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print_sweep(sweep, spread)
+    print(f"\nwrote {out}")
+
+
 # -- report ---------------------------------------------------------------------------------------
 
 
@@ -290,7 +484,17 @@ def main() -> None:
         default=None,
         help="log-normal prompts of this median (sigma 1) instead of ShareGPT-like ones",
     )
+    parser.add_argument(
+        "--study",
+        choices=["main", "skip-join"],
+        default="main",
+        help="main: the tables below; skip-join: skip-join vs naive MLFQ over workloads, batch "
+        "limits and loads, and MLFQ vs FCFS over seeds (writes fastserve_skip_join.json)",
+    )
     args = parser.parse_args()
+    if args.study == "skip-join":
+        study_main(args)
+        return
 
     loads = [0.5, 0.9] if args.quick else [0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1]
     num_requests = 200 if args.quick else 600
