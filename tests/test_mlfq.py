@@ -7,9 +7,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import assert_engine_drained, tiny_engine, tiny_llama_parts
 
 from minipaged.cost_model import CostModel, StepShape
 from minipaged.kv_cache import KVCacheManager
@@ -503,25 +503,7 @@ VOCAB = 96
 
 @pytest.fixture(scope="module")
 def tiny():
-    transformers = pytest.importorskip("transformers")
-    from minipaged.config import ModelConfig
-    from minipaged.model import build_model
-
-    hf_config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.3,
-        eos_token_id=1,
-    )
-    torch.manual_seed(0)
-    hf_model = transformers.LlamaForCausalLM(hf_config).eval()
-    config = ModelConfig.from_hf_dict(hf_config.to_dict())
-    return build_model(config, hf_model.state_dict()), config
+    return tiny_llama_parts(vocab_size=VOCAB, initializer_range=0.3, eos_token_id=1)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -533,18 +515,10 @@ def no_profiling():
 
 
 def greedy(tiny, scheduler: str, prompts, max_tokens, **kwargs) -> list[list[int]]:
-    from minipaged.engine import EngineConfig, LLMEngine
-
-    model, config = tiny
-    engine_config = EngineConfig(
-        num_gpu_blocks=kwargs.pop("num_gpu_blocks", 128),
-        num_cpu_blocks=64,
-        block_size=8,
-        max_num_seqs=4,
-        scheduler=scheduler,
-        **kwargs,
+    kwargs.setdefault("num_gpu_blocks", 128)
+    engine = tiny_engine(
+        tiny, num_cpu_blocks=64, block_size=8, max_num_seqs=4, scheduler=scheduler, **kwargs
     )
-    engine = LLMEngine(model, config, tokenizer=None, config=engine_config)
     if engine.scheduler.needs_cost_model:
         # Tiny quanta, so that demotions, promotions and swaps all happen on a short trace.
         engine.scheduler.mlfq.base_quantum = 1e-4
@@ -553,8 +527,7 @@ def greedy(tiny, scheduler: str, prompts, max_tokens, **kwargs) -> list[list[int
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [engine.add_request(None, p, params) for p in prompts]
     finals = engine.run_until_done()
-    engine.kv_cache.check_invariants()
-    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    assert_engine_drained(engine)
     return [finals[i].outputs[0].token_ids for i in ids]
 
 
@@ -570,18 +543,16 @@ def test_greedy_outputs_under_mlfq_equal_fcfs(tiny, seed, variant):
 
 
 def test_the_engine_takes_a_ready_cost_model_and_mlfq_settings(tiny, monkeypatch):
-    from minipaged.engine import EngineConfig, LLMEngine
+    from minipaged.engine import EngineConfig
 
     def no_profile(*args, **kwargs):
         raise AssertionError("profiled although a cost model was given")
 
     monkeypatch.setattr(CostModel, "profile", classmethod(no_profile))
-    model, config = tiny
     mlfq = MLFQConfig.sized_to(COST, num_levels=3, skip_join=False)
-    engine_config = EngineConfig(
-        num_gpu_blocks=32, block_size=8, scheduler="mlfq", mlfq=mlfq, cost_model=COST
+    engine = tiny_engine(
+        tiny, num_gpu_blocks=32, block_size=8, scheduler="mlfq", mlfq=mlfq, cost_model=COST
     )
-    engine = LLMEngine(model, config, tokenizer=None, config=engine_config)
     assert engine.scheduler.cost_model is COST
     assert engine.scheduler.mlfq == mlfq
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)

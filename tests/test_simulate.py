@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import tiny_engine, tiny_llama_parts
 
 from minipaged.cost_model import CostModel, StepShape
 from minipaged.kv_cache import KVCacheManager
@@ -238,23 +239,9 @@ def test_heavy_tailed_traces_with_log_normal_prompts():
 
 @pytest.fixture(scope="module")
 def tiny():
-    transformers = pytest.importorskip("transformers")
-    from minipaged.config import ModelConfig
-    from minipaged.model import build_model
-
-    hf_config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
+    return tiny_llama_parts(
+        vocab_size=96, hidden_size=64, intermediate_size=128, max_position_embeddings=512
     )
-    torch.manual_seed(0)
-    hf_model = transformers.LlamaForCausalLM(hf_config).eval()
-    config = ModelConfig.from_hf_dict(hf_config.to_dict())
-    return build_model(config, hf_model.state_dict()), config
 
 
 @pytest.fixture
@@ -275,21 +262,14 @@ def test_the_simulator_agrees_with_the_real_engine(tiny, one_thread, policy):
     Both the profile and the replay count this thread's CPU time (`time.thread_time`), so other
     processes on a shared machine do not move the measurement; with wall time the two drift
     apart by whatever the neighbours take (see benchmarks/fastserve.py for both)."""
-    from minipaged.engine import EngineConfig, LLMEngine
-
-    model, model_config = tiny
-    engine = LLMEngine(
-        model,
-        model_config,
-        None,
-        EngineConfig(
-            num_gpu_blocks=48,
-            num_cpu_blocks=64,
-            block_size=8,
-            max_num_seqs=4,
-            max_num_batched_tokens=64,
-            enable_prefix_caching=False,
-        ),
+    engine = tiny_engine(
+        tiny,
+        num_gpu_blocks=48,
+        num_cpu_blocks=64,
+        block_size=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
     )
     scheduler_config = engine.scheduler.config
     factory = FCFSScheduler
