@@ -151,15 +151,27 @@ def test_incremental_decoding_equals_recomputation(name, tmp_root, data):
         assert torch.allclose(step_logits[n], other_full[-1], atol=1e-5, rtol=0)
 
 
+def _padded(contexts: list[torch.Tensor], width: int, gen: torch.Generator) -> torch.Tensor:
+    """Contexts `[L_i, H_kv, D]` as rows of one `[B, H_kv, width, D]` tensor, padded with large
+    random numbers (not zeros), so that attending a padding slot would show."""
+    out = 100 * torch.randn(len(contexts), contexts[0].shape[1], width, contexts[0].shape[2],
+                            generator=gen)
+    for i, c in enumerate(contexts):
+        out[i, :, :c.shape[0]] = c.transpose(0, 1)
+    return out
+
+
 @settings(max_examples=25)
 @given(
     lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+    extra=st.integers(0, 5),
     heads=st.sampled_from([(4, 4), (6, 2), (8, 2), (3, 1)]),
     seed=st.integers(0, 2**16),
 )
-def test_batched_decode_equals_per_sequence_oracle(lengths, heads, seed):
-    """A decode step's one-batch attention (contexts padded to the longest) equals the oracle,
-    `dense_attention`, run on each sequence alone, and so does the backend that chooses it."""
+def test_batched_decode_equals_per_sequence_oracle(lengths, extra, heads, seed):
+    """A decode step's one-batch attention (each context a row, masked past its length) equals
+    the oracle, `dense_attention`, run on each sequence alone; so does the backend that chooses
+    it, with its contexts in the cache and the new tokens written in place."""
     num_heads, num_kv_heads = heads
     gen = torch.Generator().manual_seed(seed)
     keys = [torch.randn(n, num_kv_heads, 8, generator=gen) for n in lengths]
@@ -167,7 +179,10 @@ def test_batched_decode_equals_per_sequence_oracle(lengths, heads, seed):
     q = torch.randn(len(lengths), num_heads, 8, generator=gen)
     expected = torch.cat([dense_attention(q[i:i + 1], keys[i], values[i], 0.3)
                           for i in range(len(lengths))])
-    assert torch.allclose(decode_attention(q, keys, values, 0.3), expected, atol=1e-5, rtol=0)
+    width = max(lengths) + extra
+    got = decode_attention(q, _padded(keys, width, gen), _padded(values, width, gen),
+                           torch.tensor(lengths), 0.3)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=0)
 
     # Through the backend: cache all but each sequence's last token, then one decode step.
     cache = DenseKVCache(num_layers=1)
@@ -183,9 +198,84 @@ def test_batched_decode_equals_per_sequence_oracle(lengths, heads, seed):
 
 def test_decode_attention_rejects_mismatched_batch():
     q = torch.randn(2, 4, 8)
-    kv = [torch.randn(3, 2, 8)]
+    kv = torch.randn(1, 2, 3, 8)
     with pytest.raises(ValueError, match="2 queries but 1 keys"):
-        decode_attention(q, kv, kv, 1.0)
+        decode_attention(q, kv, kv, torch.tensor([3]), 1.0)
+
+
+@settings(max_examples=30)
+@given(data=st.data())
+def test_dense_cache_steps_equal_attention_over_kept_contexts(data):
+    """Random steps through one cache that starts small, so that its rows and capacity must
+    grow: new sequences (arbitrary ids) arrive with a prompt chunk, live ones get a chunk or one
+    token (all-one-token steps take the batched decode path), finished ones are freed and their
+    rows reused, leaving holes. Every step's output equals `dense_attention` over each
+    sequence's whole context, kept aside as a plain list of the K/V handed to the backend."""
+    num_layers, num_heads, num_kv_heads, head_dim = 2, 4, 2, 8
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    cache = DenseKVCache(num_layers, max_seq_len=data.draw(st.integers(0, 4), label="len hint"),
+                         max_num_seqs=data.draw(st.integers(0, 2), label="rows hint"))
+    kept: dict[int, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
+    ids = iter(range(1000, 0, -7))
+    for _ in range(data.draw(st.integers(1, 8), label="steps")):
+        seq_ids = data.draw(st.lists(st.sampled_from(sorted(kept)), unique=True), label="live") \
+            if kept else []
+        seq_ids += [next(ids) for _ in range(data.draw(st.integers(0 if seq_ids else 1, 3)))]
+        seq_ids = data.draw(st.permutations(seq_ids), label="order")
+        decode = data.draw(st.booleans(), label="decode step")
+        lens = [1 if decode else data.draw(st.integers(1, 5)) for _ in seq_ids]
+        backend = DenseAttentionBackend(cache, seq_ids, lens)
+        for layer in range(num_layers):
+            q = torch.randn(sum(lens), num_heads, head_dim, generator=gen)
+            k = torch.randn(sum(lens), num_kv_heads, head_dim, generator=gen)
+            v = torch.randn(sum(lens), num_kv_heads, head_dim, generator=gen)
+            out = backend(layer, q, k, v, 0.5)
+            start = 0
+            for seq_id, n in zip(seq_ids, lens, strict=True):
+                ks, vs = kept.setdefault(seq_id, [([], []) for _ in range(num_layers)])[layer]
+                ks.append(k[start:start + n])
+                vs.append(v[start:start + n])
+                expected = dense_attention(q[start:start + n], torch.cat(ks), torch.cat(vs), 0.5)
+                assert torch.allclose(out[start:start + n], expected, atol=1e-5, rtol=0)
+                start += n
+        for seq_id in seq_ids:
+            assert cache.length(seq_id) == sum(len(c) for c in kept[seq_id][0][0])
+        for seq_id in data.draw(st.lists(st.sampled_from(sorted(kept)), unique=True),
+                                label="freed"):
+            cache.free(seq_id)
+            del kept[seq_id]
+            assert cache.length(seq_id) == 0
+    assert len(cache.row_of) == len(kept)
+
+
+def test_dense_cache_reserves_the_hinted_maximum_and_doubles_past_it():
+    cache = DenseKVCache(1, max_seq_len=10, max_num_seqs=3)
+    k = torch.randn(4, 2, 8)
+    cache.append(7, 0, k, k)
+    assert tuple(cache.keys[0].shape) == (3, 2, 10, 8)  # every row reserved up front
+    cache.append(7, 0, k, k)
+    cache.append(7, 0, k, k)  # 12 tokens: capacity 10 doubles
+    assert tuple(cache.keys[0].shape) == (3, 2, 20, 8)
+    for seq_id in (1, 2, 3):  # a fourth sequence: the rows double
+        cache.append(seq_id, 0, k[:1], k[:1])
+    assert tuple(cache.keys[0].shape) == (6, 2, 20, 8)
+    keys, _ = cache.append(7, 0, k[:1], k[:1])
+    assert torch.equal(keys, torch.cat([k, k, k, k[:1]]))
+    cache.free(1)
+    cache.append(9, 0, k[:2], k[:2])
+    assert cache.row_of[9] == 1 and cache.length(9) == 2  # the freed row, lowest first
+
+
+def test_dense_backend_rejects_bad_steps():
+    with pytest.raises(ValueError, match="twice"):
+        DenseAttentionBackend(DenseKVCache(1), [3, 3], [1, 1])
+    with pytest.raises(ValueError, match="at least one new token"):
+        DenseAttentionBackend(DenseKVCache(1), [3], [0])
+    with pytest.raises(ValueError, match="capacity hints"):
+        DenseKVCache(1, max_seq_len=-1)
+    backend = DenseAttentionBackend(DenseKVCache(1), [0, 1], [1, 1])
+    with pytest.raises(ValueError, match="3 query tokens but query_lens sum to 2"):
+        backend(0, torch.randn(3, 2, 4), torch.randn(3, 2, 4), torch.randn(3, 2, 4), 1.0)
 
 
 def _greedy_by_recomputation(model, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
