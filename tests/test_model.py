@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_models import random_gpt2, random_llama  # noqa: E402
+
 from minipaged.attention import dense_attention  # noqa: E402
 from minipaged.checkpoint import default_model_path, load_checkpoint  # noqa: E402
 from minipaged.config import ModelConfig  # noqa: E402
@@ -57,29 +59,27 @@ GPT2_CASES = {
 
 def _make_hf(name: str):
     """A random-init `transformers` model for a case name (seeded, so the same every time)."""
-    torch.manual_seed(sum(map(ord, name)))
+    seed = sum(map(ord, name))
     if name in LLAMA_CASES:
         heads, kv_heads, head_dim, tied, theta, scaling = LLAMA_CASES[name]
-        cfg = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+        model = random_llama(
+            seed, vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
             max_position_embeddings=64, rope_theta=theta, rope_scaling=scaling,
             tie_word_embeddings=tied, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
         )
-        model = transformers.LlamaForCausalLM(cfg)
     else:
         n_embd, n_head, n_inner = GPT2_CASES[name]
-        cfg = transformers.GPT2Config(
-            vocab_size=VOCAB, n_embd=n_embd, n_layer=2, n_head=n_head, n_inner=n_inner,
+        model = random_gpt2(
+            seed, vocab_size=VOCAB, n_embd=n_embd, n_layer=2, n_head=n_head, n_inner=n_inner,
             n_positions=64, bos_token_id=1, eos_token_id=2,
         )
-        model = transformers.GPT2LMHeadModel(cfg)
     # Random init leaves norms at 1 and biases at 0: perturb them so a mix-up would show.
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" in pname or "ln_" in pname or pname.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
+    return model
 
 
 @functools.cache
