@@ -17,9 +17,9 @@ With `--layers N` each timed step attends N layers, each with its own K/V, as a 
 the model does: then no layer's K/V is still in the CPU's cache when it is read again, on either
 side (with one layer, the dense side's K/V of 25 MB at context 512 can stay in a 32 MB L3).
 
-Timings alternate dense and paged call by call and count this thread's CPU time, so that load
-from other processes hits both alike; the table reports medians and the median of per-pair
-ratios. Writes `benchmarks/results/attention_cpu.json` (or `--out`).
+Timings alternate dense and paged call by call, in an order rotated every repeat, and count this
+thread's CPU time, so that load from other processes hits both alike; the table reports medians
+and the median of per-pair ratios. Writes `benchmarks/results/attention_cpu.json` (or `--out`).
 """
 
 from __future__ import annotations
@@ -121,10 +121,14 @@ def bench(batch: int, context: int, block_size: int, repeats: int, layers: int) 
     for fn in fns.values():  # warm up
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in tqdm(range(repeats), desc=f"B={batch} L={context}", leave=False):
-        for name, fn in fns.items():
+    names = list(fns)
+    for repeat in tqdm(range(repeats), desc=f"B={batch} L={context}", leave=False):
+        # Rotate the order, so that each function runs as often right after each other one: what
+        # the previous call left in the CPU's cache moved a fixed order's ratios by ~5%.
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
             start = time.thread_time()
-            fn()
+            fns[name]()
             times[name].append((time.thread_time() - start) / layers)
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     ratio = statistics.median(p / d for p, d in zip(times["paged"], times["dense"], strict=True))

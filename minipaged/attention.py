@@ -297,10 +297,11 @@ def check_copy_blocks_args(kv_caches: Sequence[Tensor], block_mapping: Tensor) -
 # ---------------------------------------------------------------------------------------------
 
 # Gathered K/V are copied a chunk of sequences at a time, each chunk small enough to stay in the
-# CPU's cache between the gather and the attention that reads it back. Gathering the whole batch
-# at once sent it out to memory and back: 2.5x the time of dense decode at context 512 in
-# `benchmarks/attention_cpu.py`, against ~1.4x in chunks (2 MiB of L2 per core there).
-GATHER_CHUNK_BYTES = 4 << 20
+# CPU's last-level cache between the gather and the attention that reads it back. Gathering the
+# whole batch at once sent it out to memory and back: 2.5x the time of dense decode at context
+# 512 in `benchmarks/attention_cpu.py`. On that machine (32 MiB of L3), chunks of 4-8 MiB were
+# best (about 1.45x), 3 MiB or 12 MiB and up worse.
+GATHER_CHUNK_BYTES = 8 << 20
 
 # The chunks are copied into a reused buffer rather than a fresh tensor per call: on CPU a fresh
 # multi-megabyte tensor costs page faults on first touch, which took longer than the gather
