@@ -20,16 +20,14 @@ for a core another process holds, and both systems slow down several-fold, errat
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from machine import report_header, save_report
 from tqdm import tqdm
 
 from minipaged.checkpoint import default_model_path
@@ -141,24 +139,13 @@ def main() -> None:
         "what": "greedy new tokens/s, generate_dense vs transformers generate, bundled "
                 "SmolLM2-135M-Instruct float32 CPU; ratio = transformers time / minipaged time "
                 "(wall clock; ratio_cpu: process CPU time), each the best of `repeats` runs",
-        "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "load_average_1min_before_after": [round(load_before[0], 2),
-                                               round(os.getloadavg()[0], 2)],
-            "transformers": transformers.__version__,
-        },
+        **report_header(transformers=transformers.__version__,
+                        load_average_1min_before=round(load_before[0], 2)),
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "results": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    save_report(args.out, report)
     print(f"wrote {args.out}")
 
 

@@ -39,14 +39,11 @@ Run: .venv/bin/python benchmarks/fastserve.py            (~4-5 minutes on 2 busy
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from machine import machine_info
+from machine import report_header, save_report
 from tqdm import tqdm
 
 from minipaged.cost_model import OPT_13B_A100, OPT_13B_A100_KV_BLOCKS, CostModel, StepShape
@@ -99,6 +96,20 @@ def metrics(result: SimulationResult) -> dict:
 # -- 1. the simulator ----------------------------------------------------------------------------
 
 
+def simulation_settings(max_num_seqs: int, chunked_prefill: bool) -> dict:
+    """`simulate` keyword arguments for the FastServe setting: OPT-13B's KV blocks on one A100,
+    a host pool for swapping, a 2048-token budget and context."""
+    config = SchedulerConfig(
+        max_num_batched_tokens=2048,
+        max_num_seqs=max_num_seqs,
+        max_model_len=2048,
+        enable_chunked_prefill=chunked_prefill,
+    )
+    return dict(
+        num_blocks=OPT_13B_A100_KV_BLOCKS, block_size=16, num_host_blocks=HOST_BLOCKS, config=config
+    )
+
+
 def simulated(
     num_requests: int,
     loads: list[float],
@@ -109,15 +120,7 @@ def simulated(
     prompt_median: float | None = None,
 ) -> dict:
     base = heavy_tailed(num_requests, seed=seed, prompt_median=prompt_median)
-    config = SchedulerConfig(
-        max_num_batched_tokens=2048,
-        max_num_seqs=max_num_seqs,
-        max_model_len=2048,
-        enable_chunked_prefill=chunked_prefill,
-    )
-    kwargs = dict(
-        num_blocks=OPT_13B_A100_KV_BLOCKS, block_size=16, num_host_blocks=HOST_BLOCKS, config=config
-    )
+    kwargs = simulation_settings(max_num_seqs, chunked_prefill)
     # Saturated throughput: everything at t=0, FCFS, rate over the first 90% of completions.
     saturated = simulate(base, OPT_13B_A100, FCFSScheduler, **kwargs)
     finish = sorted(r.finished_time for r in saturated.requests)
@@ -330,18 +333,7 @@ def skip_join_sweep(
     rows = []
     cells = [(w, b, x) for w in SWEEP_WORKLOADS for b in batch_limits for x in loads]
     for (label, prompt_median, output_median), batch, load in tqdm(cells, desc="skip-join sweep"):
-        config = SchedulerConfig(
-            max_num_batched_tokens=2048,
-            max_num_seqs=batch,
-            max_model_len=2048,
-            enable_chunked_prefill=False,
-        )
-        kwargs = dict(
-            num_blocks=OPT_13B_A100_KV_BLOCKS,
-            block_size=16,
-            num_host_blocks=HOST_BLOCKS,
-            config=config,
-        )
+        kwargs = simulation_settings(batch, chunked_prefill=False)
         jct: dict[str, list[float]] = {"fcfs": [], "mlfq": [], "mlfq-naive": []}
         shares = []
         for seed in seeds:
@@ -383,15 +375,7 @@ def fcfs_seed_spread(
     """Skip-join MLFQ vs FCFS on the main table's trace at several seeds: is a tie noise?
     With it, FCFS's mean queueing delay (time to first token minus the prefill alone): where
     nobody waits, every work-conserving order gives the same JCT."""
-    config = SchedulerConfig(
-        max_num_batched_tokens=2048,
-        max_num_seqs=max_num_seqs,
-        max_model_len=2048,
-        enable_chunked_prefill=False,
-    )
-    kwargs = dict(
-        num_blocks=OPT_13B_A100_KV_BLOCKS, block_size=16, num_host_blocks=HOST_BLOCKS, config=config
-    )
+    kwargs = simulation_settings(max_num_seqs, chunked_prefill=False)
     bases = {seed: heavy_tailed(num_requests, seed=seed) for seed in seeds}
     rows = {}
     for load in tqdm(loads, desc=f"seeds, {max_num_seqs} seqs/step"):
@@ -455,16 +439,13 @@ def study_main(args: argparse.Namespace) -> None:
         spread = fcfs_seed_spread(400, [0.5, 0.6, 0.7, 0.9, 1.1], 64, [0, 1, 2, 3, 4])
     out = args.out if args.out != RESULTS else SWEEP_RESULTS
     report = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
+        **report_header(),
         "paper_ratios": PAPER,
         "cost_model": OPT_13B_A100.__dict__,
         "skip_join_sweep": sweep,
         "fcfs_seed_spread": spread,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    save_report(out, report)
     print_sweep(sweep, spread)
     print(f"\nwrote {out}")
 
@@ -508,9 +489,7 @@ def main() -> None:
         "p95": round(2 * lowest["p95_normalized_latency"], 4),
     }
     report = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
+        **report_header(),
         "paper_ratios": PAPER,
         "simulated": sim,
         "ratios": ratios(sim["by_load"]),
@@ -524,8 +503,7 @@ def main() -> None:
             16 if args.quick else 40, [0.5, 1.0] if args.quick else [0.5, 0.8, 1.1], args.seed
         ),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    save_report(args.out, report)
     print_tables(report)
     print(f"\nwrote {args.out}")
 
