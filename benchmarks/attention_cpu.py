@@ -17,7 +17,7 @@ With `--layers N` each timed step attends N layers, each with its own K/V, as a 
 the model does: then no layer's K/V is still in the CPU's cache when it is read again, on either
 side (with one layer, the dense side's K/V of 25 MB at context 512 can stay in a 32 MB L3).
 
-Timings alternate dense and paged call by call, in an order rotated every repeat, and count this
+Timings alternate dense and paged call by call, in an order shuffled every repeat, and count this
 thread's CPU time, so that load from other processes hits both alike; the table reports medians
 and the median of per-pair ratios. Writes `benchmarks/results/attention_cpu.json` (or `--out`).
 """
@@ -25,6 +25,7 @@ and the median of per-pair ratios. Writes `benchmarks/results/attention_cpu.json
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -93,7 +94,9 @@ def gather_only(x: dict) -> None:
     block_ids = x["block_tables"].long()
     block_size = k_cache.shape[1]
     bytes_per_block = 2 * k_cache[0].numel() * k_cache.element_size()
-    chunks = attention._plan_chunks(x["seq_lens"].tolist(), block_size, bytes_per_block)
+    context_lens = x["seq_lens"].tolist()
+    chunks = attention._plan_chunks([1] * len(context_lens), context_lens, block_size,
+                                    bytes_per_block)
     for first, end, blocks in chunks:
         past_end = torch.zeros(end - first, blocks * block_size, dtype=torch.bool)
         attention._gather_context(k_cache, v_cache, block_ids[first:end, :blocks], past_end)
@@ -121,12 +124,13 @@ def bench(batch: int, context: int, block_size: int, repeats: int, layers: int) 
     for fn in fns.values():  # warm up
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    for repeat in tqdm(range(repeats), desc=f"B={batch} L={context}", leave=False):
-        # Rotate the order, so that each function runs as often right after each other one: what
-        # the previous call left in the CPU's cache moved a fixed order's ratios by ~5%.
-        shift = repeat % len(names)
-        for name in names[shift:] + names[:shift]:
+    names, shuffler = list(fns), random.Random(0)
+    for _ in tqdm(range(repeats), desc=f"B={batch} L={context}", leave=False):
+        # A fresh order each repeat, so that each function runs about as often right after each
+        # other one: what the previous call left in the CPU's cache moved a fixed order's ratios
+        # by ~5%.
+        shuffler.shuffle(names)
+        for name in names:
             start = time.thread_time()
             fns[name]()
             times[name].append((time.thread_time() - start) / layers)

@@ -23,6 +23,7 @@ Blocks are always addressed along dim 1 of that per-layer tensor, by `copy_block
 from __future__ import annotations
 
 import importlib
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -357,88 +358,94 @@ def paged_attention(
     `seq_lens[i]`-token context. Returns `[T, H, D]` in q's dtype, computed in float32.
 
     `max_query_len` / `max_seq_len` bound the batch's query and context lengths (the Triton
-    kernels size their grids by them; here `max_query_len` saves a host sync). `validate=False`
-    skips `check_paged_attention_args` (and its syncs).
+    kernels size their grids by them; this reference reads the lengths on the host instead).
+    `validate=False` skips `check_paged_attention_args` (and its syncs).
 
-    The method is the paper's (section 4.1) with the block loop vectorised: for a chunk of
-    sequences at a time (`GATHER_CHUNK_BYTES`), gather their blocks into contiguous contexts,
-    pad their queries to `max_query_len`, and run one masked attention over the chunk. Slots
-    past a sequence's end (the tail of its last block, padding blocks) may hold anything, NaN
-    included: they are zeroed after the gather and masked in the attention.
+    The method is the paper's (section 4.1) with the block loop vectorised, a chunk of sequences
+    at a time: gather their blocks into contiguous contexts and run one masked attention over
+    the chunk. A chunk holds sequences with the same number of queries (decodes together, each
+    prefill length apart), so no query is padded, and its gathered K/V fit in
+    `GATHER_CHUNK_BYTES`. Sequences are taken by query length, then context length, so that
+    padding each chunk's contexts to its longest adds little. Slots past a sequence's end (the
+    tail of its last block, padding blocks) may hold anything, NaN included: they are zeroed
+    after the gather and masked in the attention.
     """
     if validate:
         check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                    max_query_len=max_query_len, max_seq_len=max_seq_len)
-    num_tokens = q.shape[0]
-    num_seqs = seq_lens.shape[0]
-    if num_tokens == 0:
+    if q.shape[0] == 0:
         return q.new_empty(q.shape)
-    if max_query_len is None:
-        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    num_heads, head_dim = q.shape[1:]
     block_size = k_cache.shape[1]
-    device = q.device
-    # Chunks are planned on the host from the context lengths (the Triton kernels need no such
-    # sync). Sequences are taken shortest first, so that padding each chunk to its longest
-    # context adds little (in a ShareGPT-like decode batch, 1.2-1.4x the real context instead of
-    # 2-4x padding every sequence to the batch's longest).
+    # The chunks are planned on the host (the Triton kernels need no such sync).
+    starts = query_start_loc.tolist()
+    query_lens = [end - start for start, end in itertools.pairwise(starts)]
     context_lens = seq_lens.tolist()
-    order = sorted(range(num_seqs), key=context_lens.__getitem__)
-    chunks = _plan_chunks([context_lens[i] for i in order], block_size,
-                          bytes_per_block=2 * k_cache[0].numel() * k_cache.element_size())
-    num_blocks = max(blocks for _, _, blocks in chunks)
+    order = sorted(range(len(context_lens)), key=lambda i: (query_lens[i], context_lens[i]))
+    bytes_per_block = 2 * k_cache[0].numel() * k_cache.element_size()  # K and V
+    chunks = _plan_chunks([query_lens[i] for i in order], [context_lens[i] for i in order],
+                          block_size, bytes_per_block)
     # Padding entries (-1) read block 0; whatever they read is zeroed and masked.
-    block_ids = block_tables[:, :num_blocks].clamp(min=0).long()
-    key_pos = torch.arange(num_blocks * block_size, device=device)
-    past_end = key_pos[None, :] >= seq_lens[:, None]  # [B, L_pad]
-
-    # Queries padded per sequence to [B, Q, H, D]. A decode batch (one query per sequence) is
-    # padded already; otherwise token t is query `t - query_start_loc[s]` of sequence s.
-    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    is_decode = max_query_len == 1 and num_tokens == num_seqs
-    if is_decode:
-        padded_q = q.float()[:, None]
-    else:
-        seq_of_token = torch.repeat_interleave(
-            torch.arange(num_seqs, device=device), query_lens, output_size=num_tokens
+    block_ids = block_tables.clamp(min=0).long()
+    key_pos = torch.arange(block_ids.shape[1] * block_size, device=q.device)
+    past_end = key_pos[None, :] >= seq_lens[:, None]  # [B, max_blocks * block_size]
+    out = torch.empty_like(q)
+    for first, end, num_blocks in chunks:
+        seqs = torch.tensor(order[first:end], device=q.device)
+        tokens = torch.tensor(
+            [t for i in order[first:end] for t in range(starts[i], starts[i + 1])],
+            device=q.device,
         )
-        row_of_token = torch.arange(num_tokens, device=device) - query_start_loc[seq_of_token]
-        padded_q = q.new_zeros(num_seqs, max_query_len, num_heads, head_dim, dtype=torch.float32)
-        padded_q[seq_of_token, row_of_token] = q.float()
-    # Query row r of sequence s sits at position seq_lens[s] - query_lens[s] + r and sees the
-    # keys up to its own position, never a slot past the sequence's end.
-    query_pos = (seq_lens - query_lens)[:, None] + torch.arange(max_query_len, device=device)
-    visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, L_pad]
-
-    padded_out = torch.empty_like(padded_q)
-    for first, end, blocks in chunks:
-        seqs = torch.tensor(order[first:end], device=device)
-        slots = slice(0, blocks * block_size)
-        keys, values = _gather_context(k_cache, v_cache, block_ids[seqs, :blocks],
-                                       past_end[seqs, slots])
-        padded_out[seqs] = F.scaled_dot_product_attention(  # GQA: query heads share KV heads
-            padded_q[seqs].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=visible[seqs, None, :, slots], scale=scale, enable_gqa=True,
-        ).transpose(1, 2)
-    if is_decode:
-        return padded_out[:, 0].to(q.dtype)
-    return padded_out[seq_of_token, row_of_token].to(q.dtype)
+        out[tokens] = _attend_chunk(
+            q[tokens], k_cache, v_cache, block_ids[seqs, :num_blocks], seq_lens[seqs],
+            past_end[seqs, :num_blocks * block_size], scale,
+        )
+    return out
 
 
-def _plan_chunks(context_lens: list[int], block_size: int,
+def _attend_chunk(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ids: Tensor,
+                  seq_lens: Tensor, past_end: Tensor, scale: float) -> Tensor:
+    """`paged_attention` over a few sequences with the same number of queries, whose gathered
+    K/V fit in the CPU's cache.
+
+    q: `[B * Q, H, D]`, sequence after sequence; block_ids: `[B, n]` valid block ids covering
+    every context; past_end: `[B, n * block_size]`, the slots past each sequence's end.
+    Returns `[B * Q, H, D]`.
+    """
+    num_seqs = seq_lens.shape[0]
+    num_tokens, num_heads, head_dim = q.shape
+    query_len = num_tokens // num_seqs
+    keys, values = _gather_context(k_cache, v_cache, block_ids, past_end)
+    if query_len == 1:  # decodes: the last position sees its whole context
+        visible = ~past_end[:, None, :]
+    else:
+        # Query row r of sequence s sits at position seq_lens[s] - Q + r and sees the keys up
+        # to its own position (causal), never a slot past the sequence's end.
+        key_pos = torch.arange(past_end.shape[1], device=q.device)
+        query_pos = (seq_lens - query_len)[:, None] + torch.arange(query_len, device=q.device)
+        visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, L_pad]
+    out = F.scaled_dot_product_attention(  # GQA: query heads share KV heads
+        q.float().view(num_seqs, query_len, num_heads, head_dim).transpose(1, 2),
+        keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=visible[:, None], scale=scale, enable_gqa=True,
+    )  # [B, H, Q, D]
+    return out.transpose(1, 2).reshape(num_tokens, num_heads, head_dim).to(q.dtype)
+
+
+def _plan_chunks(query_lens: list[int], context_lens: list[int], block_size: int,
                  bytes_per_block: int) -> list[tuple[int, int, int]]:
-    """Cut a list of sequences, in order, into runs whose gathered K/V fit in
-    `GATHER_CHUNK_BYTES`, each padded to its longest context.
+    """Cut a list of sequences, in order, into runs of one query length whose gathered K/V,
+    each padded to the run's longest context, fit in `GATHER_CHUNK_BYTES`.
 
     Returns `(first, end, num_blocks)` per run: list entries `first:end`, `num_blocks` blocks
-    each.
-    A sequence too long for the budget on its own is a run of one.
+    each. A sequence too long for the budget on its own is a run of one. One query length per
+    run means no query is padded: decodes run together, each prefill length apart.
     """
     chunks = []
     first, blocks = 0, 0
     for i, length in enumerate(context_lens):
         grown = max(blocks, -(-length // block_size))
-        if i > first and (i + 1 - first) * grown * bytes_per_block > GATHER_CHUNK_BYTES:
+        too_big = (i + 1 - first) * grown * bytes_per_block > GATHER_CHUNK_BYTES
+        if i > first and (too_big or query_lens[i] != query_lens[first]):
             chunks.append((first, i, blocks))
             first, grown = i, -(-length // block_size)
         blocks = grown
