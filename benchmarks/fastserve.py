@@ -110,6 +110,22 @@ def simulation_settings(max_num_seqs: int, chunked_prefill: bool) -> dict:
     )
 
 
+def saturated_rate(base: list, kwargs: dict) -> float:
+    """FCFS's saturated throughput on `base` (req/s): every request at t=0, the rate over the
+    first 90% of completions (the tail of the last long jobs would understate it)."""
+    n = len(base)
+    finish = sorted(
+        r.finished_time for r in simulate(base, OPT_13B_A100, FCFSScheduler, **kwargs).requests
+    )
+    return 0.9 * n / finish[int(0.9 * n) - 1]
+
+
+def at_rate(base: list, rate: float, seed: int) -> list:
+    """`base` with gamma arrivals (CV `ARRIVAL_CV`) at `rate` requests per second."""
+    arrivals = gamma_arrival_times(len(base), rate, ARRIVAL_CV, np.random.default_rng(seed))
+    return with_arrivals(base, arrivals)
+
+
 def simulated(
     num_requests: int,
     loads: list[float],
@@ -121,17 +137,12 @@ def simulated(
 ) -> dict:
     base = heavy_tailed(num_requests, seed=seed, prompt_median=prompt_median)
     kwargs = simulation_settings(max_num_seqs, chunked_prefill)
-    # Saturated throughput: everything at t=0, FCFS, rate over the first 90% of completions.
-    saturated = simulate(base, OPT_13B_A100, FCFSScheduler, **kwargs)
-    finish = sorted(r.finished_time for r in saturated.requests)
-    capacity = 0.9 * num_requests / finish[int(0.9 * num_requests) - 1]
+    capacity = saturated_rate(base, kwargs)
     rows: dict[str, dict[str, dict]] = {}
     label = "chunked prefill" if chunked_prefill else "no chunked prefill"
     for load in tqdm(loads, desc=f"simulated loads, {label}"):
         rate = load * capacity
-        trace = with_arrivals(
-            base, gamma_arrival_times(num_requests, rate, ARRIVAL_CV, np.random.default_rng(seed))
-        )
+        trace = at_rate(base, rate, seed)
         rows[f"{load:.2f}"] = {
             name: {
                 "rate": round(rate, 4),
@@ -308,12 +319,8 @@ def prefill_share(trace: list, cost: CostModel, batch: int) -> float:
 
 def _trace_at(base: list, load: float, seed: int, kwargs: dict) -> tuple[list, float]:
     """`base` at `load` times FCFS's saturated throughput (as in `simulated`)."""
-    n = len(base)
-    saturated = simulate(base, OPT_13B_A100, FCFSScheduler, **kwargs)
-    finish = sorted(r.finished_time for r in saturated.requests)
-    capacity = 0.9 * n / finish[int(0.9 * n) - 1]
-    arrivals = gamma_arrival_times(n, load * capacity, ARRIVAL_CV, np.random.default_rng(seed))
-    return with_arrivals(base, arrivals), capacity
+    capacity = saturated_rate(base, kwargs)
+    return at_rate(base, load * capacity, seed), capacity
 
 
 def _spread(values: list[float]) -> dict:
