@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from fake_sampling import sample_made_up_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import assert_engine_drained, tiny_engine, tiny_llama_parts
@@ -21,7 +22,7 @@ from minipaged.mlfq import (
 )
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import SchedulerConfig, SchedulerOutput
-from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus, check_stop
+from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BLOCK = 4
 MS = 2.0**-10  # about a millisecond, exact in binary: sums of whole "ms" compare exactly
@@ -69,12 +70,7 @@ class Driver:
         scheduler.mark_computed(out)
         start = self.now
         self.now += max(self.cost.step_time(StepShape.of(out)), 1 * MS)
-        for item in out.scheduled:
-            if item.needs_logits:
-                item.seq.append_token(3 + item.seq.get_len() % 11, -0.5)
-                decision = check_stop(item.seq, item.group.sampling_params)
-                if decision is not None:
-                    item.seq.finish(decision)
+        sample_made_up_tokens(out)
         scheduler.finish_step()
         self.steps.append((start, self.now, out))
         return out

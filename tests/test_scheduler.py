@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from fake_sampling import sample_made_up_tokens
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -22,7 +23,7 @@ from minipaged.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus, check_stop
+from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BLOCK = 4
 
@@ -50,12 +51,7 @@ def run_step(scheduler: FCFSScheduler, now: float = 0.0) -> SchedulerOutput:
         table = scheduler.kv_cache.block_table(item.seq.seq_id)
         assert len(table) * BLOCK >= item.start + item.num_new_tokens
     scheduler.mark_computed(out)
-    for item in out.scheduled:
-        if item.needs_logits:
-            item.seq.append_token(3 + item.seq.get_len() % 11, -0.5)
-            decision = check_stop(item.seq, item.group.sampling_params)
-            if decision is not None:
-                item.seq.finish(decision)
+    sample_made_up_tokens(out)
     scheduler.finish_step()
     return out
 

@@ -1,0 +1,18 @@
+"""The engine's sampling step without a model, for scheduler tests: each sequence that needs
+logits gets a made-up token and is finished when its stop rule says so."""
+
+from __future__ import annotations
+
+from minipaged.scheduler import SchedulerOutput
+from minipaged.sequence import check_stop
+
+
+def sample_made_up_tokens(out: SchedulerOutput) -> None:
+    """Append a token (a function of the sequence's length) to every sequence of `out` that
+    produces one this step, and finish those whose stop rule (max_tokens, ...) now holds."""
+    for item in out.scheduled:
+        if item.needs_logits:
+            item.seq.append_token(3 + item.seq.get_len() % 11, -0.5)
+            decision = check_stop(item.seq, item.group.sampling_params)
+            if decision is not None:
+                item.seq.finish(decision)
