@@ -209,7 +209,6 @@ class DenseAttentionBackend:
         (0 up to the highest one in the step), and their context lengths after this step."""
         self.rows = [self.cache.row(s) for s in self.seq_ids]
         self.num_rows = max(self.rows) + 1
-        self.rows_are_all = self.rows == list(range(self.num_rows))  # sequence i in row i
         # Sequence i ends up with cache.length(i) + 1 tokens. A row in the view but not in this
         # step is attended over its first slot only, and its output dropped.
         self.row_lengths = [1] * self.num_rows
@@ -240,8 +239,7 @@ class DenseAttentionBackend:
         self.cache.append_one_each(layer_idx, self.rows, k, v)
         view = (slice(0, self.num_rows), slice(None), slice(0, self.max_len))
         keys, values = self.cache.keys[layer_idx][view], self.cache.values[layer_idx][view]
-        if self.rows_are_all:
-            return decode_attention(q, keys, values, row_lengths, scale)
+        # Each query into its sequence's row; rows not in this step get zeros, dropped after.
         q_rows = q.new_zeros(self.num_rows, *q.shape[1:]).index_copy_(0, rows, q)
         return decode_attention(q_rows, keys, values, row_lengths, scale)[rows]
 
