@@ -23,6 +23,7 @@ def machine_info(**extra: object) -> dict[str, object]:
     info: dict[str, object] = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": _cpu_model(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
@@ -35,6 +36,18 @@ def machine_info(**extra: object) -> dict[str, object]:
     except ImportError:
         info["torch"] = None
     return info | extra
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name (Linux), which decides which GEMM library is fast on it."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def report_header(**machine_extra: object) -> dict[str, object]:

@@ -274,6 +274,40 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor,
 # ---------------------------------------------------------------------------------------------
 
 
+# oneDNN's fused linear (the kernel behind `torch.compile`'s CPU linear layers); absent from
+# builds without oneDNN, where `linear` is `F.linear`.
+_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
+    torch.ops.mkldnn, "_linear_pointwise"
+)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`x @ weight.T + bias`, as `F.linear`; in float32 on CPU, through oneDNN's matmul.
+
+    PyTorch's CPU build sends `F.linear` to MKL's GEMM, which on the AMD EPYC machine these
+    benchmarks run on is slow at the few rows of a decode step and at odd row counts. oneDNN,
+    the other GEMM that ships inside PyTorch, runs a SmolLM2 layer's projections 1.4x faster
+    at 8 rows and 1.8x at prefill sizes, and the output head 1.7x (`benchmarks/linear_cpu.py`).
+    The sums are the same, in another order: outputs differ from `F.linear` by float rounding.
+    The oneDNN op has no backward, so anything that needs gradients takes `F.linear`.
+    """
+    if (
+        _ONEDNN_LINEAR
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters, same checkpoint layout) whose forward is `linear`."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 (as Hugging Face does) and cast back."""
 
@@ -367,10 +401,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_proj = Linear(config.hidden_size, q_size, bias=bias)
+        self.k_proj = Linear(config.hidden_size, kv_size, bias=bias)
+        self.v_proj = Linear(config.hidden_size, kv_size, bias=bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor, rotation: tuple[Tensor, Tensor], attn: AttentionBackend) -> Tensor:
         t = x.shape[0]
@@ -387,9 +421,9 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -423,7 +457,7 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(config, i, attention_bias) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
@@ -453,8 +487,8 @@ class GPT2Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self.scale = config.head_dim**-0.5
-        self.c_attn = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.c_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.c_attn = Linear(config.hidden_size, 3 * config.hidden_size)
+        self.c_proj = Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, x: Tensor, attn: AttentionBackend) -> Tensor:
         t = x.shape[0]
@@ -466,8 +500,8 @@ class GPT2Attention(nn.Module):
 class GPT2MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.c_fc = Linear(config.hidden_size, config.intermediate_size)
+        self.c_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
@@ -498,7 +532,7 @@ class GPT2ForCausalLM(nn.Module):
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         """Hidden states `[T, hidden_size]` (final norm applied) of a flat token batch."""

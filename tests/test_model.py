@@ -33,6 +33,7 @@ from minipaged.model import (  # noqa: E402
     build_model,
     decode_attention,
     generate_dense,
+    linear,
     load_model,
 )
 from minipaged.tokenizer import Tokenizer  # noqa: E402
@@ -323,6 +324,35 @@ def test_half_precision_is_close_to_float32(tmp_root, dtype, tol):
     assert model.embed_tokens.weight.dtype == dtype
     seqs = [[3, 9, 27, 81, 50], [7, 7]]
     assert (_flat_forward(model, seqs) - _flat_forward(model32, seqs)).abs().max() < tol
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lead=st.sampled_from([(), (2,)]),
+    rows=st.integers(0, 9),
+    sizes=st.tuples(st.integers(1, 48), st.integers(1, 48)),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_equals_f_linear(lead, rows, sizes, bias, seed):
+    # In inference mode, float32 on CPU: the oneDNN path (where the build has it).
+    g = torch.Generator().manual_seed(seed)
+    (in_features, out_features) = sizes
+    x = torch.randn(*lead, rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    with torch.inference_mode():
+        ours = linear(x, w, b)
+    assert ours.shape == (*lead, rows, out_features)
+    torch.testing.assert_close(ours, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_keeps_gradients():
+    # Autograd needs F.linear: the oneDNN op has no backward.
+    x = torch.randn(5, 4)
+    w = torch.randn(3, 4, requires_grad=True)
+    linear(x, w).sum().backward()
+    torch.testing.assert_close(w.grad, x.sum(0).expand(3, 4))
 
 
 def test_tied_head_shares_the_embedding(tmp_root):

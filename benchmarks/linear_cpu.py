@@ -1,0 +1,118 @@
+"""The model's projections on CPU: `F.linear` (MKL's GEMM) vs `minipaged.model.linear` (oneDNN).
+
+A step of the bundled SmolLM2-135M multiplies the step's rows by every weight matrix once: 30
+layers of q/k/v/o and gate/up/down projections, then the 49152-token output head. Weights (540 MB
+in float32) stream from memory every step, so this benchmark does the same: it holds 30 layers'
+worth of distinct random matrices of SmolLM2's shapes and times one pass over all of them, and
+the head on its own, for the row counts of decode steps (1-16) and of prefills (64, 256). Both
+paths run in one process on the same tensors, interleaved, in thread CPU time; each number is the
+median of `--repeats` passes. The outputs of the two paths are checked equal up to float rounding.
+
+Run: .venv/bin/python benchmarks/linear_cpu.py --threads 1     (~1-2 minutes)
+Writes benchmarks/results/linear_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from machine import report_header, save_report
+
+from minipaged.model import _ONEDNN_LINEAR, linear
+
+RESULTS = Path(__file__).parent / "results" / "linear_cpu.json"
+HIDDEN, KV, INTERMEDIATE, VOCAB, LAYERS = 576, 192, 1536, 49152, 30
+# (in, out) of each projection of a SmolLM2-135M layer: q, k, v, o, gate, up, down.
+LAYER_SHAPES = [
+    (HIDDEN, HIDDEN), (HIDDEN, KV), (HIDDEN, KV), (HIDDEN, HIDDEN),
+    (HIDDEN, INTERMEDIATE), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, HIDDEN),
+]
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        start = time.thread_time()
+        fn()
+        samples.append(time.thread_time() - start)
+    return statistics.median(samples) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 7, 8, 16, 64, 256])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if not _ONEDNN_LINEAR:
+        raise SystemExit("this torch build has no oneDNN linear: `linear` is `F.linear` here")
+
+    torch.manual_seed(0)
+    weights = [
+        torch.randn(out, inp) * inp**-0.5 for _ in range(LAYERS) for inp, out in LAYER_SHAPES
+    ]
+    head = torch.randn(VOCAB, HIDDEN) * HIDDEN**-0.5
+    paths = {"F.linear": F.linear, "linear": linear}
+
+    rows = []
+    with torch.inference_mode():
+        for n in args.rows:
+            inputs = {size: torch.randn(n, size) for size in (HIDDEN, INTERMEDIATE)}
+            for w in (weights[0], weights[-1], head):
+                x = inputs[w.shape[1]]
+                torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
+
+            def layers(fn, inputs=inputs):
+                for w in weights:
+                    fn(inputs[w.shape[1]], w)
+
+            times: dict[str, dict[str, list[float]]] = {"layers": {}, "head": {}}
+            for repeat in range(2):  # alternate which path runs first
+                order = list(paths.items()) if repeat == 0 else list(paths.items())[::-1]
+                for name, fn in order:
+                    times["layers"].setdefault(name, []).append(
+                        median_ms(lambda fn=fn: layers(fn), args.repeats))
+                    times["head"].setdefault(name, []).append(
+                        median_ms(lambda fn=fn, x=inputs[HIDDEN]: fn(x, head), args.repeats))
+            best = {part: {name: min(v) for name, v in by_path.items()}
+                    for part, by_path in times.items()}
+            rows.append({
+                "rows": n,
+                "layers_ms": {k: round(v, 2) for k, v in best["layers"].items()},
+                "head_ms": {k: round(v, 2) for k, v in best["head"].items()},
+                "layers_speedup": round(best["layers"]["F.linear"] / best["layers"]["linear"], 2),
+                "head_speedup": round(best["head"]["F.linear"] / best["head"]["linear"], 2),
+            })
+
+    print(f"\n{'rows':>5} {'30 layers: F.linear':>20} {'linear':>8} {'speedup':>8}"
+          f" {'head: F.linear':>15} {'linear':>8} {'speedup':>8}")
+    for r in rows:
+        layers, head = r["layers_ms"], r["head_ms"]
+        print(f"{r['rows']:>5} {layers['F.linear']:>17.1f} ms {layers['linear']:>5.1f} ms"
+              f" {r['layers_speedup']:>7.2f}x {head['F.linear']:>12.1f} ms"
+              f" {head['linear']:>5.1f} ms {r['head_speedup']:>7.2f}x")
+    report = {
+        "benchmark": "linear_cpu",
+        "what": "milliseconds for one pass over 30 SmolLM2-135M layers' projections (distinct "
+                "random float32 weights, streamed from memory as in a real step) and for the "
+                "output head, F.linear (MKL) vs minipaged.model.linear (oneDNN), thread CPU time",
+        **report_header(),
+        "repeats": args.repeats,
+        "results": rows,
+    }
+    save_report(args.out, report)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
