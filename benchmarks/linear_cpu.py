@@ -8,6 +8,11 @@ the head on its own, for the row counts of decode steps (1-16) and of prefills (
 paths run in one process on the same tensors, interleaved, in thread CPU time; each number is the
 median of `--repeats` passes. The outputs of the two paths are checked equal up to float rounding.
 
+A second table times one weight shape at a time, from a tiny test model's 128 x 64 to SmolLM2's
+1536 x 576 (30 MB of copies of each, so that every call reads from memory), calling oneDNN's op
+directly: it shows where oneDNN's fixed cost per call stops paying, which is where `linear`
+switches (`ONEDNN_MIN_WEIGHT_ELEMENTS`).
+
 Run: .venv/bin/python benchmarks/linear_cpu.py --threads 1     (~1-2 minutes)
 Writes benchmarks/results/linear_cpu.json.
 """
@@ -24,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from machine import report_header, save_report
 
-from minipaged.model import _ONEDNN_LINEAR, linear
+from minipaged.model import _ONEDNN_LINEAR, ONEDNN_MIN_WEIGHT_ELEMENTS, linear
 
 RESULTS = Path(__file__).parent / "results" / "linear_cpu.json"
 HIDDEN, KV, INTERMEDIATE, VOCAB, LAYERS = 576, 192, 1536, 49152, 30
@@ -33,6 +38,34 @@ LAYER_SHAPES = [
     (HIDDEN, HIDDEN), (HIDDEN, KV), (HIDDEN, KV), (HIDDEN, HIDDEN),
     (HIDDEN, INTERMEDIATE), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, HIDDEN),
 ]
+# (out, in) of single weights for the per-shape table: tiny test models up to SmolLM2's largest.
+SINGLE_SHAPES = [(128, 64), (128, 128), (256, 256), (192, 576), (576, 576), (1536, 576)]
+SINGLE_ROWS = [1, 8, 64]
+COPIES_BYTES = 30 * 2**20
+
+
+def onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's linear whatever the weight's size (`linear` keeps small ones on F.linear)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+def per_shape(repeats: int) -> list[dict]:
+    """Microseconds per call of F.linear and of oneDNN, one weight shape at a time, cold."""
+    rows = []
+    for out, inp in SINGLE_SHAPES:
+        copies = [torch.randn(out, inp) for _ in range(max(1, COPIES_BYTES // (4 * out * inp)))]
+        row: dict = {"weight": [out, inp], "elements": out * inp,
+                     "linear_uses_onednn": out * inp >= ONEDNN_MIN_WEIGHT_ELEMENTS}
+        for n in SINGLE_ROWS:
+            x = torch.randn(n, inp)
+            us = {
+                name: median_ms(lambda fn=fn, x=x, ws=copies: [fn(x, w) for w in ws], repeats)
+                * 1e3 / len(copies)
+                for name, fn in (("F.linear", F.linear), ("oneDNN", onednn))
+            }
+            row[f"rows_{n}_us"] = {k: round(v, 1) for k, v in us.items()}
+        rows.append(row)
+    return rows
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -94,6 +127,9 @@ def main() -> None:
                 "head_speedup": round(best["head"]["F.linear"] / best["head"]["linear"], 2),
             })
 
+    with torch.inference_mode():
+        shapes = per_shape(args.repeats)
+
     print(f"\n{'rows':>5} {'30 layers: F.linear':>20} {'linear':>8} {'speedup':>8}"
           f" {'head: F.linear':>15} {'linear':>8} {'speedup':>8}")
     for r in rows:
@@ -101,6 +137,14 @@ def main() -> None:
         print(f"{r['rows']:>5} {layers['F.linear']:>17.1f} ms {layers['linear']:>5.1f} ms"
               f" {r['layers_speedup']:>7.2f}x {head['F.linear']:>12.1f} ms"
               f" {head['linear']:>5.1f} ms {r['head_speedup']:>7.2f}x")
+    print("\nper call, one weight shape at a time (us, F.linear / oneDNN):")
+    for r in shapes:
+        cells = "  ".join(
+            f"{n:>2} rows {us['F.linear']:>7.1f} / {us['oneDNN']:>7.1f}"
+            for n, us in ((n, r[f"rows_{n}_us"]) for n in SINGLE_ROWS)
+        )
+        where = "oneDNN" if r["linear_uses_onednn"] else "F.linear"
+        print(f"{r['weight'][0]:>5} x {r['weight'][1]:<5} {cells}   linear takes {where}")
     report = {
         "benchmark": "linear_cpu",
         "what": "milliseconds for one pass over 30 SmolLM2-135M layers' projections (distinct "
@@ -108,7 +152,9 @@ def main() -> None:
                 "output head, F.linear (MKL) vs minipaged.model.linear (oneDNN), thread CPU time",
         **report_header(),
         "repeats": args.repeats,
+        "onednn_min_weight_elements": ONEDNN_MIN_WEIGHT_ELEMENTS,
         "results": rows,
+        "per_shape": shapes,
     }
     save_report(args.out, report)
     print(f"wrote {args.out}")

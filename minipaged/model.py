@@ -279,6 +279,10 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor,
 _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_linear_pointwise"
 )
+# oneDNN costs ~10 us more per call than MKL. Below 2^16 weights (256 x 256) that is more than it
+# saves at decode row counts; at 2^16 the two tie at 1-8 rows and oneDNN wins at 64
+# (`benchmarks/linear_cpu.py`, per-shape table).
+ONEDNN_MIN_WEIGHT_ELEMENTS = 1 << 16
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -286,19 +290,27 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
     PyTorch's CPU build sends `F.linear` to MKL's GEMM, which on the AMD EPYC machine these
     benchmarks run on is slow at the few rows of a decode step and at odd row counts. oneDNN,
-    the other GEMM that ships inside PyTorch, runs a SmolLM2 layer's projections 1.4x faster
-    at 8 rows and 1.8x at prefill sizes, and the output head 1.7x (`benchmarks/linear_cpu.py`).
+    the other GEMM that ships inside PyTorch, runs SmolLM2's projections 1.3x faster at 1 row,
+    1.5x at the 8 rows of a decode step and 2x at prefill sizes, and the output head 1.6-1.9x
+    (`benchmarks/linear_cpu.py`; on Intel CPUs, where MKL is tuned, expect less). Small weights
+    (tiny test models) stay with `F.linear`: oneDNN's fixed cost per call outweighs its gain.
     The sums are the same, in another order: outputs differ from `F.linear` by float rounding.
     The oneDNN op has no backward, so anything that needs gradients takes `F.linear`.
     """
-    if (
+    if uses_onednn(x, weight):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def uses_onednn(x: Tensor, weight: Tensor) -> bool:
+    """Whether `linear(x, weight)` runs on oneDNN (see `linear`)."""
+    return (
         _ONEDNN_LINEAR
+        and weight.numel() >= ONEDNN_MIN_WEIGHT_ELEMENTS
         and x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-    ):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    )
 
 
 class Linear(nn.Linear):

@@ -35,6 +35,7 @@ from minipaged.model import (  # noqa: E402
     generate_dense,
     linear,
     load_model,
+    uses_onednn,
 )
 from minipaged.tokenizer import Tokenizer  # noqa: E402
 
@@ -330,16 +331,16 @@ def test_half_precision_is_close_to_float32(tmp_root, dtype, tol):
 @given(
     lead=st.sampled_from([(), (2,)]),
     rows=st.integers(0, 9),
-    sizes=st.tuples(st.integers(1, 48), st.integers(1, 48)),
+    # (out, in): small weights take F.linear, large ones oneDNN (where the build has it).
+    sizes=st.sampled_from([(5, 8), (33, 48), (256, 256), (260, 300), (192, 576)]),
     bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_linear_equals_f_linear(lead, rows, sizes, bias, seed):
-    # In inference mode, float32 on CPU: the oneDNN path (where the build has it).
     g = torch.Generator().manual_seed(seed)
-    (in_features, out_features) = sizes
+    out_features, in_features = sizes
     x = torch.randn(*lead, rows, in_features, generator=g)
-    w = torch.randn(out_features, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g) * in_features**-0.5
     b = torch.randn(out_features, generator=g) if bias else None
     with torch.inference_mode():
         ours = linear(x, w, b)
@@ -347,12 +348,24 @@ def test_linear_equals_f_linear(lead, rows, sizes, bias, seed):
     torch.testing.assert_close(ours, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+def test_linear_takes_onednn_only_where_it_pays_and_applies():
+    big = torch.randn(256, 256)
+    x = torch.randn(3, 256)
+    with torch.inference_mode():
+        assert uses_onednn(x, big) == torch.backends.mkldnn.is_available()
+        assert not uses_onednn(x[:, :64], torch.randn(64, 64))  # too small to pay
+        assert not uses_onednn(x.bfloat16(), big.bfloat16())  # float32 only
+    trainable = big.clone().requires_grad_()
+    assert not uses_onednn(x, trainable)  # autograd needs F.linear: oneDNN has no backward
+    with torch.no_grad():
+        assert uses_onednn(x, trainable) == torch.backends.mkldnn.is_available()
+
+
 def test_linear_keeps_gradients():
-    # Autograd needs F.linear: the oneDNN op has no backward.
-    x = torch.randn(5, 4)
-    w = torch.randn(3, 4, requires_grad=True)
+    x = torch.randn(5, 256)
+    w = torch.randn(256, 256, requires_grad=True)
     linear(x, w).sum().backward()
-    torch.testing.assert_close(w.grad, x.sum(0).expand(3, 4))
+    torch.testing.assert_close(w.grad, x.sum(0).expand(256, 256))
 
 
 def test_tied_head_shares_the_embedding(tmp_root):
