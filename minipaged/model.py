@@ -270,7 +270,7 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor,
 
 
 # ---------------------------------------------------------------------------------------------
-# LLaMA: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention
+# Linear layers: every projection of both architectures
 # ---------------------------------------------------------------------------------------------
 
 
@@ -318,6 +318,11 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# LLaMA: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention
+# ---------------------------------------------------------------------------------------------
 
 
 class RMSNorm(nn.Module):
