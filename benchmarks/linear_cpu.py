@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from machine import report_header, save_report
 
-from minipaged.model import _ONEDNN_LINEAR, ONEDNN_MIN_WEIGHT_ELEMENTS, linear
+from minipaged.model import ONEDNN_AVAILABLE, ONEDNN_MIN_WEIGHT_ELEMENTS, linear
 
 RESULTS = Path(__file__).parent / "results" / "linear_cpu.json"
 HIDDEN, KV, INTERMEDIATE, VOCAB, LAYERS = 576, 192, 1536, 49152, 30
@@ -87,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if not _ONEDNN_LINEAR:
+    if not ONEDNN_AVAILABLE:
         raise SystemExit("this torch build has no oneDNN linear: `linear` is `F.linear` here")
 
     torch.manual_seed(0)

@@ -276,7 +276,7 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor,
 
 # oneDNN's fused linear (the kernel behind `torch.compile`'s CPU linear layers); absent from
 # builds without oneDNN, where `linear` is `F.linear`.
-_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
+ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_linear_pointwise"
 )
 # oneDNN costs ~10 us more per call than MKL. Below 2^16 weights (256 x 256) that is more than it
@@ -305,7 +305,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 def uses_onednn(x: Tensor, weight: Tensor) -> bool:
     """Whether `linear(x, weight)` runs on oneDNN (see `linear`)."""
     return (
-        _ONEDNN_LINEAR
+        ONEDNN_AVAILABLE
         and weight.numel() >= ONEDNN_MIN_WEIGHT_ELEMENTS
         and x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
