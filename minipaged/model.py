@@ -274,8 +274,8 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor,
 # ---------------------------------------------------------------------------------------------
 
 
-# oneDNN's fused linear (the kernel behind `torch.compile`'s CPU linear layers); absent from
-# builds without oneDNN, where `linear` is `F.linear`.
+# oneDNN's linear op, from PyTorch's oneDNN integration (torch.compile's CPU backend emits it for
+# fused linear layers); absent from builds without oneDNN, where `linear` is `F.linear`.
 ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_linear_pointwise"
 )
