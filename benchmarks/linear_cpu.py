@@ -29,7 +29,12 @@ import torch
 import torch.nn.functional as F
 from machine import report_header, save_report
 
-from minipaged.model import ONEDNN_AVAILABLE, ONEDNN_MIN_WEIGHT_ELEMENTS, linear
+from minipaged.model import (
+    ONEDNN_AVAILABLE,
+    ONEDNN_MIN_WEIGHT_ELEMENTS,
+    linear,
+    onednn_linear,
+)
 
 RESULTS = Path(__file__).parent / "results" / "linear_cpu.json"
 HIDDEN, KV, INTERMEDIATE, VOCAB, LAYERS = 576, 192, 1536, 49152, 30
@@ -44,9 +49,14 @@ SINGLE_ROWS = [1, 8, 64]
 COPIES_BYTES = 30 * 2**20
 
 
-def onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's linear whatever the weight's size (`linear` keeps small ones on F.linear)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        start = time.thread_time()
+        fn()
+        samples.append(time.thread_time() - start)
+    return statistics.median(samples) * 1e3
 
 
 def per_shape(repeats: int) -> list[dict]:
@@ -61,21 +71,11 @@ def per_shape(repeats: int) -> list[dict]:
             us = {
                 name: median_ms(lambda fn=fn, x=x, ws=copies: [fn(x, w) for w in ws], repeats)
                 * 1e3 / len(copies)
-                for name, fn in (("F.linear", F.linear), ("oneDNN", onednn))
+                for name, fn in (("F.linear", F.linear), ("oneDNN", onednn_linear))
             }
             row[f"rows_{n}_us"] = {k: round(v, 1) for k, v in us.items()}
         rows.append(row)
     return rows
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    samples = []
-    for _ in range(repeats):
-        start = time.thread_time()
-        fn()
-        samples.append(time.thread_time() - start)
-    return statistics.median(samples) * 1e3
 
 
 def main() -> None:
@@ -105,7 +105,7 @@ def main() -> None:
                 x = inputs[w.shape[1]]
                 torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
 
-            def layers(fn, inputs=inputs):
+            def all_layers(fn, inputs=inputs):
                 for w in weights:
                     fn(inputs[w.shape[1]], w)
 
@@ -114,7 +114,7 @@ def main() -> None:
                 order = list(paths.items()) if repeat == 0 else list(paths.items())[::-1]
                 for name, fn in order:
                     times["layers"].setdefault(name, []).append(
-                        median_ms(lambda fn=fn: layers(fn), args.repeats))
+                        median_ms(lambda fn=fn: all_layers(fn), args.repeats))
                     times["head"].setdefault(name, []).append(
                         median_ms(lambda fn=fn, x=inputs[HIDDEN]: fn(x, head), args.repeats))
             best = {part: {name: min(v) for name, v in by_path.items()}

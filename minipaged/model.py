@@ -298,8 +298,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     The oneDNN op has no backward, so anything that needs gradients takes `F.linear`.
     """
     if uses_onednn(x, weight):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear` on oneDNN, whatever the sizes (`linear` decides when to call it)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def uses_onednn(x: Tensor, weight: Tensor) -> bool:
