@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import tiny_engine, tiny_llama_parts
 
-from minipaged.cost_model import OPT_13B_A100, CostModel, StepShape
+from minipaged.cost_model import OPT_13B_A100, CostModel, StepShape, _measure_engine
 from minipaged.kv_cache import KVCacheManager
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import FCFSScheduler, SchedulerConfig
@@ -120,6 +120,21 @@ def test_profiling_an_engine_leaves_it_idle_with_its_own_scheduler(tiny):
     engine.add_request(None, [5, 6, 7], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="idle"):
         CostModel.profile(engine)
+
+
+def test_profiling_an_engine_times_steps_like_serving_ones(tiny):
+    """The calibration keeps 1, 2, 4 requests in flight, replacing each that finishes: its steps
+    include the mixed ones (a new prompt beside decodes) a served trace is full of, and decode
+    batches of every size up to the largest level."""
+    engine = tiny_engine(tiny, num_gpu_blocks=64, num_cpu_blocks=16, block_size=8)
+    shapes, times = _measure_engine(engine, max_prefill=32, max_batch=4, seed=0, clock=lambda: 0.0)
+    assert len(shapes) == len(times) > 100
+    mixed = [s for s in shapes if s.prefill_tokens and s.decode_seqs]
+    assert len(mixed) >= 10
+    assert {1, 2, 3} <= {s.decode_seqs for s in shapes}
+    assert max(s.decode_seqs + (s.prefill_tokens > 0) for s in shapes) == 4
+    assert all(s.prefill_tokens <= 4 * 32 for s in shapes)
+    assert not engine.has_unfinished_requests()
 
 
 def test_profiling_a_runner_fits_its_forward_passes(tiny):
