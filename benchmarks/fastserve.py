@@ -180,6 +180,13 @@ def simulated(
     }
 
 
+def _ratio_by_load(by_load: dict, metric: str, ours: str, other: str) -> dict:
+    """Per load, `other`'s `metric` over `ours`'s: above 1, ours is lower (better)."""
+    return {
+        load: round(rows[other][metric] / rows[ours][metric], 3) for load, rows in by_load.items()
+    }
+
+
 def ratios(by_load: dict) -> dict:
     """Per load, how many times lower the first system's mean JCT is than the second's, and the
     same for the p95 normalized latency (the tail a latency target bounds)."""
@@ -194,15 +201,8 @@ def ratios(by_load: dict) -> dict:
     for label, (ours, other) in pairs.items():
         if other not in names:
             continue
-
-        def ratio_by_load(metric: str, ours: str = ours, other: str = other) -> dict:
-            return {
-                load: round(rows[other][metric] / rows[ours][metric], 3)
-                for load, rows in by_load.items()
-            }
-
-        per_load = ratio_by_load("mean_jct")
-        tail = ratio_by_load("p95_normalized_latency")
+        per_load = _ratio_by_load(by_load, "mean_jct", ours, other)
+        tail = _ratio_by_load(by_load, "p95_normalized_latency", ours, other)
         out[label] = {
             "by_load": per_load,
             "max": max(per_load.values()),

@@ -131,8 +131,7 @@ def test_profiling_an_engine_times_steps_like_serving_ones(tiny):
     assert len(shapes) == len(times) > 100
     mixed = [s for s in shapes if s.prefill_tokens and s.decode_seqs]
     assert len(mixed) >= 10
-    assert {1, 2, 3} <= {s.decode_seqs for s in shapes}
-    assert max(s.decode_seqs + (s.prefill_tokens > 0) for s in shapes) == 4
+    assert {1, 2, 3, 4} <= {s.decode_seqs for s in shapes}
     assert all(s.prefill_tokens <= 4 * 32 for s in shapes)
     assert not engine.has_unfinished_requests()
 
