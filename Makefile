@@ -26,7 +26,7 @@ docs: setup
 
 # Two test workers, one torch thread each: the 2-core machines are not oversubscribed.
 test: lint setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n 2 tests/ --nbmake notebooks/
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n 2 --dist loadgroup tests/ --nbmake notebooks/
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 notebooks: setup
