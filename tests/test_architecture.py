@@ -123,7 +123,7 @@ def python_sources() -> Iterator[tuple[str, str]]:
                 yield f"{path.relative_to(ROOT)} cell {i}", source
 
 
-# -- layers -----------------------------------------------------------------------------------------
+# -- layers ---------------------------------------------------------------------------------------
 
 
 def test_every_module_has_a_layer() -> None:
@@ -167,7 +167,7 @@ def test_the_import_graph_has_no_cycle() -> None:
             pytest.fail("import cycle: " + " -> ".join(cycle))
 
 
-# -- private names and engine parts -----------------------------------------------------------------
+# -- private names and engine parts ---------------------------------------------------------------
 
 
 def private_accesses(source: str) -> Iterator[str]:
@@ -231,7 +231,7 @@ def test_the_checks_catch_what_they_claim() -> None:
     ]
 
 
-# -- sizes ------------------------------------------------------------------------------------------
+# -- sizes ----------------------------------------------------------------------------------------
 
 
 def line_count(path: Path) -> int:
