@@ -20,13 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from minipaged.tokenizer import (
-    BYTE_TO_UNICODE,
-    LLAMA3_PATTERN,
-    IncrementalDetokenizer,
-    Tokenizer,
-    TokenizerError,
-)
+from minipaged.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from minipaged.tokenizer_bpe import BYTE_TO_UNICODE, LLAMA3_PATTERN
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -243,16 +238,16 @@ def test_special_tokens_are_never_split(smollm):
 def test_long_word_bpe_matches_model(smollm, smollm_oracle):
     """Merges applied by rank on long single words (no pre-token edges) equal the Rust BPE."""
     for word in ["a" * 300, "Ġ" + "ab" * 150, "ĠĠĠĠĠĠĠĠĠĠĠĠĠĠĠĠĠĠĠĠ", "internationalization" * 5]:
-        ours = [smollm.vocab[p] for p in smollm.bpe(word)]
+        ours = [smollm.vocab[p] for p in smollm.model.merge(word)]
         assert ours == [t.id for t in smollm_oracle.model.tokenize(word)]
 
 
 def test_word_cache_is_bounded(trained):
     tok = trained
-    small = Tokenizer(tok.vocab, list(tok.merge_ranks), tok.added_tokens, cache_size=10)
+    small = Tokenizer(tok.vocab, list(tok.model.merge_ranks), tok.added_tokens, cache_size=10)
     text = " ".join(f"w{i}x" for i in range(100))
     assert small.encode(text) == tok.encode(text)
-    assert small._word_ids.cache_info().currsize <= 10
+    assert small.model.cached_words <= 10
 
 
 # ---------------------------------------------------------------------------------------------
