@@ -971,3 +971,60 @@ def test_bad_ids_and_messages(bundled_tokenizer, trained):
         bundled_tokenizer.apply_chat_template([{"content": "no role"}])
     with pytest.raises(TokenizerError, match="no chat template"):
         trained.apply_chat_template([{"role": "user", "content": "x"}])
+    with pytest.raises(TokenizerError, match="empty"):
+        bundled_tokenizer.apply_chat_template([])
+
+
+BOS_TEMPLATE = {
+    "type": "TemplateProcessing",
+    "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+               {"Sequence": {"id": "A", "type_id": 0}}],
+    "pair": [],
+    "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
+                                         "tokens": ["<|endoftext|>"]}},
+}
+UNSUPPORTED = {  # a tokenizer.json setting minipaged does not implement -> what the error names
+    "dropout": (lambda d: d["model"].update(dropout=0.1), "dropout=0.1"),
+    "byte_fallback": (lambda d: d["model"].update(byte_fallback=True), "byte_fallback=True"),
+    "subword_prefix": (
+        lambda d: d["model"].update(continuing_subword_prefix="##"), "continuing_subword_prefix"
+    ),
+    "single_word": (lambda d: d["added_tokens"][0].update(single_word=True), "single_word"),
+    "normalizer": (lambda d: d.update(normalizer={"type": "Lowercase"}), "Lowercase"),
+    "decoder": (lambda d: d.update(decoder={"type": "WordPiece"}), "WordPiece"),
+    "split": (
+        lambda d: d.update(pre_tokenizer={"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"String": " "}, "behavior": "Removed",
+             "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}]}),
+        "Removed",
+    ),
+    "post_processor": (
+        lambda d: d.update(post_processor={"type": "BertProcessing", "sep": ["a", 1],
+                                           "cls": ["b", 2]}),
+        "BertProcessing",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(UNSUPPORTED))
+def test_unsupported_tokenizer_json_settings(trained_json, tmp_path, name):
+    edit, match = UNSUPPORTED[name]
+    data = json.loads(json.dumps(trained_json))
+    edit(data)
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(TokenizerError, match=match):
+        Tokenizer.from_tokenizer_json(path)
+
+
+def test_tokenizer_config_errors(trained_json, tmp_path):
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(dict(trained_json, post_processor=BOS_TEMPLATE)), encoding="utf-8")
+    assert Tokenizer.from_tokenizer_json(path).encode("a", add_special_tokens=True)[0] == 0
+    with pytest.raises(TokenizerError, match=r"bos_token \(1\)"):  # the template adds another
+        Tokenizer.from_tokenizer_json(path, {"bos_token": "<|im_start|>"})
+    with pytest.raises(TokenizerError, match="eos_token '<nope>'"):
+        Tokenizer.from_tokenizer_json(path, {"eos_token": "<nope>"})
+    with pytest.raises(TokenizerError, match="split_special_tokens"):
+        Tokenizer.from_tokenizer_json(path, {"split_special_tokens": True})
