@@ -1,11 +1,13 @@
-"""Layer 1, steps 2-4 of encoding: pre-tokenization, the byte alphabet, merges by rank.
+"""Layer 1, steps 2-4 of encoding: normalization and pre-tokenization, the byte alphabet, and
+merges by rank.
 
 The byte-level BPE of GPT-2, which SmolLM2, LLaMA 3 and Qwen 2/2.5/3 also use, applied to text
 that holds no added token (those are cut out before, in :mod:`minipaged.tokenizer_added`):
 
-2. **Pre-tokenization.** Regular expressions cut the text into "words" (a letter run with its
-   leading space, a group of digits, a punctuation run, a whitespace run). Merges never cross
-   these edges.
+2. **Pre-tokenization.** The text is normalized if the vocabulary asks for it (Qwen 2's NFC),
+   then regular expressions cut it into "words" (a letter run with its leading space, a group of
+   digits, a punctuation run, a whitespace run). Merges never cross these edges. The patterns of
+   GPT-2, LLaMA 3 and Qwen 2 are here, with the GGUF pre-tokenizer names that stand for them.
 3. **Bytes as characters.** Each word becomes its UTF-8 bytes, and each byte is spelled as one
    printable Unicode character (GPT-2's byte-to-unicode map), so the vocabulary is plain strings
    and any byte sequence, even invalid UTF-8, can be encoded.
@@ -187,8 +189,7 @@ class PreTokenizer:
         self.add_prefix_space = add_prefix_space
         self.byte_level_split = byte_level_split
         self._compiled = [regex.compile(p) for p in self.patterns]
-        if byte_level_split:
-            self._compiled_byte_level = regex.compile(GPT2_PATTERN)
+        self._byte_level = regex.compile(GPT2_PATTERN) if byte_level_split else None
 
     def split(self, text: str) -> list[str]:
         """The words of ``text``, in order; they join back to ``text`` (plus prefix spaces)."""
@@ -197,8 +198,8 @@ class PreTokenizer:
             pieces = _split_all(pattern, pieces)
         if self.add_prefix_space:
             pieces = [p if p.startswith(" ") else " " + p for p in pieces]
-        if self.byte_level_split:
-            pieces = _split_all(self._compiled_byte_level, pieces)
+        if self._byte_level is not None:
+            pieces = _split_all(self._byte_level, pieces)
         return pieces
 
     def __repr__(self) -> str:

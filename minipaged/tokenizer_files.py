@@ -185,13 +185,8 @@ def read_tokenizer_json(
     if not isinstance(model, dict) or model.get("type", "BPE") != "BPE" or "merges" not in model:
         kind = model.get("type") if isinstance(model, dict) else model
         raise TokenizerError(f"{path}: the model is {kind!r}; only BPE is supported")
-    for key, ok in [
-        ("continuing_subword_prefix", not model.get("continuing_subword_prefix")),
-        ("end_of_word_suffix", not model.get("end_of_word_suffix")),
-        ("byte_fallback", not model.get("byte_fallback")),
-        ("dropout", not model.get("dropout")),
-    ]:
-        if not ok:
+    for key in ("continuing_subword_prefix", "end_of_word_suffix", "byte_fallback", "dropout"):
+        if model.get(key):  # "", None, False and 0 are plain byte-level BPE
             raise TokenizerError(f"{path}: BPE with {key}={model[key]!r} is not supported")
     if config.get("split_special_tokens"):
         raise TokenizerError(f"{path}: split_special_tokens=True is not supported")
@@ -235,9 +230,7 @@ def read_tokenizer_json(
         chat_template=template_from_config(config.get("chat_template")),
         normalizer=_normalizer_from_json(data.get("normalizer"), path),
         ignore_merges=bool(model.get("ignore_merges", False)),
-        unk_token_id=None if model.get("unk_token") is None else token_id(
-            model["unk_token"], "unk_token"
-        ),
+        unk_token_id=token_id(model.get("unk_token"), "unk_token"),
     )
 
 
@@ -289,7 +282,9 @@ def _pre_tokenizer_from_json(spec: dict[str, Any] | None, path: Any) -> PreToken
     raise TokenizerError(f"{path}: no ByteLevel pre-tokenizer; only byte-level BPE is supported")
 
 
-def _post_processor_specials(spec: dict[str, Any] | None, path: Any) -> tuple[list[int], ...]:
+def _post_processor_specials(
+    spec: dict[str, Any] | None, path: Any
+) -> tuple[list[int], list[int]]:
     """The special ids a post-processor puts before and after one sequence.
 
     ByteLevel post-processing only adjusts offsets; TemplateProcessing (``"single":

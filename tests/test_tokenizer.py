@@ -386,15 +386,19 @@ def test_folder_chat_template_matches_transformers(ours_chat, hf_chat, name, gen
     )
 
 
-@settings(max_examples=25)
-@given(contents=st.lists(texts, min_size=1, max_size=4), system=st.booleans())
-def test_chat_template_random_conversations(bundled_tokenizer, hf_smollm, contents, system):
-    messages = [
+def _conversation(contents: list[str], system: bool) -> list[dict[str, str]]:
+    """Alternating user / assistant turns with these contents, after a system turn if asked."""
+    turns = [
         {"role": "user" if i % 2 == 0 else "assistant", "content": c}
         for i, c in enumerate(contents)
     ]
-    if system:
-        messages.insert(0, {"role": "system", "content": "sys"})
+    return [{"role": "system", "content": "sys"}, *turns] if system else turns
+
+
+@settings(max_examples=25)
+@given(contents=st.lists(texts, min_size=1, max_size=4), system=st.booleans())
+def test_chat_template_random_conversations(bundled_tokenizer, hf_smollm, contents, system):
+    messages = _conversation(contents, system)
     expected = hf_smollm.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert bundled_tokenizer.apply_chat_template(messages) == expected
 
@@ -808,12 +812,7 @@ def test_family_chat_template_variables(family):
 @settings(max_examples=25)
 @given(contents=st.lists(family_texts, min_size=1, max_size=4), system=st.booleans())
 def test_family_chat_template_random_conversations(family, contents, system):
-    messages = [
-        {"role": "user" if i % 2 == 0 else "assistant", "content": c}
-        for i, c in enumerate(contents)
-    ]
-    if system:
-        messages.insert(0, {"role": "system", "content": "sys"})
+    messages = _conversation(contents, system)
     expected = family.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert family.ours.apply_chat_template(messages) == expected
 
