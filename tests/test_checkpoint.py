@@ -36,10 +36,10 @@ from minipaged.checkpoint import (
     CheckpointError,
     config_from_gguf,
     default_model_path,
-    expected_shapes,
     load_checkpoint,
-    unpermute_qk,
 )
+from minipaged.checkpoint_gguf import unpermute_qk
+from minipaged.weights import expected_shapes
 
 Q = gguf.GGMLQuantizationType
 

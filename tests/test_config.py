@@ -121,6 +121,8 @@ def test_gpt2_config_matches_transformers(tmp_path, n_inner) -> None:
         vocab_size=500,
         n_inner=n_inner,
         layer_norm_epsilon=1e-6,
+        bos_token_id=0,  # GPT-2's 50256 is not a token of this 500-token vocabulary
+        eos_token_id=1,
     )
     ours = saved(hf, tmp_path)
     assert ours.architecture == "gpt2"

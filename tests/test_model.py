@@ -25,17 +25,17 @@ from tiny_models import random_gpt2, random_llama  # noqa: E402
 from minipaged.attention import dense_attention  # noqa: E402
 from minipaged.checkpoint import default_model_path, load_checkpoint  # noqa: E402
 from minipaged.config import ModelConfig  # noqa: E402
-from minipaged.model import (  # noqa: E402
-    ONEDNN_AVAILABLE,
-    CheckpointMismatchError,
+from minipaged.dense import (  # noqa: E402
     DenseAttentionBackend,
     DenseKVCache,
-    ModelInputError,
-    build_model,
     decode_attention,
     generate_dense,
+)
+from minipaged.model import CheckpointMismatchError, build_model, load_model  # noqa: E402
+from minipaged.model_layers import (  # noqa: E402
+    ONEDNN_AVAILABLE,
+    ModelInputError,
     linear,
-    load_model,
     uses_onednn,
 )
 from minipaged.tokenizer import Tokenizer  # noqa: E402

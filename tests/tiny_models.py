@@ -33,8 +33,9 @@ import pytest
 import torch
 
 from minipaged.config import ModelConfig
+from minipaged.dense import DenseAttentionBackend, DenseKVCache
 from minipaged.engine import EngineConfig, LLMEngine
-from minipaged.model import DenseAttentionBackend, DenseKVCache, build_model
+from minipaged.model import build_model
 
 if TYPE_CHECKING:
     from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
