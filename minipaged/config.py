@@ -16,27 +16,18 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 # The LLaMA family (one model class, `minipaged.model_llama`) and GPT-2.
-LLAMA_FAMILY = ("llama", "qwen2", "qwen3")
-SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, "gpt2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
 # Hugging Face `model_type` -> architecture. Mistral is LLaMA with a sliding window.
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 # Sizes that must be positive integers for any architecture.
-_POSITIVE_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "intermediate_size",
-    "max_position_embeddings",
-)
+_POSITIVE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                    "head_dim", "intermediate_size", "max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -112,9 +103,6 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
