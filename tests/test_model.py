@@ -101,7 +101,7 @@ FAMILY_CASES = {
 FAMILY_SIZES = dict(
     vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
     max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-    initializer_range=0.1,
+    initializer_range=0.3,
 )
 
 
