@@ -20,7 +20,8 @@ from tiny_models import dense_last_logits
 
 from minipaged.attention import PagedAttentionBackend
 from minipaged.config import ModelConfig
-from minipaged.model import GPT2ForCausalLM, LlamaForCausalLM
+from minipaged.model_gpt2 import GPT2ForCausalLM
+from minipaged.model_llama import LlamaForCausalLM
 from minipaged.runner import (
     BatchEntry,
     CacheOps,
