@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from minipaged.attention import dense_attention
+from minipaged.attention_contract import dense_attention
 from minipaged.config import ModelConfig
 
 # ---------------------------------------------------------------------------------------------
