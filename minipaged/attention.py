@@ -30,10 +30,10 @@ from minipaged.attention_contract import (
     check_swap_blocks_args,
 )
 
-# The gathered K/V of a chunk must stay in the CPU's last-level cache between the gather and the
-# attention that reads it back: gathering a whole large batch at once sends every byte out to
-# memory and back. A few MiB per chunk keeps it cache-resident on common server CPUs
-# (`benchmarks/attention_cpu.py` measures the choice; docs/benchmarks.md has the numbers).
+# The gathered K/V of a chunk should still be in the CPU's last-level cache when the attention
+# reads it back: gathering a whole large batch first sends every byte out to memory and back.
+# A few MiB per chunk stays cache-resident on common server CPUs (`benchmarks/attention_cpu.py`
+# measures what the gather costs).
 GATHER_CHUNK_BYTES = 8 << 20
 
 # A chunk pads every context to its longest; keeping its longest at most this many times its
