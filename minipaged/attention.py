@@ -93,19 +93,19 @@ def plan_attention(
     block_size = k_cache.shape[1]
     bytes_per_block = 2 * k_cache[0].numel() * k_cache.element_size()  # K and V
 
-    groups: list[list[int]] = []
+    chunks: list[list[int]] = []
     by_shape = sorted(range(len(query_lens)), key=lambda i: (query_lens[i], context_lens[i]))
     for i in (i for i in by_shape if query_lens[i] > 0):
         blocks = -(-context_lens[i] // block_size)  # the longest so far: sorted by context
-        if groups and (
-            query_lens[i] == query_lens[groups[-1][0]]
-            and context_lens[i] <= MAX_CONTEXT_RATIO * context_lens[groups[-1][0]]
-            and (len(groups[-1]) + 1) * blocks * bytes_per_block <= budget
+        if chunks and (
+            query_lens[i] == query_lens[chunks[-1][0]]
+            and context_lens[i] <= MAX_CONTEXT_RATIO * context_lens[chunks[-1][0]]
+            and (len(chunks[-1]) + 1) * blocks * bytes_per_block <= budget
         ):
-            groups[-1].append(i)
+            chunks[-1].append(i)
         else:
-            groups.append([i])
-    return [_chunk(seqs, starts, context_lens, block_tables, block_size) for seqs in groups]
+            chunks.append([i])
+    return [_chunk(seqs, starts, context_lens, block_tables, block_size) for seqs in chunks]
 
 
 def _chunk(seqs: list[int], starts: list[int], context_lens: list[int], block_tables: Tensor,

@@ -46,10 +46,6 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
 
-    @property
-    def num_seqs(self) -> int:
-        return self.seq_lens.shape[0]
-
 
 @dataclass(frozen=True)
 class AttentionOps:
