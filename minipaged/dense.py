@@ -3,8 +3,8 @@
 `DenseKVCache` keeps each sequence's keys and values in one contiguous row of a preallocated
 tensor per layer: the "reserve the maximum" cache that the vLLM paper measures paging against
 (Kwon et al., SOSP'23, section 3). `DenseAttentionBackend` is the models' `AttentionBackend`
-over it: prompt steps attend each sequence with `attention.dense_attention`, decode steps the
-whole batch at once with `decode_attention`, the same sums. `generate_dense` runs greedy
+over it: prompt steps attend each sequence with the attention contract's `dense_attention`,
+decode steps the whole batch at once with `decode_attention`, the same sums. `generate_dense` runs greedy
 generation through it, simple enough to trust on sight; the engine must reproduce it token for
 token.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from minipaged.attention import dense_attention
+from minipaged.attention_contract import dense_attention
 from minipaged.model_layers import CausalLM
 
 

@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 
 from tiny_models import random_gpt2, random_hf, random_llama  # noqa: E402
 
-from minipaged.attention import dense_attention  # noqa: E402
+from minipaged.attention_contract import dense_attention  # noqa: E402
 from minipaged.checkpoint import load_checkpoint  # noqa: E402
 from minipaged.config import ModelConfig  # noqa: E402
 from minipaged.dense import (  # noqa: E402
