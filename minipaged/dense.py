@@ -4,9 +4,9 @@
 tensor per layer: the "reserve the maximum" cache that the vLLM paper measures paging against
 (Kwon et al., SOSP'23, section 3). `DenseAttentionBackend` is the models' `AttentionBackend`
 over it: prompt steps attend each sequence with the attention contract's `dense_attention`,
-decode steps the whole batch at once with `decode_attention`, the same sums. `generate_dense` runs greedy
-generation through it, simple enough to trust on sight; the engine must reproduce it token for
-token.
+decode steps the whole batch at once with `decode_attention`, the same sums. `generate_dense`
+runs greedy generation through it, simple enough to trust on sight; the engine must reproduce
+it token for token.
 """
 
 from __future__ import annotations
