@@ -7,16 +7,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minipaged.sampling import Sampler, SamplingParams, make_generator
-from minipaged.sequence import (
-    RequestMetrics,
-    Sequence,
-    SequenceGroup,
-    SequenceStatus,
-    StopDecision,
-    check_stop,
-    find_stop_string,
-)
+from minipaged.outputs import RequestMetrics
+from minipaged.sampler import Sampler, make_generator
+from minipaged.sampling import SamplingParams
+from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus, StopDecision
+from minipaged.stopping import check_stop, find_stop_string
 from minipaged.tokenizer import IncrementalDetokenizer, Tokenizer, bytes_to_unicode
 
 EOS = 2
@@ -52,13 +47,10 @@ def test_status_finish_reasons():
 
 def test_sequence_tokens_lengths_and_logprobs():
     seq = Sequence(7, [5, 6, 9], PieceDetokenizer({1: "a", 4: "bc"}))
-    assert (seq.get_len(), seq.last_token_id, seq.get_num_uncomputed_tokens()) == (3, 9, 3)
-    assert seq.is_prefill()
-    seq.num_computed_tokens = 2
-    assert not seq.is_prefill()  # only the last prompt token is left: a decode step
+    assert seq.get_len() == 3
     assert seq.append_token(1, -0.5, {1: -0.5, 3: -1.5}) == "a"
     assert seq.append_token(4, -0.25) == "bc"
-    assert seq.get_token_ids() == [5, 6, 9, 1, 4] and seq.last_token_id == 4
+    assert seq.get_token_ids() == [5, 6, 9, 1, 4]
     assert (seq.get_len(), seq.get_prompt_len(), seq.get_output_len()) == (5, 3, 2)
     assert seq.cumulative_logprob == -0.75 and seq.output_text == "abc"
     assert seq.new_char_count == 2 and seq.output_logprobs == [{1: -0.5, 3: -1.5}]
@@ -273,7 +265,7 @@ def sample_requests(groups, steps, logits_table):
             for seq in live:
                 rows.append(group.sampling_row(seq))
                 seqs.append(seq)
-        logits = logits_table[[seq.last_token_id for seq in seqs]]
+        logits = logits_table[[seq.get_token_ids()[-1] for seq in seqs]]
         out = sampler(logits, rows)
         for seq, token, lp in zip(seqs, out.token_ids.tolist(), out.logprobs, strict=True):
             seq.append_token(token, float(lp))

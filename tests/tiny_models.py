@@ -33,7 +33,8 @@ import pytest
 import torch
 
 from minipaged.config import ModelConfig
-from minipaged.engine import EngineConfig, LLMEngine
+from minipaged.engine import LLMEngine
+from minipaged.engine_config import EngineConfig
 from minipaged.model import DenseAttentionBackend, DenseKVCache, build_model
 
 if TYPE_CHECKING:
