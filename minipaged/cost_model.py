@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -95,19 +95,6 @@ class CostModel:
 
     def swap_time(self, num_blocks: int) -> float:
         return self.per_swap_block * num_blocks
-
-    def scaled(self, factor: float) -> CostModel:
-        """Every time multiplied by `factor` (a faster or slower machine)."""
-        if factor <= 0:
-            raise ValueError(f"factor must be > 0, got {factor}")
-        return replace(
-            self,
-            base=self.base * factor,
-            per_prefill_token=self.per_prefill_token * factor,
-            per_decode_seq=self.per_decode_seq * factor,
-            per_context_token=self.per_context_token * factor,
-            per_swap_block=self.per_swap_block * factor,
-        )
 
     # -- fitting ----------------------------------------------------------------------------------
 

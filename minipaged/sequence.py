@@ -259,9 +259,6 @@ class SequenceGroup:
     def get_finished_seqs(self) -> list[Sequence]:
         return [seq for seq in self.seqs if seq.is_finished()]
 
-    def num_seqs(self, status: SequenceStatus | None = None) -> int:
-        return len(self.get_seqs(status))
-
     def find(self, seq_id: int) -> Sequence:
         for seq in self.seqs:
             if seq.seq_id == seq_id:
@@ -285,16 +282,6 @@ class SequenceGroup:
         search, else its `n` samples."""
         params = self.sampling_params
         return params.beam_width if params.use_beam_search else params.n
-
-    def max_num_running_seqs(self) -> int:
-        """The most sequences this request can run at once (what the scheduler must budget):
-        `beam_width` for beam search, `n` before the prompt forks, else the unfinished ones."""
-        params = self.sampling_params
-        if params.use_beam_search:
-            return params.beam_width
-        if params.n > len(self.seqs):
-            return params.n
-        return len(self.get_unfinished_seqs())
 
     def abort(self) -> None:
         for seq in self.get_unfinished_seqs():

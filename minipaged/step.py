@@ -19,10 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from minipaged.cost_model import StepShape
-from minipaged.scheduler import Scheduler, SchedulerOutput
+from minipaged.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from minipaged.sequence import Sequence, SequenceGroup
 
 # -- data types -----------------------------------------------------------------------------------
@@ -38,7 +37,7 @@ class ScheduledWork:
     num_new_tokens: int
     is_prefill: bool  # a prompt (or recomputation) chunk; else one decode token
     samples: bool  # the step computed its last known token, so it sampled a new one
-    block_table: tuple[int, ...] = ()  # the physical blocks the step read and wrote
+    block_table: tuple[int, ...] = ()  # the blocks it read and wrote (the engine records them)
 
 
 @dataclass(frozen=True)
@@ -89,21 +88,10 @@ class StepRecord:
         return step_shape(self.scheduled)
 
 
-class _Work(Protocol):
-    """What `step_shape` reads of a scheduled sequence (`ScheduledSequence`, `ScheduledWork`)."""
-
-    @property
-    def start(self) -> int: ...
-    @property
-    def num_new_tokens(self) -> int: ...
-    @property
-    def is_prefill(self) -> bool: ...
-
-
 # -- what a step computes ------------------------------------------------------------------------
 
 
-def step_shape(scheduled: Iterable[_Work]) -> StepShape:
+def step_shape(scheduled: Iterable[ScheduledSequence | ScheduledWork]) -> StepShape:
     """The shape the cost model charges for: prefill tokens, decoding sequences and the context
     those decodes attend to."""
     prefill = decode = context = 0

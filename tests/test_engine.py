@@ -190,6 +190,17 @@ def test_bad_requests_are_rejected_and_others_finish(tiny, bad, message):
     assert_engine_drained(engine)
 
 
+def test_the_package_exports_the_public_api():
+    import minipaged
+
+    assert (minipaged.LLM, minipaged.LLMEngine, minipaged.EngineConfig) == (
+        LLM,
+        LLMEngine,
+        EngineConfig,
+    )
+    assert minipaged.SamplingParams is SamplingParams and minipaged.StepRecord is StepRecord
+
+
 def test_rejection_is_a_value_error_subclass():
     assert issubclass(RequestRejectedError, ValueError)
 

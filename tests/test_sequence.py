@@ -178,13 +178,13 @@ def test_request_metrics():
 def test_group_lookup_widths_and_abort():
     params = SamplingParams(n=3, seed=1)
     group = SequenceGroup("r1", [Sequence(0, [4, 5])], params, arrival_time=1.0, prompt="hi")
-    assert group.max_width == 3 and group.max_num_running_seqs() == 3  # before the fork
+    assert group.max_width == 3
     for i in (1, 2):
         group.add(group.seqs[0].fork(i, sample_index=i))
     with pytest.raises(ValueError, match="already"):
         group.add(Sequence(1, [4, 5]))
     group.find(2).status = SequenceStatus.FINISHED_STOPPED
-    assert group.max_num_running_seqs() == 2 and group.num_seqs() == 3
+    assert len(group.get_unfinished_seqs()) == 2 and len(group.get_seqs()) == 3
     assert [s.seq_id for s in group.get_seqs(SequenceStatus.WAITING)] == [0, 1]
     assert not group.is_finished()
     group.abort()
