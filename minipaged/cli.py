@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     from minipaged.attention_backend import BACKENDS
-    from minipaged.engine import DTYPES, SCHEDULERS
+    from minipaged.engine_config import DTYPES, SCHEDULERS
 
     engine = parser.add_argument_group("engine (see EngineConfig)")
     engine.add_argument("--model", help="HF folder or .gguf file (default: bundled SmolLM2)")
@@ -127,7 +127,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 def llm_from_args(args: argparse.Namespace):
     import torch
 
-    from minipaged.engine import LLM
+    from minipaged.llm import LLM
 
     if args.threads is not None:
         if args.threads < 1:

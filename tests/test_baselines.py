@@ -31,7 +31,8 @@ from minipaged.kv_cache import KVCacheError, NoFreeBlocksError
 from minipaged.reservation import ReservationCache
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import SchedulerConfig
-from minipaged.sequence import Sequence, SequenceGroup, check_stop
+from minipaged.sequence import Sequence, SequenceGroup
+from minipaged.stopping import check_stop
 
 MAX_LEN = 64
 _ids = iter(range(10**9))

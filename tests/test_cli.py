@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from minipaged import cli
-from minipaged import engine as engine_module
+from minipaged import cli, engine_config, llm
 from minipaged.dense import generate_dense
-from minipaged.engine import EngineConfig, LLMEngine, stream_text
+from minipaged.engine import LLMEngine
+from minipaged.engine_config import EngineConfig
+from minipaged.llm import stream_text
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import FCFSScheduler
 
@@ -135,7 +136,7 @@ def test_unknown_choices_are_usage_errors(loads, capsys):
 
 
 def test_scheduler_choices_come_from_the_registry(loads, capsys, monkeypatch):
-    monkeypatch.setitem(engine_module.SCHEDULERS, "test-fcfs", FCFSScheduler)
+    monkeypatch.setitem(engine_config.SCHEDULERS, "test-fcfs", FCFSScheduler)
     assert cli.main(["generate", "Hi", "--scheduler", "test-fcfs", "--max-tokens", "2"]) == 0
     assert loads.calls[0]["scheduler"] == "test-fcfs"
     assert loads.engines[0].config.scheduler == "test-fcfs"
@@ -159,7 +160,7 @@ def test_interactive_chat_streams_and_ends_on_an_empty_line(loads, capsys, monke
             yield piece
 
     monkeypatch.setattr(builtins, "input", fake_input)
-    monkeypatch.setattr(engine_module, "stream_text", spy_stream_text)
+    monkeypatch.setattr(llm, "stream_text", spy_stream_text)
     assert cli.main(["chat", "--max-tokens", "12"]) == 0
     out = capsys.readouterr().out
     assert prompts == ["you> "] * 3

@@ -34,7 +34,8 @@ from minipaged.dense import (  # noqa: E402
     decode_attention,
     generate_dense,
 )
-from minipaged.engine import EngineConfig, LLMEngine  # noqa: E402
+from minipaged.engine import LLMEngine  # noqa: E402
+from minipaged.engine_config import EngineConfig  # noqa: E402
 from minipaged.model import (  # noqa: E402
     MODEL_CLASSES,
     CheckpointMismatchError,

@@ -35,7 +35,8 @@ import torch
 
 from minipaged.config import ModelConfig
 from minipaged.dense import DenseAttentionBackend, DenseKVCache
-from minipaged.engine import EngineConfig, LLMEngine
+from minipaged.engine import LLMEngine
+from minipaged.engine_config import EngineConfig
 from minipaged.model import build_model
 
 if TYPE_CHECKING:
