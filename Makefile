@@ -1,4 +1,5 @@
-# The README's two commands: `make demo` (set up .venv, run a generation) and `make test`.
+# The README's two commands: `make demo` (set up .venv, ask a question, answered greedily) and
+# `make test`.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
@@ -16,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(VENV)/bin/minipaged chat "$(PROMPT)"
+	$(VENV)/bin/minipaged chat "$(PROMPT)" --temperature 0
 
 lint: setup
 	$(VENV)/bin/ruff check .
