@@ -25,10 +25,11 @@ lint: setup
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-# Two test workers, one torch thread each: the 2-core machines are not oversubscribed.
+# Two test workers, one torch thread each: the 2-core machines are not oversubscribed. The docs
+# checks are tests too (tests/test_docs.py): the site built with --strict, its links and anchors,
+# the notebooks' code line and figure limits.
 test: lint setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n 2 --dist loadgroup tests/ --nbmake notebooks/
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 notebooks: setup
 	$(VENV)/bin/jupyter lab notebooks/
