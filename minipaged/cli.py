@@ -83,7 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     generate = sub.add_parser("generate", help="complete raw text prompts")
     generate.add_argument("prompts", nargs="+", help="one or more prompts, batched together")
-    chat = sub.add_parser("chat", help="chat with the model (interactive without a message)")
+    chat = sub.add_parser(
+        "chat",
+        help="chat with the model (interactive without a message)",
+        description="Answer one message, or chat (without one). Each sampling setting comes "
+        "from its flag, else the model's generation_config.json, else: "
+        + ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in CHAT_DEFAULTS.items())
+        + ". --temperature 0 decodes greedily.",
+    )
     chat.add_argument("message", nargs="?", help="a single user message; omit for a chat session")
     chat.add_argument("--system", help="a system prompt")
     for command in (generate, chat):
