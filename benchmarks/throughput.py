@@ -41,8 +41,8 @@ from tqdm import tqdm
 
 from minipaged.checkpoint import default_model_path
 from minipaged.config import ModelConfig
+from minipaged.dense import DenseAttentionBackend, DenseKVCache
 from minipaged.engine import LLMEngine
-from minipaged.model import DenseAttentionBackend, DenseKVCache
 from minipaged.sampling import SamplingParams
 from minipaged.traces import sharegpt_like
 

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from minipaged.attention import check_paged_attention_args
+from minipaged.attention_contract import check_paged_attention_args
 
 from ._launch import (
     MIN_DOT_SIZE,

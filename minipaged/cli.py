@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    from minipaged.attention import BACKENDS
+    from minipaged.attention_backend import BACKENDS
     from minipaged.engine import DTYPES, SCHEDULERS
 
     engine = parser.add_argument_group("engine (see EngineConfig)")

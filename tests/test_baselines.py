@@ -26,8 +26,8 @@ from minipaged.baselines import (
     install,
     reservation_len,
 )
+from minipaged.dense import generate_dense
 from minipaged.kv_cache import KVCacheError, NoFreeBlocksError
-from minipaged.model import generate_dense
 from minipaged.reservation import ReservationCache
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import SchedulerConfig

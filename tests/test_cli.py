@@ -24,8 +24,8 @@ import torch
 
 from minipaged import cli
 from minipaged import engine as engine_module
+from minipaged.dense import generate_dense
 from minipaged.engine import EngineConfig, LLMEngine, stream_text
-from minipaged.model import generate_dense
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import FCFSScheduler
 

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from tiny_models import assert_engine_drained, dense_last_logits, tiny_engine, tiny_llama_parts
 
+from minipaged.dense import generate_dense
 from minipaged.engine import LLMEngine
-from minipaged.model import generate_dense
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import RequestRejectedError
 

@@ -17,7 +17,8 @@ from minipaged.sequence import (
     check_stop,
     find_stop_string,
 )
-from minipaged.tokenizer import IncrementalDetokenizer, Tokenizer, bytes_to_unicode
+from minipaged.tokenizer import IncrementalDetokenizer, Tokenizer
+from minipaged.tokenizer_bpe import bytes_to_unicode
 
 EOS = 2
 
