@@ -180,10 +180,11 @@ def time_decode(case: DecodeCase, copy_bw: float, device: str, timer: Callable) 
     paged_ms, dense_ms = timer(paged), timer(dense)
     kv_bytes = 2 * k.numel() * k.element_size()
     achieved = kv_bytes / (paged_ms * 1e-3)
+    _, (partitions, _) = kernels.decode.decode_launches(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len=n)
     result = {
         **asdict(case),
-        "num_splits": kernels.decode.default_num_splits(
-            b, hkv, n, kernels._launch.default_key_tile(case.block_size)),
+        "num_splits": partitions.grid[2],  # the grid is (sequences, KV heads, splits)
         "paged_ms": paged_ms,
         "dense_sdpa_ms": dense_ms,
         "paged_over_dense": paged_ms / dense_ms,
