@@ -8,6 +8,9 @@ before the import to run the kernels through Triton's CPU interpreter.
 * `paged_prefill_attention` (any number of queries per sequence, one launch per batch);
 * `reshape_and_cache`: write new K/V into their cache slots;
 * `copy_blocks`: copy-on-write block copies, in every layer.
+
+Each launcher plans its launches (`*_launches`, `launch.KernelLaunch`) before running them;
+`minipaged.kernels.aot` compiles the same plans ahead of time for real GPUs, without one.
 """
 
 from .attention import paged_attention
