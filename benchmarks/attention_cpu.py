@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from minipaged.attention import gather_context, paged_attention, plan_attention
 
-# SmolLM2-135M-Instruct's attention shape (DESIGN.md, "The default model").
+# SmolLM2-135M-Instruct's attention shape.
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 RESULTS = Path(__file__).parent / "results" / "attention_cpu.json"
 

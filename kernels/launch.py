@@ -5,7 +5,7 @@ grid, arguments, compile-time constants, warps), then runs them; the same plans 
 `minipaged.kernels.aot` compiles ahead of time for real GPUs, so the compiled programs are the
 launched ones. The one policy decision is tile sizes: on a GPU, tiles are sized for registers
 and occupancy; under Triton's CPU interpreter every loop iteration costs the same few
-milliseconds whatever its size (TOOLCHAIN.md), so tiles are made as large as allowed.
+milliseconds whatever its size, so tiles are made as large as allowed.
 """
 
 from __future__ import annotations

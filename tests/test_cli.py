@@ -7,7 +7,7 @@ flags' configuration, which the patch records so the tests can check the flags g
 The interactive chat reads its lines through a patched `input()`.
 
 References: the model's greedy answer to "What is the capital of France?" is a documented fact
-(TOOLCHAIN.md, checked against transformers); other outputs are compared with `generate_dense`,
+(checked against transformers); other outputs are compared with `generate_dense`,
 the cache-free oracle, and streamed text with the engine's own final text.
 """
 
@@ -32,7 +32,7 @@ from minipaged.sampling import SamplingParams
 from minipaged.scheduler import FCFSScheduler
 
 QUESTION = "What is the capital of France?"
-ANSWER = "The capital of France is Paris."  # TOOLCHAIN.md: float32 greedy, chat template
+ANSWER = "The capital of France is Paris."  # float32 greedy, chat template
 # Plain greedy decoding for chat: its default repetition penalty applies at any temperature.
 GREEDY = ["--temperature", "0", "--repetition-penalty", "1"]
 
