@@ -187,11 +187,11 @@ def paged_decode_attention(
 ) -> Tensor:
     """Attention of each sequence's single query over its paged context -> [B, H, D].
 
-    The attention contract (`minipaged.attention_contract`) restricted to one query per
-    sequence. `num_splits` partitions per context (None: chosen for the device); `key_tile` keys per loop iteration
-    (a power of two >= 16 and >= the block size; None: chosen for the device).
-    `max_query_len` is accepted for signature parity and must be 1 if given; `max_seq_len`
-    saves a host sync. `validate=False` skips the argument checks (and their host syncs).
+    The attention contract (`minipaged.attention_contract`) restricted to one query per sequence.
+    `num_splits` partitions per context (None: chosen for the device); `key_tile` keys per loop
+    iteration (a power of two >= 16 and >= the block size; None: chosen for the device).
+    `max_query_len` is accepted for signature parity and must be 1 if given; `max_seq_len` saves a
+    host sync. `validate=False` skips the argument checks (and their host syncs).
     """
     num_seqs = block_tables.shape[0]
     if validate:

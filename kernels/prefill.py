@@ -1,9 +1,9 @@
 """Paged prefill attention: many queries per sequence, over a context read through block tables.
 
-The general attention contract (`minipaged.attention_contract`): the queries of sequence `i`
-are the last `n_i` positions of its `seq_lens[i]`-token context, with causal masking. That covers a plain prefill
-(n_i = the whole context), a prefill whose prefix hit the prefix cache (n_i smaller), chunked
-prefill and decode (n_i = 1) alike, so a mixed batch takes ONE launch.
+The general attention contract (`minipaged.attention_contract`): the queries of sequence `i` are the
+last `n_i` positions of its `seq_lens[i]`-token context, with causal masking. That covers a plain
+prefill (n_i = the whole context), a prefill whose prefix hit the prefix cache (n_i smaller),
+chunked prefill and decode (n_i = 1) alike, so a mixed batch takes ONE launch.
 
 Program (sequence, query tile, KV head). Its rows are a tile of queries times the query heads
 sharing the KV head (GQA), so K and V are loaded once for the whole group. It streams the
@@ -144,11 +144,10 @@ def paged_prefill_attention(
 ) -> Tensor:
     """Causal attention of a varlen batch over its paged contexts -> [T, H, D]; one launch.
 
-    The attention contract (`minipaged.attention_contract`). `max_query_len` sizes the grid
-    (None: read from `query_start_loc`, one host sync); `max_seq_len` is accepted for signature parity.
-    `query_tile` queries per program and `key_tile` keys per loop iteration are powers of two
-    (None: chosen for the device). `validate=False` skips the argument checks (and their host
-    syncs).
+    The attention contract (`minipaged.attention_contract`). `max_query_len` sizes the grid (None:
+    read from `query_start_loc`, one host sync); `max_seq_len` is accepted for signature parity.
+    `query_tile` queries per program and `key_tile` keys per loop iteration are powers of two (None:
+    chosen for the device). `validate=False` skips the argument checks (and their host syncs).
     """
     if validate:
         check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
