@@ -24,8 +24,7 @@ from tqdm.auto import tqdm
 
 from minipaged.config import ModelConfig
 from minipaged.cost_model import CostModel
-from minipaged.kv_cache import KVCacheManager
-from minipaged.mlfq import MLFQ_SCHEDULERS, MLFQConfig, mlfq_factory
+from minipaged.mlfq import MLFQConfig
 from minipaged.runner import BatchEntry, CacheOps, GiB, ModelRunner, num_blocks_for_memory
 from minipaged.sampling import (
     Sampler,
@@ -33,7 +32,8 @@ from minipaged.sampling import (
     beam_search_candidates,
     beam_search_is_done,
 )
-from minipaged.scheduler import FCFSScheduler, ScheduledSequence, SchedulerConfig
+from minipaged.scheduler import ScheduledSequence, SchedulerConfig
+from minipaged.scheduler_registry import SCHEDULERS, build_scheduler, needs_cost_model
 from minipaged.sequence import (
     RequestOutput,
     SequenceGroup,
@@ -46,7 +46,6 @@ from minipaged.sequence import (
 )
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-SCHEDULERS = {"fcfs": FCFSScheduler, **MLFQ_SCHEDULERS}  # "mlfq" and its ablation variants
 
 # -- configuration --------------------------------------------------------------------------------
 
@@ -84,7 +83,7 @@ class EngineConfig:
             raise ValueError(
                 f"scheduler must be one of {sorted(SCHEDULERS)}, got {self.scheduler!r}"
             )
-        if self.mlfq is not None and not self.scheduler.startswith("mlfq"):
+        if self.mlfq is not None and not needs_cost_model(self.scheduler):
             raise ValueError(f"mlfq settings need an MLFQ scheduler, got {self.scheduler!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
@@ -135,25 +134,6 @@ class LLMEngine:
             num_cpu_blocks = num_blocks_for_memory(
                 model_config, config.block_size, dtype, config.swap_space * GiB
             )
-        self.kv_cache = KVCacheManager(
-            num_gpu_blocks,
-            config.block_size,
-            num_host_blocks=num_cpu_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
-        )
-        make_scheduler = SCHEDULERS[config.scheduler]
-        if config.mlfq is not None:
-            make_scheduler = mlfq_factory(config.mlfq, config.cost_model)
-        self.scheduler = make_scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                preemption_mode=config.preemption_mode,
-            ),
-            self.kv_cache,
-        )
         self.runner = ModelRunner(
             model.to(device=device, dtype=dtype).eval(),
             model_config,
@@ -164,9 +144,27 @@ class LLMEngine:
             dtype=dtype,
             attention_backend=config.attention_backend,
         )
-        if self.scheduler.needs_cost_model and self.scheduler.cost_model is None:
+        cost_model = None
+        if needs_cost_model(config.scheduler):
             # Skip-join MLFQ predicts prefill times (FastServe §4.1): given, or measured here.
-            self.scheduler.cost_model = config.cost_model or CostModel.profile(self.runner)
+            cost_model = config.cost_model or CostModel.profile(self.runner)
+        self.scheduler = build_scheduler(
+            config.scheduler,
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                preemption_mode=config.preemption_mode,
+            ),
+            num_device_blocks=num_gpu_blocks,
+            block_size=config.block_size,
+            num_host_blocks=num_cpu_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            mlfq=config.mlfq,
+            cost_model=cost_model,
+        )
+        self.kv_cache = self.scheduler.kv_cache
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer and tokenizer.eos_token_id is not None else set()

@@ -49,6 +49,7 @@ def run_step(scheduler: FCFSScheduler, now: float = 0.0) -> SchedulerOutput:
     out = scheduler.schedule(now)
     for item in out.scheduled:  # the table covers what the step writes
         table = scheduler.kv_cache.block_table(item.seq.seq_id)
+        assert item.block_table == table  # the step's tables ride on its output
         assert len(table) * BLOCK >= item.start + item.num_new_tokens
     scheduler.mark_computed(out)
     sample_made_up_tokens(out)
