@@ -119,100 +119,79 @@ class KVManager(Protocol):
     @property
     def num_free_blocks(self) -> int:
         """Free device blocks."""
-        ...
 
     def __contains__(self, seq_id: object) -> bool:
         """Whether the sequence holds blocks (on the device or on the host)."""
-        ...
 
     def seq_ids(self) -> list[SeqId]:
         """Every sequence holding blocks."""
-        ...
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks that `num_tokens` token slots fill."""
-        ...
 
     def blocks_for_request(self, prompt_len: int, max_len: int, width: int) -> int:
         """The most device blocks one request can hold at once: `width` sequences (parallel
         samples or beams) grown from one prompt to at most `max_len` tokens each. A request
         needing more than `num_blocks` can never run."""
-        ...
 
     # -- admission and growth ---------------------------------------------------------------------
 
     def can_allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> bool:
         """Whether `allocate(seq_id, token_ids)` would succeed now and leave the watermark's
         blocks free."""
-        ...
 
     def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
         """Give a new sequence slots for its prompt (`token_ids`, needed to look the prefix
         cache up); return how many leading tokens are already computed (cached). Never the last
         token: its logits must be computed."""
-        ...
 
     def num_blocks_to_append(self, seq_id: SeqId, n: int) -> int:
         """Free device blocks `append_slots(seq_id, n)` would take (new blocks and copies)."""
-        ...
 
     def can_append(self, seq_id: SeqId, n: int) -> bool:
         """Whether `append_slots(seq_id, n)` would find its blocks (no watermark applies)."""
-        ...
 
     def append_slots(self, seq_id: SeqId, n: int) -> list[BlockCopy]:
         """Slots for `n` tokens about to be computed; returns the copy-on-write copies (src, dst)
         the engine performs before writing into them."""
-        ...
 
     def mark_computed(self, seq_id: SeqId, computed_token_ids: Sequence[int]) -> None:
         """The forward pass wrote the K/V of the sequence's first `len(computed_token_ids)`
         tokens (these ids, from the sequence's owner): full blocks among them may now be found
         by other prompts."""
-        ...
 
     # -- sharing and freeing ----------------------------------------------------------------------
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """A new sequence `child_id` continuing from all of `parent_id`'s tokens (vLLM §4.4)."""
-        ...
 
     def free(self, seq_id: SeqId) -> None:
         """Drop the sequence and give back the blocks nobody else references."""
-        ...
 
     # -- swapping (§4.5) --------------------------------------------------------------------------
 
     def can_swap_out(self, seq_ids: SeqId | Sequence[SeqId]) -> bool:
         """Whether the host pool can take the sequence's (or group's) blocks."""
-        ...
 
     def swap_out(self, seq_ids: SeqId | Sequence[SeqId]) -> list[BlockCopy]:
         """Move a sequence or group to the host pool; returns the (device, host) copies."""
-        ...
 
     def can_swap_in(self, seq_ids: SeqId | Sequence[SeqId]) -> bool:
         """Whether the device pool can take a swapped sequence or group back, watermark kept."""
-        ...
 
     def swap_in(self, seq_ids: SeqId | Sequence[SeqId]) -> list[BlockCopy]:
         """Bring a swapped sequence or group back; returns the (host, device) copies."""
-        ...
 
     # -- queries ----------------------------------------------------------------------------------
 
     def block_table(self, seq_id: SeqId) -> list[int]:
         """The sequence's physical block ids, logical block 0 first (a copy)."""
-        ...
 
     def num_tokens(self, seq_id: SeqId) -> int:
         """Token slots the sequence's table covers (computed or about to be)."""
-        ...
 
     def memory_usage(self) -> MemoryUsage:
         """The device pool's slots by the paper's Fig. 2 categories."""
-        ...
 
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first broken structural invariant."""
-        ...
