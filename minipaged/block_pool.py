@@ -6,10 +6,7 @@ slots hold tokens; a full block whose K/V is computed may also carry a *block ha
 makes it findable by later prompts with the same prefix (§4.4, "shared prefix"). A hash is
 chained -- BLAKE2b over (the previous block's hash, the block's token ids) -- so equal hashes
 mean equal prefixes, and every hit is still confirmed against the block's stored token ids.
-
-Free blocks wait in a `FreeBlockQueue`: blocks without a hash at its front (reusing them loses
-nothing), cached blocks at its back, so the cached block freed longest ago is evicted first
-(LRU). A freed cached block stays findable until it is evicted.
+A freed cached block stays findable until the `FreeBlockQueue` evicts it (LRU).
 
 Which sequence uses which block is the manager's business (`minipaged.kv_cache`); this module
 only counts.
