@@ -1,9 +1,10 @@
 """How long the KV cache manager's bookkeeping takes per engine step.
 
 256 concurrent sequences (ShareGPT-like lengths); every step each one gets a slot for its next
-token (`can_append` + `append_slots`) and is marked computed (`mark_computed`, which hashes the
-blocks it fills when prefix caching is on). A finished sequence is freed and replaced by a new
-one (`can_allocate` + `allocate` of its prompt + `mark_computed`), as continuous batching does.
+token (`can_append` + `append_slots`) and is marked computed (`mark_computed` with its token
+ids, kept here as the engine's `Sequence`s keep them; it hashes the blocks it fills when prefix
+caching is on). A finished sequence is freed and replaced by a new one (`allocate` of its prompt
++ `mark_computed`; the pool is sized so that it always fits), as continuous batching does.
 Reported: wall time per step, with prefix caching on and off. The engine issue checks that this
 stays a small fraction (< 5%) of a model step.
 
@@ -32,16 +33,17 @@ def run(num_seqs: int, steps: int, block_size: int, prefix_caching: bool, seed: 
     num_blocks = num_seqs * (2048 // block_size + 1)
     m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
     remaining: dict[int, int] = {}
+    tokens: dict[int, list[int]] = {}  # each sequence's token ids: its owner's, not the manager's
     next_id = 0
 
     def admit() -> None:
         nonlocal next_id
         request = next(trace)
         prompt = rng.integers(0, 49152, request.prompt_len).tolist()
-        assert m.can_allocate(len(prompt))
         m.allocate(next_id, prompt)
-        m.mark_computed(next_id, len(prompt))
+        m.mark_computed(next_id, prompt)
         remaining[next_id] = request.output_len
+        tokens[next_id] = prompt
         next_id += 1
 
     for _ in range(num_seqs):
@@ -52,12 +54,13 @@ def run(num_seqs: int, steps: int, block_size: int, prefix_caching: bool, seed: 
         start = time.perf_counter()
         for seq_id, token in zip(list(remaining), new_tokens, strict=True):
             assert m.can_append(seq_id, 1)
-            m.append_slots(seq_id, [token])
-            m.mark_computed(seq_id, m.num_tokens(seq_id))
+            m.append_slots(seq_id, 1)
+            tokens[seq_id].append(token)
+            m.mark_computed(seq_id, tokens[seq_id])
             remaining[seq_id] -= 1
             if remaining[seq_id] == 0:
                 m.free(seq_id)
-                del remaining[seq_id]
+                del remaining[seq_id], tokens[seq_id]
                 admit()
         times.append(time.perf_counter() - start)
     t = np.array(times) * 1e6

@@ -30,8 +30,9 @@ import numpy as np
 from machine import report_header, save_report
 from tqdm import tqdm
 
-from minipaged.kv_cache import KVCacheManager, MemoryUsage
-from minipaged.reservation import ReservationCache, StaticBatchCache
+from minipaged.kv_cache import KVCacheManager
+from minipaged.kv_interface import MemoryUsage
+from minipaged.reservation import ReservationKVCacheManager
 from minipaged.traces import TraceRequest, alpaca_like, sharegpt_like
 
 CAPACITY_SLOTS = 15_700  # OPT-13B on one A100-40GB (vLLM paper §3)
@@ -70,16 +71,16 @@ class PagedSystem:
         )
 
     def try_admit(self, r: _Request) -> bool:
-        num_tokens = r.prompt_len + r.generated  # a preempted request recomputes its output
-        if not self.m.can_allocate(num_tokens):
+        tokens = [0] * (r.prompt_len + r.generated)  # a preempted request recomputes its output
+        if not self.m.can_allocate(r.rid, tokens):
             return False
-        self.m.allocate(r.rid, [0] * num_tokens)
+        self.m.allocate(r.rid, tokens)
         return True
 
     def grow(self, r: _Request) -> bool:
         if not self.m.can_append(r.rid, 1):
             return False
-        self.m.append_slots(r.rid, [0])
+        self.m.append_slots(r.rid, 1)
         return True
 
     def release(self, r: _Request) -> None:
@@ -90,36 +91,48 @@ class PagedSystem:
 
 
 class ContiguousSystem:
-    """An Orca reservation policy or static batching: room for the whole output up front."""
+    """An Orca reservation policy or static batching (`ReservationKVCacheManager`, one-token
+    blocks): room for the whole output up front. A static batch is closed once it decodes and
+    reopens when all its requests have finished."""
 
     preempts = False
 
-    def __init__(self, cache: ReservationCache | StaticBatchCache) -> None:
-        self.cache = cache
+    def __init__(self, policy: str, static_batch: bool = False) -> None:
+        self.m = ReservationKVCacheManager(
+            CAPACITY_SLOTS, 1, policy, MAX_SEQ_LEN, static_batch=static_batch
+        )
+        self.static_batch = static_batch
+        self.decoding = False  # a static batch has started: nobody joins it
 
     def try_admit(self, r: _Request) -> bool:
-        if not self.cache.can_allocate(r.prompt_len, r.output_len):
+        if self.static_batch and self.decoding:
             return False
-        self.cache.allocate(r.rid, r.prompt_len, r.output_len)
+        self.m.expect(r.rid, r.prompt_len, r.output_len)
+        prompt = [0] * r.prompt_len
+        if not self.m.can_allocate(r.rid, prompt):
+            return False
+        self.m.allocate(r.rid, prompt)
         return True
 
     def grow(self, r: _Request) -> bool:
-        self.cache.append(r.rid)
+        self.m.append_slots(r.rid, 1)
+        self.decoding = True
         return True
 
     def release(self, r: _Request) -> None:
-        self.cache.free(r.rid)
+        self.m.free(r.rid)
+        self.decoding = self.decoding and bool(self.m.seq_ids())
 
     def usage(self) -> MemoryUsage:
-        return self.cache.memory_usage()
+        return self.m.memory_usage()
 
 
 def make_system(name: str) -> PagedSystem | ContiguousSystem:
     if name.startswith("paged@"):
         return PagedSystem(int(name.split("@")[1]))
     if name == "static":
-        return ContiguousSystem(StaticBatchCache(CAPACITY_SLOTS, MAX_SEQ_LEN))
-    return ContiguousSystem(ReservationCache(CAPACITY_SLOTS, name.split("-")[1], MAX_SEQ_LEN))
+        return ContiguousSystem("max", static_batch=True)
+    return ContiguousSystem(name.split("-")[1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,7 +229,6 @@ def sharing_savings(
             i = pending.popleft()
             root = next(next_id)
             m.allocate(root, [0] * trace[i].prompt_len)
-            m.mark_computed(root, trace[i].prompt_len)
             if mode == "parallel":
                 lengths = [trace[(i + j * 7919) % len(trace)].output_len for j in range(width)]
                 seqs = [root] + [next(next_id) for _ in range(width - 1)]
@@ -229,8 +241,7 @@ def sharing_savings(
             if mode == "parallel":
                 group["step"] += 1
                 for seq, length in list(group["seqs"].items()):
-                    m.append_slots(seq, [0])
-                    m.mark_computed(seq, m.num_tokens(seq))
+                    m.append_slots(seq, 1)
                     if group["step"] == length:
                         m.free(seq)
                         del group["seqs"][seq]
@@ -250,9 +261,7 @@ def sharing_savings(
                     if p not in taken:
                         m.free(seq)
                 for seq in new_beams:
-                    m.append_slots(seq, [0])
-                for seq in new_beams:
-                    m.mark_computed(seq, m.num_tokens(seq))
+                    m.append_slots(seq, 1)
                 group["beams"] = new_beams
                 group["steps_left"] -= 1
         used_sum += m.num_used_blocks

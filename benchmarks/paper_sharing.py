@@ -51,10 +51,10 @@ from paper_vllm import (  # noqa: E402  (a sibling script)
     sweep,
 )
 
-from minipaged.baselines import build_scheduler  # noqa: E402
 from minipaged.cost_model import OPT_13B_A100, CostModel  # noqa: E402
 from minipaged.sampling import SamplingParams  # noqa: E402
-from minipaged.scheduler import FCFSScheduler, PreemptionMode  # noqa: E402
+from minipaged.scheduler import PreemptionMode, Scheduler  # noqa: E402
+from minipaged.scheduler_registry import build_scheduler  # noqa: E402
 from minipaged.sequence import Sequence, SequenceGroup  # noqa: E402
 from minipaged.traces import TRACES, TraceRequest  # noqa: E402
 
@@ -74,7 +74,7 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 def beam_search_hook(rng: np.random.Generator):
     """The beams' forks and drops after each step (the sampler's part of beam search)."""
 
-    def hook(scheduler: FCFSScheduler, sampled: list, next_id: int) -> int:
+    def hook(scheduler: Scheduler, sampled: list, next_id: int) -> int:
         beams_of: dict[int, tuple[SequenceGroup, list[Sequence]]] = {}
         for item in sampled:
             beams_of.setdefault(id(item.group), (item.group, []))[1].append(item.seq)
@@ -116,11 +116,17 @@ def sampling_params(kind: str, width: int):
     return params
 
 
-def scheduler_for(system: str, **paged) -> FCFSScheduler:
+def scheduler_for(system: str, block_size: int = 16, prefix_caching: bool = False) -> Scheduler:
+    """Paged ("fcfs" over `KVCacheManager`) or Orca-Oracle at the paper's 15.7K slots."""
     if system == "paged":
-        bs = paged.pop("block_size", 16)
-        return build_scheduler(system, SIM_SCHEDULER, CAPACITY_SLOTS // bs, bs, **paged)
-    return build_scheduler(system, SIM_SCHEDULER, CAPACITY_SLOTS, 1)
+        return build_scheduler(
+            "fcfs",
+            SIM_SCHEDULER,
+            num_device_blocks=CAPACITY_SLOTS // block_size,
+            block_size=block_size,
+            enable_prefix_caching=prefix_caching,
+        )
+    return build_scheduler(system, SIM_SCHEDULER, num_device_blocks=CAPACITY_SLOTS, block_size=1)
 
 
 def run_sampling(quick: bool) -> dict:
@@ -195,7 +201,7 @@ def run_prefix(quick: bool) -> dict:
         def serve(system: str, rate: float, prefix_len=prefix_len) -> RunStats:
             groups = prefix_groups(translation_like(num, rate), prefix_len)
             return simulate_groups(
-                scheduler_for(system, enable_prefix_caching=True), groups, OPT_13B_A100
+                scheduler_for(system, prefix_caching=True), groups, OPT_13B_A100
             )
 
         curves = sweep(name, rates, list(SYSTEMS), serve, give_up=10 * LATENCY_BOUND)
@@ -256,7 +262,12 @@ def run_swap(quick: bool) -> dict:
         for mode in (PreemptionMode.RECOMPUTE, PreemptionMode.SWAP):
             config = dataclasses.replace(SIM_SCHEDULER, preemption_mode=mode)
             scheduler = build_scheduler(
-                "paged", config, CAPACITY_SLOTS // bs, bs, num_host_blocks=CAPACITY_SLOTS // bs
+                "fcfs",
+                config,
+                num_device_blocks=CAPACITY_SLOTS // bs,
+                block_size=bs,
+                num_host_blocks=CAPACITY_SLOTS // bs,
+                enable_prefix_caching=False,
             )
             trace = TRACES["sharegpt"](num, rate=rate, seed=0, max_seq_len=MAX_SEQ_LEN)
             stats = simulate_groups(scheduler, make_groups(trace), cost)

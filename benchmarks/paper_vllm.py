@@ -6,7 +6,8 @@ and Oracle reservations, and paged attention (vLLM; here minipaged's `FCFSSchedu
 `KVCacheManager`). A system "sustains" a request rate while the mean normalized latency (a
 request's end-to-end latency divided by its output length, in s/token) stays low; past its
 capacity the queue grows without bound and the latency explodes. The baselines are the very
-scheduler code of the paged system with another KV cache manager (`minipaged.baselines`).
+scheduler code of the paged system with another KV cache manager (`minipaged.baselines`), built
+by name (`minipaged.scheduler_registry`; the paged system is "fcfs" there).
 
 Two sub-commands, one figure each:
 
@@ -42,10 +43,10 @@ from machine import report_header, save_report
 from tqdm import tqdm
 
 import minipaged.simulate
-from minipaged.baselines import SYSTEMS, build_scheduler
 from minipaged.cost_model import OPT_13B_A100, CostModel
 from minipaged.sampling import SamplingParams
-from minipaged.scheduler import FCFSScheduler, SchedulerConfig
+from minipaged.scheduler import Scheduler, SchedulerConfig
+from minipaged.scheduler_registry import build_scheduler
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.simulate import SampleHook
 from minipaged.traces import TRACES, TraceRequest
@@ -66,6 +67,15 @@ SIM_RATES = {
     "sharegpt": [0.25 * i for i in range(1, 25)],  # 0.25 .. 6 req/s
     "alpaca": [0.5, 1.0, 1.5] + [2.5 * i for i in range(1, 33)],  # 0.5 .. 80 req/s
 }
+
+# The five systems of the vLLM paper's Fig. 12, as this benchmark's results name them, and the
+# scheduler each is built as.
+SYSTEMS = ("static", "orca-max", "orca-pow2", "orca-oracle", "paged")
+
+
+def scheduler_name(system: str) -> str:
+    return "fcfs" if system == "paged" else system
+
 
 PAPER = {
     "sharegpt_ratio_over": {
@@ -115,7 +125,7 @@ def make_groups(
 
 
 def simulate_groups(
-    scheduler: FCFSScheduler,
+    scheduler: Scheduler,
     groups: list[SequenceGroup],
     cost_model: CostModel,
     sample: SampleHook | None = None,
@@ -136,7 +146,7 @@ def simulate_groups(
     return _run_stats(result, batched / max(result.num_steps, 1))
 
 
-def fork_parallel_samples(scheduler: FCFSScheduler, sampled: list, next_id: int) -> int:
+def fork_parallel_samples(scheduler: Scheduler, sampled: list, next_id: int) -> int:
     """Parallel sampling (§4.4): once the prompt is done, fork samples 1..n-1 from it."""
     for item in sampled:
         group = item.group
@@ -148,16 +158,22 @@ def fork_parallel_samples(scheduler: FCFSScheduler, sampled: list, next_id: int)
     return next_id
 
 
-def _stats(groups: list[SequenceGroup], steps: int, batched: int, preemptions: int) -> RunStats:
-    latencies = np.array([g.metrics.latency for g in groups])
-    outputs = np.array([g.sampling_params.max_tokens for g in groups])
+def _stats(
+    latencies: np.ndarray,
+    outputs: np.ndarray,
+    duration: float,
+    steps: int,
+    batched: int,
+    preemptions: int,
+) -> RunStats:
+    """A served trace's numbers from each request's latency and output length."""
     return RunStats(
         normalized_latency=float(np.mean(latencies / outputs)),
         mean_latency=float(latencies.mean()),
         mean_batched_requests=batched / max(steps, 1),
         num_steps=steps,
         num_preemptions=preemptions,
-        duration=max(g.metrics.finished_time for g in groups) - groups[0].arrival_time,
+        duration=duration,
     )
 
 
@@ -173,12 +189,18 @@ def simulate_system(system: str, trace: list[TraceRequest]) -> RunStats:
     """One of `SYSTEMS` serving `trace` in `minipaged.simulate` at the paper's setting.
 
     `minipaged.simulate` builds a `KVCacheManager` itself and hands it to a scheduler factory;
-    for a baseline the factory swaps in a `ReservationKVCacheManager` of the same geometry.
+    the factory builds the system by name over a KV manager of the same geometry.
     """
     num_blocks, block_size = sim_geometry(system)
 
-    def factory(config: SchedulerConfig, kv) -> FCFSScheduler:
-        return build_scheduler(system, config, kv.num_blocks, kv.block_size)
+    def factory(config: SchedulerConfig, kv) -> Scheduler:
+        return build_scheduler(
+            scheduler_name(system),
+            config,
+            num_device_blocks=kv.num_blocks,
+            block_size=kv.block_size,
+            enable_prefix_caching=False,
+        )
 
     result = minipaged.simulate.simulate(
         trace,
@@ -337,8 +359,8 @@ def serve_engine(engine, trace: list[TraceRequest], vocab: int) -> RunStats:
     the step's measured wall time, and an idle engine jumps to the next arrival instead of
     sleeping (the same latencies as real time, without waiting through idle gaps)."""
     rng = np.random.default_rng(0)
-    groups: list[SequenceGroup] = []
     arrival: dict[str, float] = {}
+    output_len: dict[str, int] = {}
     finished: dict[str, float] = {}
     clock = 0.0
     pending = list(trace)
@@ -349,8 +371,7 @@ def serve_engine(engine, trace: list[TraceRequest], vocab: int) -> RunStats:
             params = SamplingParams(temperature=0.0, max_tokens=t.output_len, ignore_eos=True)
             prompt = rng.integers(3, vocab, t.prompt_len).tolist()
             rid = engine.add_request(None, prompt, params)
-            groups.append(engine._groups[rid])
-            arrival[rid] = t.arrival_time
+            arrival[rid], output_len[rid] = t.arrival_time, t.output_len
         if not engine.has_unfinished_requests():
             clock = pending[0].arrival_time
             continue
@@ -361,37 +382,40 @@ def serve_engine(engine, trace: list[TraceRequest], vocab: int) -> RunStats:
         clock += time.perf_counter() - start
         batched += len(engine.scheduler.running)
         steps += 1
-    for group in groups:  # the busy clock's times, for _stats
-        group.metrics.arrival_time = arrival[group.request_id]
-        group.metrics.finished_time = finished[group.request_id]
-    groups.sort(key=lambda g: g.metrics.arrival_time)
-    return _stats(groups, steps, batched, engine.scheduler.num_preemptions)
+    rids = sorted(arrival, key=arrival.get)
+    latencies = np.array([finished[r] - arrival[r] for r in rids])
+    outputs = np.array([output_len[r] for r in rids])
+    duration = max(finished.values()) - arrival[rids[0]]
+    return _stats(latencies, outputs, duration, steps, batched, engine.scheduler.num_preemptions)
 
 
 def run_engine(quick: bool, threads: int) -> dict:
     import torch
 
-    from minipaged.baselines import install
-    from minipaged.engine import LLMEngine
+    from minipaged.checkpoint import default_model_path
+    from minipaged.engine import EngineConfig, LLMEngine
+    from minipaged.model import load_model
 
     torch.set_num_threads(threads)
-    engine = LLMEngine.from_pretrained(
-        block_size=ENGINE_BLOCK_SIZE,
-        num_gpu_blocks=ENGINE_NUM_BLOCKS,
-        num_cpu_blocks=0,
-        max_model_len=ENGINE_MAX_LEN,
-        max_num_seqs=64,
-        max_num_batched_tokens=512,
-        enable_prefix_caching=False,
-    )
-    vocab = engine.model_config.vocab_size
+    model, model_config = load_model(default_model_path(), dtype=torch.float32, device="cpu")
+    vocab = model_config.vocab_size
     num = ENGINE_REQUESTS // (4 if quick else 1)
     rates = ENGINE_RATES[:2] if quick else ENGINE_RATES
     warm = engine_trace(4, rate=math.inf)
-    serve_engine(engine, warm, vocab)  # first steps allocate and warm up
 
     def serve(system: str, rate: float) -> RunStats:
-        install(engine, system)
+        config = EngineConfig(
+            scheduler=scheduler_name(system),
+            block_size=ENGINE_BLOCK_SIZE,
+            num_gpu_blocks=ENGINE_NUM_BLOCKS,
+            num_cpu_blocks=0,
+            max_model_len=ENGINE_MAX_LEN,
+            max_num_seqs=64,
+            max_num_batched_tokens=512,
+            enable_prefix_caching=False,
+        )
+        engine = LLMEngine(model, model_config, None, config)
+        serve_engine(engine, warm, vocab)  # first steps allocate and warm up
         return serve_engine(engine, engine_trace(num, rate=rate, seed=1), vocab)
 
     started = time.monotonic()

@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     from minipaged.attention_backend import BACKENDS
-    from minipaged.engine_config import DTYPES, SCHEDULERS
+    from minipaged.engine_config import DTYPES
+    from minipaged.scheduler_registry import SCHEDULERS
 
     engine = parser.add_argument_group("engine (see EngineConfig)")
     engine.add_argument("--model", help="HF folder or .gguf file (default: bundled SmolLM2)")

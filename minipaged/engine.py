@@ -26,9 +26,7 @@ from tqdm.auto import tqdm
 
 from minipaged.config import ModelConfig
 from minipaged.cost_model import CostModel
-from minipaged.engine_config import SCHEDULERS, EngineConfig
-from minipaged.kv_cache import KVCacheManager
-from minipaged.mlfq import MLFQ_SCHEDULERS, mlfq_factory
+from minipaged.engine_config import EngineConfig
 from minipaged.outputs import RequestOutput
 from minipaged.runner import BatchEntry, CacheOps, GiB, ModelRunner, num_blocks_for_memory
 from minipaged.runner_profile import profile_runner
@@ -36,6 +34,7 @@ from minipaged.sampler import Sampler
 from minipaged.sampling import SamplingParams
 from minipaged.sampling_stage import sample_tokens
 from minipaged.scheduler import Scheduler, SchedulerConfig
+from minipaged.scheduler_registry import build_scheduler, needs_cost_model
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.step import StepRecord, StepTimings, finish_requests, record_step
 
@@ -90,34 +89,29 @@ class LLMEngine:
             dtype=dtype,
             attention_backend=config.attention_backend,
         )
-        # Skip-join MLFQ predicts prefill times (FastServe §4.1): measured before it is built.
-        # Then the KV manager and the scheduler, by name; a ready `scheduler` replaces them.
-        cost_model = None
-        if scheduler is None and config.scheduler in MLFQ_SCHEDULERS:
-            cost_model = self._startup_cost_model()
-        self.kv_cache = KVCacheManager(
-            num_gpu_blocks,
-            config.block_size,
-            num_host_blocks=num_cpu_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
-        )
-        make_scheduler = SCHEDULERS[config.scheduler]
-        if config.mlfq is not None:
-            make_scheduler = mlfq_factory(config.mlfq, config.cost_model)
-        self.scheduler = make_scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                preemption_mode=config.preemption_mode,
-            ),
-            self.kv_cache,
-        )
-        if cost_model is not None and self.scheduler.cost_model is None:
-            self.scheduler.cost_model = cost_model
-        if scheduler is not None:
-            self.scheduler, self.kv_cache = scheduler, scheduler.kv_cache
+        if scheduler is None:
+            # Skip-join MLFQ predicts prefill times (FastServe §4.1): measured before it is built.
+            cost_model = None
+            if needs_cost_model(config.scheduler):
+                cost_model = self._startup_cost_model()
+            scheduler = build_scheduler(
+                config.scheduler,
+                SchedulerConfig(
+                    max_num_batched_tokens=config.max_num_batched_tokens,
+                    max_num_seqs=config.max_num_seqs,
+                    max_model_len=self.max_model_len,
+                    enable_chunked_prefill=config.enable_chunked_prefill,
+                    preemption_mode=config.preemption_mode,
+                ),
+                num_device_blocks=num_gpu_blocks,
+                block_size=config.block_size,
+                num_host_blocks=num_cpu_blocks,
+                enable_prefix_caching=config.enable_prefix_caching,
+                mlfq=config.mlfq,
+                cost_model=cost_model,
+            )
+        self.scheduler = scheduler
+        self.kv_cache = scheduler.kv_cache  # the scheduler's manager, named for reading
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer and tokenizer.eos_token_id is not None else set()
@@ -272,7 +266,7 @@ class LLMEngine:
             BatchEntry(
                 s.token_ids,
                 s.start,
-                self.kv_cache.block_table(s.seq.seq_id),  # -> s.block_table (scheduler output)
+                s.block_table,
                 s.needs_logits,
             )
             for s in out.scheduled

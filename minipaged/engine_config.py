@@ -12,11 +12,10 @@ from pathlib import Path
 import torch
 
 from minipaged.cost_model import CostModel
-from minipaged.mlfq import MLFQ_SCHEDULERS, MLFQConfig
-from minipaged.scheduler import FCFSScheduler
+from minipaged.mlfq import MLFQConfig
+from minipaged.scheduler_registry import SCHEDULERS, needs_cost_model
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-SCHEDULERS = {"fcfs": FCFSScheduler, **MLFQ_SCHEDULERS}  # "mlfq" and its ablation variants
 
 # -- configuration --------------------------------------------------------------------------------
 
@@ -60,7 +59,7 @@ class EngineConfig:
             raise ValueError(
                 f"scheduler must be one of {sorted(SCHEDULERS)}, got {self.scheduler!r}"
             )
-        if self.mlfq is not None and not self.scheduler.startswith("mlfq"):
+        if self.mlfq is not None and not needs_cost_model(self.scheduler):
             raise ValueError(f"mlfq settings need an MLFQ scheduler, got {self.scheduler!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")

@@ -56,13 +56,13 @@ from dataclasses import dataclass
 from enum import Enum
 
 from minipaged.cost_model import CostModel
-from minipaged.kv_cache import KVCacheManager
+from minipaged.kv_interface import KVManager
 from minipaged.scheduler import (
     PreemptionMode,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
-    _Budget,
+    StepBudget,
 )
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -139,7 +139,7 @@ class SkipJoinMLFQScheduler(Scheduler):
     def __init__(
         self,
         config: SchedulerConfig,
-        kv_cache: KVCacheManager,
+        kv_cache: KVManager,
         mlfq: MLFQConfig | None = None,
         cost_model: CostModel | None = None,
     ) -> None:
@@ -217,32 +217,28 @@ class SkipJoinMLFQScheduler(Scheduler):
 
     # -- one step -------------------------------------------------------------------------------
 
-    def schedule(self, now: float) -> SchedulerOutput:
+    def choose(self, now: float, out: SchedulerOutput, budget: StepBudget) -> None:
         """Charge the previous step, promote starving jobs, fill the batch by priority, then
         swap ahead of time (proactive policy)."""
         self._charge_previous_step(now)
         self._promote_starving(now)
-        self._now = now
-        out = SchedulerOutput()
-        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         order = self.priority_order()
         selected: list[SequenceGroup] = []
         for index, group in enumerate(order):
-            if budget.tokens <= 0 or budget.seqs <= 0:
+            if budget.exhausted:
                 break
             seqs = group.get_unfinished_seqs()
-            if not self._fits_budget(seqs, budget):
+            if not budget.fits(seqs):
                 continue
             if not self._make_room(group, seqs, order[index + 1 :], out):
                 continue
-            self._bring_in_and_schedule(group, out, budget)
+            self.run(group, out, budget)
             selected.append(group)
         if self.mlfq.swap_policy is SwapPolicy.PROACTIVE:
             self._swap_ahead(order, selected, out)
         self._last_batch = [s.group for s in out.scheduled]
         self._last_sampled = {s.group.request_id for s in out.scheduled if s.needs_logits}
         self._last_now = now
-        return out
 
     # -- feedback: demotion and promotion ----------------------------------------------------------
 
@@ -291,27 +287,6 @@ class SkipJoinMLFQScheduler(Scheduler):
 
     # -- memory: making room, bringing in, swapping ahead ------------------------------------------
 
-    def _blocks_needed(self, group: SequenceGroup, seqs: list[Sequence]) -> int:
-        """Free device blocks the group needs before it can compute its pending tokens."""
-        kv = self.kv_cache
-        status = seqs[0].status
-        if status is SequenceStatus.RUNNING:
-            return sum(
-                kv.num_blocks_to_append(s.seq_id, s.get_len() - kv.num_tokens(s.seq_id))
-                for s in seqs
-            )
-        # Swapped or waiting: every block of every sequence, counted without sharing (an upper
-        # bound, used only to decide whether making room is worth trying).
-        return sum(kv.num_blocks_for(s.get_len()) for s in seqs)
-
-    def _fits(self, group: SequenceGroup, seqs: list[Sequence]) -> bool:
-        status = seqs[0].status
-        if status is SequenceStatus.RUNNING:
-            return self._can_append(seqs)
-        if status is SequenceStatus.SWAPPED:
-            return self._can_swap_in(seqs)
-        return self._can_allocate(seqs)
-
     def _make_room(
         self,
         group: SequenceGroup,
@@ -324,7 +299,7 @@ class SkipJoinMLFQScheduler(Scheduler):
 
         A resident or promoted (starving) job evicts any job behind it; a new job only jobs of
         strictly lower queues; a preempted job waits until its blocks fit (module docstring)."""
-        if self._fits(group, seqs):
+        if self.fits(seqs):
             return True
         if out.swap_in and self.preemption_mode is PreemptionMode.SWAP:
             # The runner copies every swap-out of a step before its swap-ins, and a swap-in
@@ -346,31 +321,11 @@ class SkipJoinMLFQScheduler(Scheduler):
             for s in g.get_seqs()
             if s.seq_id in self.kv_cache
         )
-        if self.kv_cache.num_free_blocks + held < self._blocks_needed(group, seqs):
+        if self.kv_cache.num_free_blocks + held < self.blocks_needed(seqs):
             return False
-        while victims and not self._fits(group, seqs):
-            victim = victims.pop()
-            self.running.remove(victim)
-            self._preempt(victim, out, self.preemption_mode)
-        return self._fits(group, seqs)
-
-    def _bring_in_and_schedule(
-        self, group: SequenceGroup, out: SchedulerOutput, budget: _Budget
-    ) -> None:
-        """Put the group's blocks on the device if they are not, then schedule its tokens."""
-        seqs = group.get_unfinished_seqs()
-        status = seqs[0].status
-        if status is SequenceStatus.WAITING:
-            self.waiting.remove(group)
-            self._allocate(group, seqs)
-            self.running.append(group)
-            self._schedule_tokens(group, seqs, out, budget)
-            return
-        if status is SequenceStatus.SWAPPED:
-            self.swapped.remove(group)
-            self._swap_in(seqs, out)
-            self.running.append(group)
-        self._append_and_schedule(group, seqs, out, budget)
+        while victims and not self.fits(seqs):
+            self.preempt(victims.pop(), out, self.preemption_mode)
+        return self.fits(seqs)
 
     def _swap_ahead(
         self, order: list[SequenceGroup], selected: list[SequenceGroup], out: SchedulerOutput
@@ -385,22 +340,17 @@ class SkipJoinMLFQScheduler(Scheduler):
         for group in reversed(idle):
             if kv.num_free_blocks >= reserve or out.swap_in:  # no swap-out after a swap-in
                 break
-            if group in self.running:
-                seqs = group.get_seqs(SequenceStatus.RUNNING)
-                if not self._swap_out(group, seqs, out):
-                    break  # the host pool is full
-                self.running.remove(group)
+            if group in self.running and not self.swap_out(group, out):
+                break  # the host pool is full
         for group in idle:
             if group not in self.swapped:
                 continue
             seqs = group.get_seqs(SequenceStatus.SWAPPED)
-            if not self._can_swap_in(seqs):
+            if not self.can_swap_in(seqs):
                 break
-            if kv.num_free_blocks - self._blocks_needed(group, seqs) < reserve:
+            if kv.num_free_blocks - self.blocks_needed(seqs) < reserve:
                 break
-            self.swapped.remove(group)
-            self._swap_in(seqs, out)
-            self.running.append(group)
+            self.swap_in(group, out)
         ahead = len(out.swap_in) + len(out.swap_out) - moved
         out.num_swap_blocks_ahead += ahead
         self.num_swap_blocks_ahead += ahead
@@ -408,7 +358,7 @@ class SkipJoinMLFQScheduler(Scheduler):
 
 # -- the variants (FastServe §6.3's ablation) -----------------------------------------------------
 
-SchedulerFactory = Callable[[SchedulerConfig, KVCacheManager], Scheduler]
+SchedulerFactory = Callable[[SchedulerConfig, KVManager], Scheduler]
 
 MLFQ_VARIANTS: dict[str, MLFQConfig] = {
     "mlfq": MLFQConfig(),
@@ -420,11 +370,6 @@ MLFQ_VARIANTS: dict[str, MLFQConfig] = {
 
 
 def mlfq_factory(mlfq: MLFQConfig, cost_model: CostModel | None = None) -> SchedulerFactory:
-    """A `(SchedulerConfig, KVCacheManager) -> scheduler` constructor with these settings
-    (what the engine's `SCHEDULERS` registry holds)."""
+    """A `(SchedulerConfig, KVManager) -> scheduler` constructor with these settings (what
+    `minipaged.scheduler_registry` holds, and what `minipaged.simulate` takes)."""
     return functools.partial(SkipJoinMLFQScheduler, mlfq=mlfq, cost_model=cost_model)
-
-
-MLFQ_SCHEDULERS: dict[str, SchedulerFactory] = {
-    name: mlfq_factory(config) for name, config in MLFQ_VARIANTS.items()
-}

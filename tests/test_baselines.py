@@ -1,12 +1,12 @@
-"""The baselines as drop-in parts: Orca reservations and static batching under the real schedulers.
+"""The baselines under the real schedulers, and the scheduler registry that builds every system.
 
-* Reservation sizes are the paper's definitions (worked by hand) and, at one slot per block,
-  identical to `minipaged.reservation.ReservationCache` -- chunk for chunk, slot for slot.
 * A hypothesis-driven run of random requests through `OrcaScheduler` / `StaticBatchScheduler`
-  keeps the adapter's invariants after every step, finishes every request with exactly its
-  tokens and gives all memory back; static batching never admits into a running batch.
+  keeps the reservation manager's invariants after every step, finishes every request with
+  exactly its tokens and gives all memory back; static batching never admits into a running
+  batch. (The reservations themselves: tests/test_reservation.py.)
 * In the engine, a baseline's contiguous block tables give the same greedy tokens as the dense
   model (the chunks are real, disjoint regions of the KV tensor).
+* `build_scheduler` builds every name at the capacity asked for.
 """
 
 from __future__ import annotations
@@ -16,25 +16,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import assert_engine_drained, tiny_engine, tiny_llama_parts
 
-from minipaged.baselines import (
-    SYSTEMS,
-    OrcaScheduler,
-    ReservationExceededError,
-    ReservationKVCacheManager,
-    StaticBatchScheduler,
-    build_scheduler,
-    install,
-    reservation_len,
-)
+from minipaged.baselines import OrcaScheduler, StaticBatchScheduler
+from minipaged.cost_model import CostModel
 from minipaged.dense import generate_dense
-from minipaged.kv_cache import KVCacheError, NoFreeBlocksError
-from minipaged.reservation import ReservationCache
+from minipaged.mlfq import MLFQ_VARIANTS, MLFQConfig, SkipJoinMLFQScheduler
+from minipaged.reservation import ReservationKVCacheManager
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import SchedulerConfig
+from minipaged.scheduler_registry import SCHEDULERS, build_scheduler, needs_cost_model
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.stopping import check_stop
 
 MAX_LEN = 64
+# The five systems of the vLLM paper's Fig. 12, by their registry names.
+SYSTEMS = ("static", "orca-max", "orca-pow2", "orca-oracle", "fcfs")
 _ids = iter(range(10**9))
 
 
@@ -52,6 +47,7 @@ def run_step(scheduler) -> None:
     out = scheduler.schedule(0.0)
     for item in out.scheduled:
         table = scheduler.kv_cache.block_table(item.seq.seq_id)
+        assert item.block_table == table  # the step's tables ride on its output
         assert len(table) * scheduler.kv_cache.block_size >= item.start + item.num_new_tokens
     scheduler.mark_computed(out)
     for item in out.scheduled:
@@ -62,123 +58,6 @@ def run_step(scheduler) -> None:
                 item.seq.finish(decision)
     scheduler.finish_step()
     scheduler.kv_cache.check_invariants()
-
-
-# -- reservation sizes ----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("policy", "block_size", "reserved_blocks", "chunk_blocks"),
-    [
-        # prompt 10 + output 20 tokens, max length 64:
-        ("max", 1, 64, 64),  # the maximum length
-        ("pow2", 1, 42, 64),  # 10 + next power of two of 20 (32) = 42, buddy -> 64
-        ("oracle", 1, 30, 32),  # exactly 30, buddy -> 32
-        ("max", 8, 8, 8),  # 64 slots = 8 blocks of 8
-        ("pow2", 8, 6, 8),  # 42 slots -> 6 blocks -> 8
-        ("oracle", 8, 4, 4),  # 30 slots -> 4 blocks
-    ],
-)
-def test_reservation_sizes_follow_the_policy(policy, block_size, reserved_blocks, chunk_blocks):
-    kv = ReservationKVCacheManager(256 // block_size, block_size, policy, MAX_LEN)
-    kv.expect(0, prompt_len=10, output_len=20)
-    kv.allocate(0, list(range(10)))
-    assert kv.reserved_blocks(0) == chunk_blocks
-    usage = kv.memory_usage()
-    assert usage.token_slots == 10
-    assert usage.reserved_slots == 20
-    assert usage.internal_fragmentation_slots == reserved_blocks * block_size - 30
-    assert usage.external_fragmentation_slots == (chunk_blocks - reserved_blocks) * block_size
-    assert kv.num_free_blocks == 256 // block_size - chunk_blocks
-
-
-@given(
-    policy=st.sampled_from(["max", "pow2", "oracle"]),
-    prompt_len=st.integers(1, 1000),
-    output_len=st.integers(1, 1000),
-)
-def test_reservation_len_is_reservation_caches(policy, prompt_len, output_len):
-    max_len = 2048
-    reference = ReservationCache(max_len, policy, max_len)
-    assert reservation_len(policy, prompt_len, output_len, max_len) == reference.reservation_len(
-        prompt_len, output_len
-    )
-
-
-@settings(max_examples=15)
-@given(
-    policy=st.sampled_from(["max", "pow2", "oracle"]),
-    requests=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 24)), min_size=1, max_size=30),
-    data=st.data(),
-)
-def test_one_slot_blocks_account_exactly_like_reservation_cache(policy, requests, data):
-    """Admit in order while both fit, grow, free in a random order: the same memory, always."""
-    capacity = 300
-    kv = ReservationKVCacheManager(capacity, 1, policy, MAX_LEN)
-    reference = ReservationCache(capacity, policy, MAX_LEN)
-    live = []
-    for rid, (prompt_len, output_len) in enumerate(requests):
-        kv.expect(rid, prompt_len, output_len)
-        fits = reference.can_allocate(prompt_len, output_len)
-        assert kv.can_reserve(rid) == fits
-        if fits:
-            kv.allocate(rid, [1] * prompt_len)
-            reference.allocate(rid, prompt_len, output_len)
-            grow = data.draw(st.integers(0, output_len), label="grow")
-            kv.append_slots(rid, [1] * grow)
-            reference.append(rid, grow)
-            live.append(rid)
-        if live and data.draw(st.booleans(), label="free one"):
-            victim = live.pop(data.draw(st.integers(0, len(live) - 1), label="victim"))
-            kv.free(victim)
-            reference.free(victim)
-        kv.check_invariants()
-        assert kv.memory_usage() == reference.memory_usage()
-        assert kv.num_free_blocks == reference.allocator.num_free_slots
-
-
-def test_parallel_samples_each_get_a_chunk_reserved_at_admission():
-    kv = ReservationKVCacheManager(128, 1, "oracle", MAX_LEN)
-    kv.expect(0, prompt_len=5, output_len=11, width=3)  # 16 slots each
-    kv.allocate(0, [1] * 5)
-    assert kv.num_free_blocks == 128 - 3 * 16
-    kv.mark_computed(0, 5)
-    kv.fork(0, 1)
-    kv.fork(0, 2)
-    assert kv.num_tokens(2) == 5 and kv.num_computed_tokens(2) == 5
-    tables = [set(kv.block_table(s)) for s in range(3)]
-    assert not (tables[0] & tables[1] or tables[0] & tables[2] or tables[1] & tables[2])
-    with pytest.raises(NoFreeBlocksError):
-        kv.fork(0, 3)  # a fourth sequence: the request reserved three chunks
-    kv.check_invariants()
-    for s in (1, 0):
-        kv.free(s)
-        assert kv.num_free_blocks == 128 - 3 * 16  # held until the request's last sequence
-    kv.free(2)
-    assert kv.num_free_blocks == 128
-    kv.check_invariants()
-
-
-def test_bad_use_is_refused_with_a_clear_error():
-    with pytest.raises(ValueError, match="policy"):
-        ReservationKVCacheManager(128, 1, "lifo", MAX_LEN)
-    with pytest.raises(ValueError, match="cannot hold"):
-        ReservationKVCacheManager(4, 8, "max", MAX_LEN)
-    kv = ReservationKVCacheManager(128, 4, "pow2", MAX_LEN)
-    with pytest.raises(KVCacheError, match="expect"):
-        kv.allocate(0, [1, 2])
-    with pytest.raises(KVCacheError, match="output length"):
-        kv.can_allocate([1, 2])
-    kv.expect(0, prompt_len=2, output_len=2)  # 2 + 2 = 4 slots: one block
-    kv.allocate(0, [1, 2])
-    kv.append_slots(0, [3, 4])
-    with pytest.raises(ReservationExceededError, match="outgrow"):
-        kv.append_slots(0, [5])
-    assert kv.num_tokens(0) == 4  # untouched
-    with pytest.raises(KVCacheError, match="swapped"):
-        kv.swap_out([0])
-    with pytest.raises(ValueError, match="system"):
-        build_scheduler("vllm", SchedulerConfig(max_model_len=MAX_LEN), 64, 1)
 
 
 # -- under the schedulers -------------------------------------------------------------------------
@@ -281,11 +160,12 @@ def tiny():
 @pytest.mark.parametrize("system", SYSTEMS)
 def test_engine_greedy_tokens_equal_dense_under_every_system(tiny, system):
     model, _ = tiny
-    engine = tiny_engine(tiny, num_gpu_blocks=40, block_size=4, num_cpu_blocks=0, seed=0)
-    install(engine, system)
+    engine = tiny_engine(
+        tiny, num_gpu_blocks=40, block_size=4, num_cpu_blocks=0, seed=0, scheduler=system
+    )
     assert type(engine.scheduler).__name__ == {
         "static": "StaticBatchScheduler",
-        "paged": "FCFSScheduler",
+        "fcfs": "FCFSScheduler",
     }.get(system, "OrcaScheduler")
     prompts = [[(7 * i + j) % 60 + 2 for j in range(3 + 5 * i % 17)] for i in range(6)]
     lengths = [5 + 3 * i for i in range(6)]
@@ -302,7 +182,27 @@ def test_engine_greedy_tokens_equal_dense_under_every_system(tiny, system):
 
 def test_every_system_is_built_at_the_capacity_asked_for():
     config = SchedulerConfig(max_model_len=MAX_LEN)
-    for system in SYSTEMS:
-        scheduler = build_scheduler(system, config, 48, 4)
+    for system in SCHEDULERS:
+        scheduler = build_scheduler(system, config, num_device_blocks=48, block_size=4)
         assert scheduler.kv_cache.num_blocks == 48 and scheduler.kv_cache.block_size == 4
         assert scheduler.kv_cache.num_free_blocks == 48
+        reservations = isinstance(scheduler.kv_cache, ReservationKVCacheManager)
+        assert reservations == (system in SYSTEMS[:4])
+        assert needs_cost_model(system) == (system in MLFQ_VARIANTS)
+    with pytest.raises(ValueError, match="scheduler must be one of"):
+        build_scheduler("vllm", config, num_device_blocks=64, block_size=1)
+
+
+def test_the_registry_hands_mlfq_its_settings_and_cost_model_at_construction():
+    config = SchedulerConfig(max_model_len=MAX_LEN)
+    cost = CostModel(base=1e-3, per_prefill_token=1e-4, per_decode_seq=0.0, per_context_token=0)
+    mlfq = MLFQConfig(num_levels=3, skip_join=False)
+    scheduler = build_scheduler(
+        "mlfq-naive", config, num_device_blocks=16, block_size=4, mlfq=mlfq, cost_model=cost
+    )
+    assert isinstance(scheduler, SkipJoinMLFQScheduler)
+    assert scheduler.mlfq == mlfq and scheduler.cost_model is cost
+    default = build_scheduler("mlfq-fixed", config, num_device_blocks=16, block_size=4)
+    assert default.mlfq == MLFQ_VARIANTS["mlfq-fixed"] and default.cost_model is None
+    with pytest.raises(ValueError, match="MLFQ scheduler"):
+        build_scheduler("fcfs", config, num_device_blocks=16, block_size=4, mlfq=mlfq)

@@ -23,6 +23,7 @@ from minipaged.mlfq import (
 )
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import SchedulerConfig, SchedulerOutput
+from minipaged.scheduler_registry import needs_cost_model
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.step import step_shape
 
@@ -66,6 +67,7 @@ class Driver:
         out = scheduler.schedule(self.now)
         for item in out.scheduled:
             table = scheduler.kv_cache.block_table(item.seq.seq_id)
+            assert item.block_table == table  # the step's tables ride on its output
             assert len(table) * BLOCK >= item.start + item.num_new_tokens
             assert not scheduler.kv_cache.is_swapped(item.seq.seq_id)
         self.check_cache_contents(out)
@@ -91,7 +93,7 @@ class Driver:
         writes = []
         for item in out.scheduled:
             tokens = item.seq.get_token_ids()
-            table = self.scheduler.kv_cache.block_table(item.seq.seq_id)
+            table = item.block_table
             for pos in range(item.start):
                 assert self.device.get(table[pos // BLOCK], empty)[pos % BLOCK] == tokens[pos]
             for pos in range(item.start, item.start + item.num_new_tokens):
@@ -517,7 +519,7 @@ def greedy(tiny, scheduler: str, prompts, max_tokens, **kwargs) -> list[list[int
     engine = tiny_engine(
         tiny, num_cpu_blocks=64, block_size=8, max_num_seqs=4, scheduler=scheduler, **kwargs
     )
-    if engine.scheduler.needs_cost_model:
+    if needs_cost_model(scheduler):
         # Tiny quanta, so that demotions, promotions and swaps all happen on a short trace.
         engine.scheduler.mlfq.base_quantum = 1e-4
         if engine.scheduler.mlfq.starvation_bound is not None:

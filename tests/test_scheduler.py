@@ -49,6 +49,7 @@ def run_step(scheduler: FCFSScheduler, now: float = 0.0) -> SchedulerOutput:
     out = scheduler.schedule(now)
     for item in out.scheduled:  # the table covers what the step writes
         table = scheduler.kv_cache.block_table(item.seq.seq_id)
+        assert item.block_table == table  # the step's tables ride on its output
         assert len(table) * BLOCK >= item.start + item.num_new_tokens
     scheduler.mark_computed(out)
     sample_made_up_tokens(out)
@@ -137,6 +138,26 @@ def test_swapped_groups_come_back_before_new_admissions():
     assert out.swap_in  # `late` came back by swapping in, not by recomputation
     run_to_completion(scheduler)
     assert newcomer.is_finished() and late.seqs[0].get_output_len() == 8
+
+
+def test_scheduled_sequences_carry_the_block_tables_the_step_will_find():
+    """The tables on the output are the manager's once the step's swaps and copies are done,
+    also in the step that swaps a preempted group back in."""
+    scheduler = make_scheduler(num_blocks=4, preemption_mode=PreemptionMode.SWAP)
+    early, late = make_group(4, 8), make_group(4, 8)
+    scheduler.add(early)
+    scheduler.add(late)
+    swapped_in_steps = 0
+    while scheduler.has_unfinished():
+        out = scheduler.schedule(0.0)
+        for item in out.scheduled:
+            assert item.block_table == scheduler.kv_cache.block_table(item.seq.seq_id)
+            assert len(item.block_table) * BLOCK >= item.start + item.num_new_tokens
+        swapped_in_steps += bool(out.swap_in)
+        scheduler.mark_computed(out)
+        sample_made_up_tokens(out)
+        scheduler.finish_step()
+    assert swapped_in_steps >= 1
 
 
 def test_requests_that_can_never_fit_are_rejected_untouched():
