@@ -7,7 +7,7 @@
 * No module reads another module's private names (`obj._name`, `from x import _name`) in
   `minipaged/`, `kernels/`, `benchmarks/` or the notebooks, and nothing outside the engine
   replaces an engine's parts by assignment.
-* No module of the core is over 400 lines, and the core stays small enough to read in a week.
+* No module of the core (`minipaged/`, `kernels/`) is over 400 lines.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 MAX_MODULE_LINES = 400
-MAX_CORE_LINES = 8000
 
 # Names an object outside the engine must never be given by assignment.
 ENGINE_PARTS = frozenset({"scheduler", "kv_cache", "runner", "sampler", "tokenizer", "model"})
@@ -243,7 +242,3 @@ def test_no_module_is_over_400_lines() -> None:
     long = {name: n for name, n in long.items() if n > MAX_MODULE_LINES}
     assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
 
-
-def test_the_core_stays_small() -> None:
-    total = sum(line_count(p) for p in core_files())
-    assert total <= MAX_CORE_LINES, f"minipaged/ + kernels/ have {total} lines"
