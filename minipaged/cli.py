@@ -16,6 +16,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from minipaged.server.cli import add_serve_parser, run_serve
+
 SAMPLING_FLAGS: dict[str, tuple[type, str]] = {
     "n": (int, "number of completions per prompt"),
     "temperature": (float, "0 for greedy decoding (the default here)"),
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     for command in (generate, chat):
         _add_engine_flags(command)
         _add_sampling_flags(command)
+    add_serve_parser(sub, _add_engine_flags)
     return parser
 
 
@@ -164,6 +167,10 @@ def run_chat(args: argparse.Namespace) -> None:
     chat_session(llm, messages, params)
 
 
+def run_serve_command(args: argparse.Namespace) -> None:
+    run_serve(args, lambda: llm_from_args(args).engine)
+
+
 def chat_session(llm: Any, messages: list[dict[str, str]], params: Any) -> None:
     """Read a line, stream the answer as it is generated, repeat; an empty line or EOF ends."""
     print("minipaged chat: an empty line or Ctrl-D ends the session.")
@@ -191,7 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0) or a usage error (2), already printed by argparse
         return exc.code if isinstance(exc.code, int) else 2
     try:
-        {"generate": run_generate, "chat": run_chat}[args.command](args)
+        commands = {"generate": run_generate, "chat": run_chat, "serve": run_serve_command}
+        commands[args.command](args)
     except ValueError as exc:  # bad input: say what is wrong, without a traceback
         print(f"minipaged: error: {exc}", file=sys.stderr)
         return 2
