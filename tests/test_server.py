@@ -68,10 +68,13 @@ def make_engine(parts, tokenizer, **overrides) -> LLMEngine:
 def tiny(tiny_parts, bundled_tokenizer):
     """A running server on the tiny model: (server, its engine loop, offline(...))."""
 
-    def offline(prompts, params: SamplingParams):
-        """What the engine gives offline: every prompt at once, run to the end."""
+    def offline(prompts, params: SamplingParams | list[SamplingParams]):
+        """What the engine gives offline: every prompt at once (with its own parameters, or
+        all with the same), run to the end."""
         engine = make_engine(tiny_parts, bundled_tokenizer)
-        ids = [engine.add_request(None, p, params) for p in prompts]
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        ids = [engine.add_request(None, p, q) for p, q in zip(prompts, params, strict=True)]
         finals = engine.run_until_done()
         return [finals[i] for i in ids]
 
@@ -284,8 +287,10 @@ def test_32_concurrent_streams_each_get_their_own_offline_text(tiny, client):
     steps = loop.num_steps
     texts = asyncio.run(all_of_them())
     steps = loop.num_steps - steps
-    for i, text in enumerate(texts):
-        (reference,) = offline([prompts[i]], SamplingParams(**seeded(100 + i, max_tokens=12)))
+    references = offline(
+        prompts, [SamplingParams(**seeded(100 + i, max_tokens=12)) for i in range(32)]
+    )
+    for i, (text, reference) in enumerate(zip(texts, references, strict=True)):
         assert text == reference.outputs[0].text, f"stream {i}"
     assert len(set(texts)) == 32
     assert steps < 32 * 12 / 4  # the streams were batched together, not served one by one
