@@ -31,7 +31,7 @@ from minipaged.engine import EngineConfig, LLMEngine
 from minipaged.sampling import SamplingParams
 from minipaged.server.app import build_app
 from minipaged.server.cli import served_model_name
-from minipaged.server.launch import ServerThread
+from minipaged.server.launch import ServerThread, free_port, wait_until_healthy
 from minipaged.server.metrics import parse_metrics
 
 openai = pytest.importorskip("openai")
@@ -463,14 +463,26 @@ def test_greedy_chat_over_http_equals_the_offline_chat(bundled_model, bundled_to
             answer = client.chat.completions.create(
                 model="smol", messages=messages, temperature=0, max_tokens=32
             )
-            chunks = client.chat.completions.create(
-                model="smol", messages=messages, temperature=0, max_tokens=32, stream=True
+            chunks = list(
+                client.chat.completions.create(
+                    model="smol",
+                    messages=messages,
+                    temperature=0,
+                    max_tokens=32,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
             )
-            streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+            streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert answer.choices[0].message.content == streamed == expected
         assert answer.choices[0].finish_reason == "stop"
+        assert answer.usage.prompt_tokens == len(prompt)
+        assert answer.usage.completion_tokens == len(bundled_tokenizer.encode(ANSWER)) + 1  # EOS
+        # The second request found the first one's full prompt blocks in the prefix cache.
+        cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+        assert cached == len(prompt) // 16 * 16
         values = assert_drained(server.url)
-    assert values["minipaged:prefix_cache_hit_rate"] > 0  # the second request reused the prompt
+    assert values["minipaged:prefix_cache_hit_rate"] > 0
 
 
 # -- the command and its signals ------------------------------------------------------------------
@@ -500,14 +512,6 @@ def child_weights(tmp_path_factory) -> Path:
     return path
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_aborts_in_flight_requests_and_exits_cleanly(sig, child_weights):
     port = free_port()
@@ -521,16 +525,7 @@ def test_a_signal_aborts_in_flight_requests_and_exits_cleanly(sig, child_weights
         env=env,
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert child.poll() is None, child.stdout.read()
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.1)
+        wait_until_healthy(url, 60, child)
         body = {
             "prompt": [1, 2, 3],
             "max_tokens": 4000,

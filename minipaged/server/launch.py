@@ -7,9 +7,9 @@ stream with an error event and `[DONE]`, a whole answer with a 503). Then the ap
 runs and the process returns. uvicorn re-raises the signal it caught once it is done; the
 handlers installed here receive it, so the process exits with status 0 instead of by the signal.
 
-`ServerThread` runs the same server on a thread, on a free port of 127.0.0.1 (the tests, the
-notebook and the benchmarks): a context manager that starts it, waits until it answers and
-always stops it.
+`ServerThread` runs the same server on a thread, on a free port of 127.0.0.1 (the tests and
+the notebook): a context manager that starts it, waits until it answers and always stops it.
+`free_port` and `wait_until_healthy` serve those who start it in a child process instead.
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import subprocess
 import threading
 import time
 from types import TracebackType
 from typing import Any
 
+import httpx
 import uvicorn
 
 LOG_LEVEL = "warning"
@@ -117,3 +119,26 @@ class ServerThread:
         traceback: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free now (for a server started elsewhere; `ServerThread` keeps its own)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_healthy(url: str, timeout: float, process: subprocess.Popen | None = None) -> None:
+    """Poll `url/health` until it answers 200; fail if `process` exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server at {url} exited with status {process.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server at {url} did not answer within {timeout} s")
+        time.sleep(0.1)
