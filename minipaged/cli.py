@@ -24,6 +24,8 @@ from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 
+from minipaged.server.cli import add_serve_parser, run_serve
+
 SAMPLING_FLAGS: dict[str, tuple[type, str]] = {
     "n": (int, "number of completions per prompt"),
     "temperature": (float, "0 for greedy decoding (generate's default)"),
@@ -96,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     for command in (generate, chat):
         _add_engine_flags(command)
         _add_sampling_flags(command)
+    add_serve_parser(sub, _add_engine_flags)
     return parser
 
 
@@ -242,6 +245,10 @@ def run_chat(args: argparse.Namespace) -> None:
     chat_session(llm, system, params)
 
 
+def run_serve_command(args: argparse.Namespace) -> None:
+    run_serve(args, lambda: llm_from_args(args).engine)
+
+
 # -- the interactive chat -------------------------------------------------------------------------
 
 
@@ -335,7 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0) or a usage error (2), already printed by argparse
         return exc.code if isinstance(exc.code, int) else 2
     try:
-        {"generate": run_generate, "chat": run_chat}[args.command](args)
+        commands = {"generate": run_generate, "chat": run_chat, "serve": run_serve_command}
+        commands[args.command](args)
     except ValueError as exc:  # bad input: say what is wrong, without a traceback
         print(f"minipaged: error: {exc}", file=sys.stderr)
         return 2

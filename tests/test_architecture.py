@@ -38,7 +38,7 @@ ALLOWED_PRIVATE = {
 
 
 def core_files() -> list[Path]:
-    return sorted((ROOT / "minipaged").glob("*.py")) + sorted((ROOT / "kernels").glob("*.py"))
+    return sorted((ROOT / "minipaged").rglob("*.py")) + sorted((ROOT / "kernels").glob("*.py"))
 
 
 def module_name(path: Path) -> str:
@@ -108,7 +108,7 @@ def import_graph() -> dict[str, set[str]]:
 def python_sources() -> Iterator[tuple[str, str]]:
     """(where, source) for every module of the project and every notebook code cell."""
     for folder in ("minipaged", "kernels", "benchmarks"):
-        for path in sorted((ROOT / folder).glob("*.py")):
+        for path in sorted((ROOT / folder).rglob("*.py")):
             yield str(path.relative_to(ROOT)), path.read_text()
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         cells = json.loads(path.read_text())["cells"]

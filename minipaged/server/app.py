@@ -1,0 +1,307 @@
+"""The HTTP API: vLLM's OpenAI-compatible routes over an `EngineLoop`, on FastAPI.
+
+* `POST /v1/completions` and `POST /v1/chat/completions`, streamed as Server-Sent Events
+  (`data: {json}` chunks, then `data: [DONE]`) or answered whole;
+* `GET /v1/models`, `GET /health` (503 once the engine loop has died), `GET /metrics`.
+
+A handler parses and validates the body (`protocol`), submits its prompts to the engine loop,
+and turns the loop's outputs into OpenAI's shapes (`responses`). Every error is OpenAI's /
+vLLM's `{"error": {"message", "type", "param", "code"}}`. A client that goes away aborts its
+request: a stream's generator is cancelled (Starlette listens for the disconnect), a whole
+answer's wait is raced against the disconnect; either way the engine loop drops the request
+before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+
+from minipaged.sampling import SamplingParams
+from minipaged.server.engine_loop import EngineLoop, EngineLoopError, Submission
+from minipaged.server.metrics import CONTENT_TYPE, ServerMetrics
+from minipaged.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    not_found,
+    parse_body,
+    service_unavailable,
+)
+from minipaged.server.responses import (
+    ChoiceStream,
+    chat_choice,
+    chat_chunk,
+    chat_response,
+    chat_role_chunk,
+    completion_chunk,
+    completion_response,
+    new_id,
+    now,
+    usage_chunk,
+)
+
+DONE = "data: [DONE]\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+# -- the routes' logic ----------------------------------------------------------------------------
+
+
+class OpenAIServing:
+    """The endpoints of one served model. Reads the engine's tokenizer and context length;
+    everything else goes through the engine loop."""
+
+    def __init__(self, loop: EngineLoop, model_name: str) -> None:
+        self.loop = loop
+        self.model_name = model_name
+        self.tokenizer = loop.engine.tokenizer
+        self.max_model_len = loop.engine.max_model_len
+        self.created = now()
+
+    # -- completions ------------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        body = parse_body(CompletionRequest, await request.body())
+        self._check_model(body.model)
+        params = body.sampling_params()
+        request_id = new_id("cmpl")
+        submission = await self._submit(request_id, body.prompts(), params, arrival, "prompt")
+        created = now()
+        if body.stream:
+            return self._event_stream(
+                self._completion_events(submission, body, created), submission
+            )
+        outputs = await self._until_disconnected(request, self.loop.results(submission))
+        return JSONResponse(
+            completion_response(request_id, created, self.model_name, self.tokenizer, outputs)
+        )
+
+    async def _completion_events(
+        self, submission: Submission, body: CompletionRequest, created: int
+    ) -> AsyncIterator[str]:
+        choices = ChoiceStream(body.n)
+        finals = {}
+        async for index, output in self.loop.stream(submission):
+            if output.finished:
+                finals[index] = output
+            deltas = choices.deltas(index, output)
+            if deltas:
+                chunk = completion_chunk(
+                    submission.request_id, created, self.model_name, self.tokenizer, deltas
+                )
+                yield _event(chunk, body.include_usage)
+        if body.include_usage:
+            outputs = [finals[i] for i in range(len(finals))]
+            yield _event(
+                usage_chunk(
+                    submission.request_id, created, self.model_name, "text_completion", outputs
+                )
+            )
+
+    # -- chat -------------------------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        body = parse_body(ChatCompletionRequest, await request.body())
+        self._check_model(body.model)
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer, so no chat template", "messages")
+        try:
+            prompt = self.tokenizer.apply_chat_template(
+                body.conversation(), add_generation_prompt=True, tokenize=True
+            )
+        except ValueError as exc:
+            raise RequestError(f"messages: {exc}", "messages") from None
+        params = body.sampling_params(len(prompt), self.max_model_len)
+        request_id = new_id("chatcmpl")
+        submission = await self._submit(request_id, [prompt], params, arrival, "messages")
+        created = now()
+        top_k = body.top_logprobs or 0
+        if body.stream:
+            return self._event_stream(
+                self._chat_events(submission, body, created, top_k), submission
+            )
+        (output,) = await self._until_disconnected(request, self.loop.results(submission))
+        return JSONResponse(
+            chat_response(request_id, created, self.model_name, self.tokenizer, output, top_k)
+        )
+
+    async def _chat_events(
+        self, submission: Submission, body: ChatCompletionRequest, created: int, top_k: int
+    ) -> AsyncIterator[str]:
+        request_id, model = submission.request_id, self.model_name
+        yield _event(chat_role_chunk(request_id, created, model, body.n), body.include_usage)
+        choices = ChoiceStream(body.n)
+        final = None
+        async for index, output in self.loop.stream(submission):
+            if output.finished:
+                final = output
+            deltas = choices.deltas(index, output)
+            if deltas:
+                parts = [chat_choice(self.tokenizer, d, top_k, stream=True) for d in deltas]
+                yield _event(chat_chunk(request_id, created, model, parts), body.include_usage)
+        if body.include_usage and final is not None:
+            yield _event(usage_chunk(request_id, created, model, "chat.completion.chunk", [final]))
+
+    # -- the other endpoints ----------------------------------------------------------------------
+
+    async def models(self) -> dict[str, Any]:
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "minipaged",
+            "root": self.model_name,
+            "parent": None,
+            "max_model_len": self.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    async def health(self) -> Response:
+        if not self.loop.alive:
+            raise service_unavailable("the engine loop is not running")
+        return Response(status_code=HTTPStatus.OK)
+
+    async def metrics(self) -> Response:
+        return Response(self.loop.metrics.render(), media_type=CONTENT_TYPE)
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise not_found(f"The model `{model}` does not exist.", "model")
+
+    async def _submit(
+        self,
+        request_id: str,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams,
+        arrival: float,
+        prompt_field: str,
+    ) -> Submission:
+        """Hand the prompts to the engine loop; the engine's refusal is the client's 400."""
+        try:
+            return await self.loop.submit(request_id, prompts, params, arrival)
+        except EngineLoopError as exc:
+            raise service_unavailable(str(exc)) from None
+        except ValueError as exc:  # prompt too long, empty, outside the vocabulary, ...
+            raise RequestError(str(exc), prompt_field) from None
+
+    def _event_stream(self, events: AsyncIterator[str], submission: Submission) -> Response:
+        """SSE: the events, an error event if the engine loop stops, then `[DONE]`. The
+        background abort covers a client gone before the first event was even asked for."""
+
+        async def framed() -> AsyncIterator[str]:
+            try:
+                async for event in events:
+                    yield event
+            except EngineLoopError as exc:
+                yield _event(service_unavailable(str(exc)).body())
+            yield DONE
+
+        return StreamingResponse(
+            framed(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            background=BackgroundTask(self.loop.abort, submission),
+        )
+
+    async def _until_disconnected(self, request: Request, work: Awaitable[Any]) -> Any:
+        """`work`'s result, unless the client disconnects first (then `work` is cancelled,
+        which aborts its request)."""
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(_disconnect(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for pending in (task, gone):
+                pending.cancel()
+        if not task.done() or task.cancelled():
+            raise ClientDisconnected
+        try:
+            return task.result()
+        except EngineLoopError as exc:
+            raise service_unavailable(str(exc)) from None
+
+
+# -- the application ------------------------------------------------------------------------------
+
+
+def build_app(engine: Any, served_model_name: str = "minipaged") -> FastAPI:
+    """The ASGI app serving `engine` (an `LLMEngine`) under `served_model_name`. The engine
+    loop starts and stops with the app (its lifespan); `app.state.engine_loop` is the loop."""
+    loop = EngineLoop(engine, ServerMetrics())
+    serving = OpenAIServing(loop, served_model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loop.start()
+        try:
+            yield
+        finally:
+            loop.stop()
+
+    app = FastAPI(title="minipaged", summary="An OpenAI-compatible server", lifespan=lifespan)
+    app.state.engine_loop = loop
+    app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", serving.chat, methods=["POST"])
+    app.add_api_route("/v1/models", serving.models, methods=["GET"])
+    app.add_api_route("/health", serving.health, methods=["GET"])
+    app.add_api_route("/metrics", serving.metrics, methods=["GET"])
+    app.add_exception_handler(RequestError, _request_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnected, _client_gone)
+    app.add_exception_handler(Exception, _internal_error)
+    return app
+
+
+async def _request_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestError)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Routing errors (unknown path, wrong method) in the same error shape."""
+    assert isinstance(exc, HTTPException)
+    status = HTTPStatus(exc.status_code)
+    kind = "NotFoundError" if status == HTTPStatus.NOT_FOUND else status.phrase.replace(" ", "")
+    error = RequestError(f"{request.method} {request.url.path}: {exc.detail}", None, status, kind)
+    return JSONResponse(error.body(), status_code=status)
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    status = HTTPStatus.INTERNAL_SERVER_ERROR
+    error = RequestError(f"{type(exc).__name__}: {exc}", None, status, "InternalServerError")
+    return JSONResponse(error.body(), status_code=status)
+
+
+def _event(chunk: dict[str, Any], with_usage: bool = False) -> str:
+    """One Server-Sent Event. With `include_usage`, OpenAI sends `"usage": null` in every
+    chunk before the last."""
+    if with_usage and "usage" not in chunk:
+        chunk = {**chunk, "usage": None}
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,299 @@
+"""What clients may send: the OpenAI request bodies, their validation, and `SamplingParams`.
+
+Validation happens in two places, each the single owner of its rules: pydantic checks the
+*shape* of a body (JSON, field types, required fields), and `SamplingParams` checks the
+*values* (ranges, combinations), exactly as it does for the offline `LLM`. Either failure
+becomes a `RequestError`: HTTP 400 with OpenAI's / vLLM's error body
+`{"error": {"message", "type", "param", "code"}}`, `param` naming the field.
+
+Field names, defaults and extras follow vLLM's OpenAI server: `top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `ignore_eos` and `stop_token_ids` are accepted beside
+OpenAI's own; unknown fields are ignored, as OpenAI's clients send some this server does not
+use (`user`, ...); fields it cannot honour (`echo`, `suffix`, `logit_bias`, ...) are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from http import HTTPStatus
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from minipaged.sampling import SamplingParams
+
+# `max_tokens` of a completion when the request gives none (OpenAI's and vLLM's default).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+# The most alternatives per token a request may ask for (vLLM's default `max_logprobs`).
+MAX_LOGPROBS = 20
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestError(Exception):
+    """A request the server refuses; `body()` is what the client receives."""
+
+    message: str
+    param: str | None = None
+    status: HTTPStatus = HTTPStatus.BAD_REQUEST
+    type: str = "BadRequestError"
+
+    def __str__(self) -> str:
+        return self.message
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": int(self.status),
+            }
+        }
+
+
+def not_found(message: str, param: str | None = None) -> RequestError:
+    return RequestError(message, param, HTTPStatus.NOT_FOUND, "NotFoundError")
+
+
+def service_unavailable(message: str) -> RequestError:
+    return RequestError(message, None, HTTPStatus.SERVICE_UNAVAILABLE, "ServiceUnavailableError")
+
+
+# -- request bodies -------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """The fields the two endpoints share: the model, streaming and sampling settings."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None  # None: the one model this server serves
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    temperature: float | None = None  # None: SamplingParams' default (1.0, as OpenAI)
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    # OpenAI fields this server cannot honour; a request that sets one is refused.
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check_supported(self) -> None:
+        """Refuse what this server would otherwise silently ignore."""
+        if self.logit_bias:
+            raise RequestError("logit_bias is not supported", "logit_bias")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError(
+                f"best_of must equal n ({self.n}) or be left out, got {self.best_of}", "best_of"
+            )
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options is only allowed with stream=true", "stream_options")
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """`SamplingParams` of this body; its `ValueError` names the field, so does ours."""
+        values: dict[str, Any] = dict(
+            n=self.n,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+        )
+        if self.temperature is not None:
+            values["temperature"] = self.temperature
+        try:
+            return SamplingParams(**values)
+        except ValueError as exc:
+            raise self._in_body_terms(str(exc)) from None
+
+    def aliases(self) -> dict[str, str]:
+        """What each `SamplingParams` field is called in this body, where the names differ."""
+        return {}
+
+    def _in_body_terms(self, message: str) -> RequestError:
+        """`SamplingParams`' messages begin with the field they are about: name the body's."""
+        name, _, rest = message.partition(" ")
+        if name not in SAMPLING_FIELDS:
+            return RequestError(message)
+        param = self.aliases().get(name, name)
+        return RequestError(f"{param} {rest}", param)
+
+
+class CompletionRequest(_SamplingRequest):
+    """`POST /v1/completions`: one prompt or a batch (text or token ids)."""
+
+    prompt: Any = Field(...)
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, prompt: Any) -> Any:
+        if not _is_prompt(prompt) and not (
+            isinstance(prompt, list) and prompt and all(_is_prompt(p) for p in prompt)
+        ):
+            raise ValueError(
+                "prompt must be a string, a list of token ids, or a non-empty list of either, "
+                f"got {_short(prompt)}"
+            )
+        return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts this body asks to complete (one for a single prompt)."""
+        if _is_prompt(self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def sampling_params(self) -> SamplingParams:
+        self.check_supported()
+        if self.echo:
+            raise RequestError("echo is not supported", "echo")
+        if self.suffix is not None:
+            raise RequestError("suffix is not supported", "suffix")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise RequestError(
+                f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}", "logprobs"
+            )
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        """The `{"role", "content"}` dict chat templates read; text parts are joined."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """`POST /v1/chat/completions`: a conversation, answered with the model's chat template."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def aliases(self) -> dict[str, str]:
+        names = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [message.as_template_message() for message in self.messages]
+
+    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+        """Without `max_tokens` a chat answer may run to the end of the context (as OpenAI)."""
+        self.check_supported()
+        if self.tools:
+            raise RequestError("tools are not supported", "tools")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise RequestError("only the text response_format is supported", "response_format")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise RequestError(
+                    f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}",
+                    "top_logprobs",
+                )
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        if max_tokens is None:  # whatever the context leaves; a too-long prompt fails later
+            max_tokens = max(1, max_model_len - prompt_len)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+# -- parsing --------------------------------------------------------------------------------------
+
+
+def parse_body(model: type[_SamplingRequest], body: bytes) -> Any:
+    """The request `model` of a raw body, or a `RequestError` naming what is wrong."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        # pydantic's location also names union members ("str", "list[str]"): keep the path.
+        loc = [str(p) for p in error["loc"] if isinstance(p, int) or p in _FIELD_NAMES]
+        message = str(error["msg"]).removeprefix("Value error, ")
+        if error["type"] == "json_invalid":
+            raise RequestError(f"the body is not valid JSON: {message}") from None
+        if not loc:
+            raise RequestError(f"the body must be a JSON object: {message}") from None
+        if error["type"] not in ("value_error", "missing"):
+            message = f"{message}, got {_short(error.get('input'))}"
+        raise RequestError(f"{'.'.join(loc)}: {message}", loc[0]) from None
+
+
+def _is_prompt(value: Any) -> bool:
+    """A single prompt: text, or a non-empty list of token ids."""
+    if isinstance(value, str):
+        return True
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_FIELD_NAMES = frozenset(
+    name
+    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)
+    for name in model.model_fields
+)

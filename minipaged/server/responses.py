@@ -1,0 +1,286 @@
+"""What the server sends back: OpenAI's response, chunk, log-probability and usage shapes.
+
+Plain dicts, built by small functions, one per shape (the field names are OpenAI's and vLLM's).
+`ChoiceStream` turns the engine's cumulative outputs (the whole text so far, every step) into the
+deltas a stream sends: new text, new tokens and their log-probabilities, and the finish reason
+once.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from minipaged.sequence import CompletionOutput, RequestOutput
+
+# -- data types -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Delta:
+    """What one choice gained since the last chunk."""
+
+    index: int  # the choice's index in the response (prompt index * n + sample index)
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    text_offset: int  # characters of this choice's text sent before `text`
+
+
+class ChoiceStream:
+    """Per choice, how much text and how many tokens were already sent."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.sent_chars: dict[int, int] = {}
+        self.sent_tokens: dict[int, int] = {}
+        self.finished: set[int] = set()
+
+    def deltas(self, prompt_index: int, output: RequestOutput) -> list[Delta]:
+        """The news of one engine output; choices with none are left out."""
+        news = []
+        for completion in output.outputs:
+            index = prompt_index * self.n + completion.index
+            if index in self.finished:
+                continue
+            chars = self.sent_chars.get(index, 0)
+            tokens = self.sent_tokens.get(index, 0)
+            new_ids = completion.token_ids[tokens:]
+            text = completion.text[chars:]
+            logprobs = completion.logprobs[tokens:] if completion.logprobs is not None else None
+            done = completion.finish_reason
+            if not text and done is None and not (logprobs and new_ids):
+                continue
+            self.sent_chars[index] = chars + len(text)
+            self.sent_tokens[index] = tokens + len(new_ids)
+            if done is not None:
+                self.finished.add(index)
+            news.append(Delta(index, text, new_ids, logprobs, done, chars))
+        return news
+
+
+# -- common parts ---------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """Token counts of a finished request: each prompt counted once, every choice's output."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.metrics.num_cached_tokens for o in outputs if o.metrics is not None)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """A token as text for log-probabilities (a byte fragment becomes U+FFFD, as in OpenAI)."""
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+def _token_bytes(tokenizer: Any, token_id: int) -> list[int]:
+    if tokenizer is None:
+        return []
+    return list(tokenizer.token_bytes(token_id))
+
+
+# -- completions ----------------------------------------------------------------------------------
+
+
+def completion_logprobs(
+    tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[dict[int, float]], offset: int
+) -> dict[str, Any]:
+    """The completions shape: parallel lists of tokens, their log-probabilities, the top
+    alternatives of each (the chosen token included) and where each token starts in the text."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for token_id, alternatives in zip(token_ids, logprobs, strict=True):
+        text = token_text(tokenizer, token_id)
+        tokens.append(text)
+        token_logprobs.append(alternatives[token_id])
+        top.append({token_text(tokenizer, t): lp for t, lp in _ranked(alternatives)})
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def completion_choice(tokenizer: Any, delta: Delta) -> dict[str, Any]:
+    logprobs = None
+    if delta.logprobs is not None:
+        logprobs = completion_logprobs(
+            tokenizer, delta.token_ids, delta.logprobs, delta.text_offset
+        )
+    return {
+        "index": delta.index,
+        "text": delta.text,
+        "logprobs": logprobs,
+        "finish_reason": delta.finish_reason,
+    }
+
+
+def completion_chunk(
+    request_id: str, created: int, model: str, tokenizer: Any, deltas: Sequence[Delta]
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [completion_choice(tokenizer, d) for d in deltas],
+    }
+
+
+def completion_response(
+    request_id: str, created: int, model: str, tokenizer: Any, outputs: Sequence[RequestOutput]
+) -> dict[str, Any]:
+    """The whole answer of a non-streamed completion (choices in prompt, then sample order)."""
+    body = completion_chunk(request_id, created, model, tokenizer, _final_deltas(outputs))
+    body["usage"] = usage(outputs)
+    return body
+
+
+# -- chat -----------------------------------------------------------------------------------------
+
+
+def chat_logprobs(
+    tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[dict[int, float]], top_k: int
+) -> dict[str, Any]:
+    """The chat shape: per token its text, bytes, log-probability and `top_k` alternatives."""
+    content = []
+    for token_id, alternatives in zip(token_ids, logprobs, strict=True):
+        content.append(
+            {
+                "token": token_text(tokenizer, token_id),
+                "logprob": alternatives[token_id],
+                "bytes": _token_bytes(tokenizer, token_id),
+                "top_logprobs": [
+                    {
+                        "token": token_text(tokenizer, t),
+                        "logprob": lp,
+                        "bytes": _token_bytes(tokenizer, t),
+                    }
+                    for t, lp in _ranked(alternatives)[:top_k]
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def chat_choice(tokenizer: Any, delta: Delta, top_k: int, stream: bool) -> dict[str, Any]:
+    logprobs = None
+    if delta.logprobs is not None:
+        logprobs = chat_logprobs(tokenizer, delta.token_ids, delta.logprobs, top_k)
+    choice: dict[str, Any] = {"index": delta.index}
+    if stream:
+        choice["delta"] = {"content": delta.text} if delta.text else {}
+    else:
+        choice["message"] = {"role": "assistant", "content": delta.text}
+    choice["logprobs"] = logprobs
+    choice["finish_reason"] = delta.finish_reason
+    return choice
+
+
+def chat_chunk(
+    request_id: str, created: int, model: str, choices: list[dict[str, Any]]
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+
+
+def chat_role_chunk(request_id: str, created: int, model: str, num_choices: int) -> dict[str, Any]:
+    """A stream's first chunk: every choice opens an assistant message (as OpenAI's does)."""
+    choices = [
+        {
+            "index": i,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        for i in range(num_choices)
+    ]
+    return chat_chunk(request_id, created, model, choices)
+
+
+def chat_response(
+    request_id: str,
+    created: int,
+    model: str,
+    tokenizer: Any,
+    output: RequestOutput,
+    top_k: int,
+) -> dict[str, Any]:
+    choices = [chat_choice(tokenizer, d, top_k, stream=False) for d in _final_deltas([output])]
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage([output]),
+    }
+
+
+def usage_chunk(
+    request_id: str, created: int, model: str, kind: str, outputs: Sequence[RequestOutput]
+) -> dict[str, Any]:
+    """A stream's last chunk with `stream_options.include_usage`: no choices, only usage."""
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage(outputs),
+    }
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def _final_deltas(outputs: Sequence[RequestOutput]) -> list[Delta]:
+    n = max((len(o.outputs) for o in outputs), default=1)
+    return [
+        _whole(prompt_index * n + c.index, c)
+        for prompt_index, o in enumerate(outputs)
+        for c in o.outputs
+    ]
+
+
+def _whole(index: int, completion: CompletionOutput) -> Delta:
+    return Delta(
+        index,
+        completion.text,
+        list(completion.token_ids),
+        completion.logprobs,
+        completion.finish_reason,
+        0,
+    )
+
+
+def _ranked(alternatives: dict[int, float]) -> list[tuple[int, float]]:
+    return sorted(alternatives.items(), key=lambda item: item[1], reverse=True)
