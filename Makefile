@@ -1,4 +1,5 @@
-# The README's two commands: `make demo` (set up .venv, run a generation) and `make test`.
+# The README's two commands: `make demo` (set up .venv, ask a question, answered greedily) and
+# `make test`.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
@@ -16,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(VENV)/bin/minipaged chat "$(PROMPT)"
+	$(VENV)/bin/minipaged chat "$(PROMPT)" --temperature 0
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -24,10 +25,11 @@ lint: setup
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-# Two test workers, one torch thread each: the 2-core machines are not oversubscribed.
+# Two test workers, one torch thread each: the 2-core machines are not oversubscribed. The docs
+# checks are tests too (tests/test_docs.py): the site built with --strict, its links and anchors,
+# the notebooks' code line and figure limits.
 test: lint setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n 2 --dist loadgroup tests/ --nbmake notebooks/
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 notebooks: setup
 	$(VENV)/bin/jupyter lab notebooks/

@@ -36,10 +36,9 @@ import torch.nn.functional as F
 from machine import report_header, save_report
 from tqdm import tqdm
 
-from minipaged import attention
-from minipaged.attention import paged_attention
+from minipaged.attention import gather_context, paged_attention, plan_attention
 
-# SmolLM2-135M-Instruct's attention shape (DESIGN.md, "The default model").
+# SmolLM2-135M-Instruct's attention shape.
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 RESULTS = Path(__file__).parent / "results" / "attention_cpu.json"
 
@@ -88,18 +87,11 @@ def paged_decode(x: dict, validate: bool) -> torch.Tensor:
 
 
 def gather_only(x: dict) -> None:
-    """The part of `paged_decode` that dense attention does not do: copying K and V out of
-    their blocks, chunk by chunk, as the reference does."""
-    k_cache, v_cache = x["k_cache"], x["v_cache"]
-    block_ids = x["block_tables"].long()
-    block_size = k_cache.shape[1]
-    bytes_per_block = 2 * k_cache[0].numel() * k_cache.element_size()
-    context_lens = x["seq_lens"].tolist()
-    chunks = attention._plan_chunks([1] * len(context_lens), context_lens, block_size,
-                                    bytes_per_block)
-    for first, end, blocks in chunks:
-        past_end = torch.zeros(end - first, blocks * block_size, dtype=torch.bool)
-        attention._gather_context(k_cache, v_cache, block_ids[first:end, :blocks], past_end)
+    """The part of `paged_decode` that dense attention does not do: planning the chunks of
+    sequences and copying K and V out of their blocks, chunk by chunk, as the reference does."""
+    plan = plan_attention(x["block_tables"], x["seq_lens"], x["query_start_loc"], x["k_cache"])
+    for chunk in plan:
+        gather_context(x["k_cache"], x["v_cache"], chunk)
 
 
 def bench(batch: int, context: int, block_size: int, repeats: int, layers: int) -> dict:

@@ -31,7 +31,8 @@ from machine import report_header, save_report
 from tqdm import tqdm
 
 from minipaged.checkpoint import default_model_path
-from minipaged.model import generate_dense, load_model
+from minipaged.dense import generate_dense
+from minipaged.model import load_model
 
 RESULTS = Path(__file__).parent / "results" / "dense_generation.json"
 

@@ -50,14 +50,8 @@ from tqdm import tqdm
 from minipaged.cost_model import OPT_13B_A100, OPT_13B_A100_KV_BLOCKS, CostModel, StepShape
 from minipaged.mlfq import MLFQ_VARIANTS, MLFQConfig, mlfq_factory
 from minipaged.scheduler import FCFSScheduler, SchedulerConfig
-from minipaged.simulate import (
-    SimulationResult,
-    gamma_arrival_times,
-    heavy_tailed,
-    replay_on_engine,
-    simulate,
-    with_arrivals,
-)
+from minipaged.simulate import SimulationResult, simulate
+from minipaged.traces import gamma_arrival_times, heavy_tailed, with_arrivals
 
 RESULTS = Path(__file__).parent / "results" / "fastserve.json"
 SWEEP_RESULTS = RESULTS.with_name("fastserve_skip_join.json")
@@ -236,8 +230,10 @@ def real_engine(num_requests: int, loads: list[float], seed: int) -> dict:
     import transformers
 
     from minipaged.config import ModelConfig
-    from minipaged.engine import EngineConfig, LLMEngine
+    from minipaged.engine import LLMEngine
+    from minipaged.engine_config import EngineConfig
     from minipaged.model import build_model
+    from minipaged.profiling import profile_engine, replay_on_engine
 
     # The simulations before this leave millions of objects behind, and every full collection
     # walks them: milliseconds landing on random ~1 ms steps, in the profile and the replays
@@ -273,7 +269,7 @@ def real_engine(num_requests: int, loads: list[float], seed: int) -> dict:
     base = [r.__class__(0.0, min(r.prompt_len, 64), min(r.output_len, 120)) for r in base]
     # Profiled once, in CPU time (a step is ~1-2 ms here); every engine gets it ready-made.
     probe = LLMEngine(model, model_config, None, EngineConfig(**engine_config))
-    cost = CostModel.profile(probe, max_prefill=64, max_batch=4, clock=time.thread_time)
+    cost = profile_engine(probe, max_prefill=64, max_batch=4, clock=time.thread_time)
     sim_kwargs = dict(
         num_blocks=48, block_size=8, num_host_blocks=96, config=probe.scheduler.config
     )

@@ -1,7 +1,8 @@
-"""GPU check of the Triton kernels: their tests on CUDA, then decode and prefill timings.
+"""GPU check of the Triton kernels: their tests on CUDA, decode and prefill timings, and the
+compiled-resource table read back from the loaded kernels.
 
-    python benchmarks/gpu_check.py               # everything, < 5 minutes on one H100/H200
-    python benchmarks/gpu_check.py --skip-tests  # timings only
+    python benchmarks/gpu_check.py               # everything, < 8 minutes on one H100/H200
+    python benchmarks/gpu_check.py --skip-tests  # timings and resources only
     TRITON_INTERPRET=1 python benchmarks/gpu_check.py --smoke  # CPU: tiny shapes, no timings
 
 1. Runs `tests/test_kernels_*.py` with Triton compiling for the GPU (`TRITON_INTERPRET=0`), so
@@ -16,6 +17,11 @@
    baseline, Kwon et al. SOSP'23, section 7.1).
 4. Prefill TFLOP/s of the varlen paged prefill kernel, next to causal dense SDPA on the same
    prompts, and for a prefix-cache hit (few new queries over a long cached context).
+5. The resource table of `benchmarks/kernel_resources.py` on the device: every program of
+   `minipaged.kernels.aot.CONFIGURATIONS` is compiled ahead of time for this card's
+   architecture (in parallel, which also fills Triton's cache), then launched by the launchers
+   themselves; the registers and spills the driver reports for each loaded kernel must equal the
+   ahead-of-time numbers, and the loaded cubin must be the ahead-of-time one (same bytes).
 
 Writes `benchmarks/results/gpu_<gpu name>.json` with the command, machine and date, and exits
 non-zero when a test fails or a target is missed. Without CUDA it says so and exits with 2.
@@ -180,10 +186,11 @@ def time_decode(case: DecodeCase, copy_bw: float, device: str, timer: Callable) 
     paged_ms, dense_ms = timer(paged), timer(dense)
     kv_bytes = 2 * k.numel() * k.element_size()
     achieved = kv_bytes / (paged_ms * 1e-3)
+    _, (partitions, _) = kernels.decode.decode_launches(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len=n)
     result = {
         **asdict(case),
-        "num_splits": kernels.decode.default_num_splits(
-            b, hkv, n, kernels._launch.default_key_tile(case.block_size)),
+        "num_splits": partitions.grid[2],  # the grid is (sequences, KV heads, splits)
         "paged_ms": paged_ms,
         "dense_sdpa_ms": dense_ms,
         "paged_over_dense": paged_ms / dense_ms,
@@ -250,6 +257,36 @@ def time_prefill(case: PrefillCase, device: str, timer: Callable) -> dict:
     }
 
 
+def device_resources(workers: int) -> dict:
+    """Registers and spills of every program, ahead of time and as loaded on this GPU."""
+    from minipaged.kernels import aot
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"sm_{major}{minor}"
+    if arch not in aot.ARCHS:
+        return {"arch": arch, "skipped": f"no ahead-of-time table for {arch}"}
+    programs = aot.compile_programs(aot.plan_programs(aot.CONFIGURATIONS, [arch]), workers)
+    ahead = {p.key: p.resources for p in programs}
+    by_key: dict[str, dict] = {}
+    for config in aot.CONFIGURATIONS:
+        for launch in aot.configuration_launches(config, device="cuda"):
+            key = aot.program_key(launch, arch)
+            if key in by_key:
+                continue
+            loaded = launch()  # Triton's JIT: compiles (or finds in its cache) and launches
+            by_key[key] = {
+                "key": key, "kernel": launch.name, "configuration": config.name,
+                "aot_registers": ahead[key].get("registers"), "device_registers": loaded.n_regs,
+                "device_spills": loaded.n_spills,
+                "same_binary": aot.cubin_hash(loaded.kernel) == ahead[key].get("cubin_sha256"),
+            }
+    torch.cuda.synchronize()
+    rows = list(by_key.values())
+    mismatches = [r for r in rows if r["device_spills"] or not r["same_binary"]
+                  or r["device_registers"] != r["aot_registers"]]
+    return {"arch": arch, "programs": rows, "mismatches": mismatches}
+
+
 # --- report ----------------------------------------------------------------------------------
 
 
@@ -303,7 +340,7 @@ def smoke() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--skip-tests", action="store_true", help="timings only")
+    parser.add_argument("--skip-tests", action="store_true", help="timings and resources only")
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                         help="pytest-xdist workers for the kernel tests (1: no xdist)")
     parser.add_argument("--smoke", action="store_true",
@@ -354,6 +391,18 @@ def main(argv: list[str] | None = None) -> int:
                           ("dense_sdpa_ms", "dense ms", ".3f"),
                           ("paged_tflops", "paged TFLOP/s", ".1f"),
                           ("dense_sdpa_tflops", "dense TFLOP/s", ".1f")])
+
+    resources = device_resources(os.cpu_count() or 1)
+    report["resources"] = resources
+    if "skipped" in resources:
+        print(f"\nresources: {resources['skipped']}")
+    else:
+        rows = resources["programs"]
+        print(f"\nResources on {resources['arch']}: {len(rows)} programs, "
+              f"{sum(r['same_binary'] for r in rows)} the ahead-of-time binary, "
+              f"{len(resources['mismatches'])} differing or spilling")
+        for r in resources["mismatches"]:
+            failures.append(f"resources differ on the device: {r}")
 
     headline = next(r for r in decode if r["headline"])
     targets = {

@@ -15,9 +15,10 @@ once and the clock stops when the last one finishes; requests/s and tokens/s are
 * Correctness: both are greedy; the token ids of every request are compared. Where they differ,
   the dense model's logits at the first differing position show whether it is a near-tie
   (float32 sums taken in another order can flip a choice between two almost equal logits).
-* Engine anatomy, from the same run: the share of step time spent in the scheduler and the KV
-  bookkeeping (`schedule`, `mark_computed`, `finish_step`), and the model FLOP rate of decode
-  steps next to this machine's `torch.matmul` rate (2048 x 2048, float32) measured alongside.
+* Engine anatomy, from the same run (the engine's step records, `LLMEngine.add_step_observer`):
+  the share of step time spent in the scheduler and the KV bookkeeping (`schedule`,
+  `mark_computed`, `finish_step`), and the model FLOP rate of decode steps next to this
+  machine's `torch.matmul` rate (2048 x 2048, float32) measured alongside.
 
 Run: .venv/bin/python benchmarks/throughput.py           (full: several minutes on 2 CPU cores)
      .venv/bin/python benchmarks/throughput.py --quick   (a small run, about a minute)
@@ -29,10 +30,8 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -41,9 +40,10 @@ from tqdm import tqdm
 
 from minipaged.checkpoint import default_model_path
 from minipaged.config import ModelConfig
+from minipaged.dense import DenseAttentionBackend, DenseKVCache
 from minipaged.engine import LLMEngine
-from minipaged.model import DenseAttentionBackend, DenseKVCache
 from minipaged.sampling import SamplingParams
+from minipaged.step import StepRecord
 from minipaged.traces import sharegpt_like
 
 RESULTS = Path(__file__).parent / "results"
@@ -78,7 +78,7 @@ def make_requests(
 
 @dataclass
 class StepLog:
-    """Per-step timings and shapes, collected by wrapping the engine's parts."""
+    """Per-step timings and shapes: a step observer of the engine (`StepRecord`s)."""
 
     step_s: list[float] = field(default_factory=list)
     bookkeeping_s: list[float] = field(default_factory=list)  # scheduler + KV manager
@@ -87,55 +87,23 @@ class StepLog:
     decode_only: list[bool] = field(default_factory=list)
     context_tokens: list[int] = field(default_factory=list)  # sum of seq_lens (attention FLOPs)
 
-
-def instrument(engine: LLMEngine, log: StepLog) -> None:
-    """Time `step`, the scheduler's three calls and the runner's `execute`, per step."""
-    pending = {"bookkeeping": 0.0}
-
-    def timed_bookkeeping(fn: Callable) -> Callable:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                pending["bookkeeping"] += time.perf_counter() - start
-
-        return wrapper
-
-    scheduler = engine.scheduler
-    for name in ("schedule", "mark_computed", "finish_step"):
-        setattr(scheduler, name, timed_bookkeeping(getattr(scheduler, name)))
-
-    execute = engine.runner.execute
-
-    def timed_execute(entries, cache_ops):
-        start = time.perf_counter()
-        logits = execute(entries, cache_ops)
-        log.execute_s.append(time.perf_counter() - start)
-        log.tokens.append(sum(len(e.token_ids) for e in entries))
-        log.decode_only.append(bool(entries) and all(len(e.token_ids) == 1 for e in entries))
-        log.context_tokens.append(sum(e.start_position + len(e.token_ids) for e in entries))
-        return logits
-
-    engine.runner.execute = timed_execute
-    step = engine.step
-
-    def timed_step():
-        pending["bookkeeping"] = 0.0
-        start = time.perf_counter()
-        outputs = step()
-        log.step_s.append(time.perf_counter() - start)
-        log.bookkeeping_s.append(pending["bookkeeping"])
-        return outputs
-
-    engine.step = timed_step
+    def __call__(self, record: StepRecord) -> None:
+        timings = record.timings
+        assert timings is not None  # the engine's records are timed
+        self.step_s.append(timings.total_s)
+        self.bookkeeping_s.append(timings.schedule_s + timings.update_s)
+        self.execute_s.append(timings.forward_s)
+        work = record.scheduled
+        self.tokens.append(record.num_batched_tokens)
+        self.decode_only.append(bool(work) and all(w.num_new_tokens == 1 for w in work))
+        self.context_tokens.append(sum(w.start + w.num_new_tokens for w in work))
 
 
 def run_minipaged(
     engine: LLMEngine, requests: list[Request], log: StepLog
 ) -> tuple[float, list[list[int]]]:
     """All requests at once, stepped to completion (vLLM's offline throughput set-up)."""
-    instrument(engine, log)
+    engine.add_step_observer(log)
     start = time.perf_counter()
     ids = [
         engine.add_request(

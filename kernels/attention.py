@@ -32,7 +32,7 @@ def paged_attention(
     q [T, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D]; block_tables [B, max_blocks]
     (padded with -1); seq_lens [B]; query_start_loc [B + 1]. The queries of sequence i are the
     last query_start_loc[i+1] - query_start_loc[i] positions of its seq_lens[i] context
-    (DESIGN.md, "Attention contract"). Raises `ValueError` on inconsistent arguments;
+    (docs/architecture.md, "The attention contract"). Raises `ValueError` on inconsistent arguments;
     `validate=False` skips those checks (and their host syncs). Passing `max_query_len` and
     `max_seq_len` saves another sync.
     """

@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from minipaged.attention import check_copy_blocks_args
+from minipaged.attention_contract import check_copy_blocks_args
 
-from ._launch import interpreting, pow2_at_least
+from .launch import KernelLaunch, interpreting, pow2_at_least
 
 
 @triton.jit
@@ -55,15 +55,25 @@ def copy_blocks(
         for i, cache in enumerate(kv_caches):
             if not cache.is_contiguous():
                 raise ValueError(f"kv_caches[{i}] must be contiguous (blocks copied as flat runs)")
+    for launch in copy_blocks_launches(kv_caches, block_mapping):
+        launch()
+
+
+def copy_blocks_launches(kv_caches: Sequence[Tensor], block_mapping: Tensor) -> list[KernelLaunch]:
+    """One launch per layer's cache (none for no pairs), on validated arguments.
+
+    Works on meta tensors too, which is how `minipaged.kernels.aot` compiles it for a GPU.
+    """
     num_pairs = block_mapping.shape[0]
     if num_pairs == 0:
-        return
+        return []
     mapping = block_mapping.contiguous()
     block_numel = kv_caches[0][0, 0].numel()
     chunk = min(pow2_at_least(block_numel), (1 << 16) if interpreting() else 4096)
     grid = (num_pairs, 2, triton.cdiv(block_numel, chunk))
-    for cache in kv_caches:
-        _copy_blocks_kernel[grid](
-            cache, mapping, cache.stride(0), cache.stride(1),
-            BLOCK_NUMEL=block_numel, CHUNK=chunk,
-        )
+    return [
+        KernelLaunch("copy_blocks", _copy_blocks_kernel, grid,
+                     (cache, mapping, cache.stride(0), cache.stride(1)),
+                     dict(BLOCK_NUMEL=block_numel, CHUNK=chunk))
+        for cache in kv_caches
+    ]

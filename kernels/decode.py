@@ -9,7 +9,8 @@ vLLM's "v2" kernel and Dao et al.'s Flash-Decoding.
 
 GQA: one stage-1 program serves all query heads that share a KV head, so each key and value is
 loaded once per group. The group is padded to 16 rows (masked) so the products are `tl.dot`s
-that a GPU compiles onto tensor cores; everything is computed in float32.
+that a GPU compiles onto tensor cores; they accumulate in float32, as exact as float32
+arithmetic (`_tiles.py`).
 """
 
 from __future__ import annotations
@@ -19,23 +20,25 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from minipaged.attention import check_paged_attention_args
+from minipaged.attention_contract import check_paged_attention_args
 
-from ._launch import (
+from ._tiles import load_kv_tile, pv_accumulate, qk_scores
+from .launch import (
     MIN_DOT_SIZE,
-    PV_PRECISION,
+    KernelLaunch,
     check_power_of_two,
     default_key_tile,
     interpreting,
     pow2_at_least,
-    qk_precision,
 )
-from ._tiles import load_kv_tile
 
 MAX_SPLITS = 64
 
 
-@triton.jit
+# One compiled program for every split count and batch: Triton would otherwise compile another
+# for num_splits == 1 and for multiples of 16, and for block tables whose row stride (the
+# batch's longest sequence, in blocks) is a multiple of 16.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_partition_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     part_out_ptr, part_lse_ptr,
@@ -44,11 +47,9 @@ def _decode_partition_kernel(
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bt,
-    stride_pb, stride_ph, stride_ps,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, KEY_TILE: tl.constexpr,
-    QK_PRECISION: tl.constexpr, PV_PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KEY_TILE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Stage 1: attention of one sequence's query group over one partition of its context.
 
@@ -70,7 +71,7 @@ def _decode_partition_kernel(
     q = tl.load(
         q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + dims[None, :] * stride_qd,
         mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
-    ).to(tl.float32)
+    )
 
     # This split's whole key tiles: [first_tile, last_tile).
     num_tiles = tl.cdiv(seq_len, KEY_TILE)
@@ -94,13 +95,13 @@ def _decode_partition_kernel(
             BLOCK_SIZE,
         )
 
-        scores = tl.dot(q, tl.trans(k), input_precision=QK_PRECISION) * scale
+        scores = qk_scores(q, k, scale, UPCAST)
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)  # rescales what was summed under the old max
         p = tl.exp(scores - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PV_PRECISION)
+        acc = pv_accumulate(acc * alpha[:, None], p, v, UPCAST)
         m = m_new
 
     nonempty = l > 0.0
@@ -109,17 +110,16 @@ def _decode_partition_kernel(
     lse = tl.where(nonempty, m + tl.log(l_safe), float("-inf"))
     # part_lse is contiguous [B, H, splits] and part_out [B, H, splits, D]: element `part` of
     # the first starts row `part` of the second.
-    part = seq * stride_pb + heads * stride_ph + split * stride_ps
+    part = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out,
              mask=row_ok[:, None] & dim_ok[None, :])
     tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_partitions_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr,
     num_splits,
-    stride_pb, stride_ph, stride_ps,
     stride_ot, stride_oh, stride_od,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -136,7 +136,7 @@ def _merge_partitions_kernel(
     split_ok = splits < num_splits
     dim_ok = dims < HEAD_DIM
 
-    part = seq * stride_pb + head * stride_ph + splits * stride_ps
+    part = (seq * tl.num_programs(1) + head) * num_splits + splits
     lse = tl.load(part_lse_ptr + part, mask=split_ok, other=float("-inf"))
     weights = tl.exp(lse - tl.max(lse, axis=0))  # empty partitions: exp(-inf) = 0
     weights = weights / tl.sum(weights, axis=0)
@@ -152,16 +152,21 @@ def default_num_splits(
     num_seqs: int, num_kv_heads: int, max_seq_len: int, key_tile: int,
     device: torch.device | str = "cuda",
 ) -> int:
-    """Enough partitions to give the GPU about two programs per multiprocessor, no more.
-
-    Each partition keeps at least one key tile; the interpreter runs programs one by one, so
-    there a single partition is fastest.
-    """
+    """`split_count` for the GPU `device`; 1 elsewhere (the interpreter runs programs one by
+    one, so there a single partition is fastest)."""
     if interpreting() or torch.device(device).type != "cuda":
         return 1
+    multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
+    return split_count(num_seqs, num_kv_heads, max_seq_len, key_tile, multiprocessors)
+
+
+def split_count(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, key_tile: int, multiprocessors: int,
+) -> int:
+    """Enough partitions to give a GPU about two programs per multiprocessor, no more; each
+    partition keeps at least one key tile."""
     programs = num_seqs * num_kv_heads
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    splits = triton.cdiv(target, max(programs, 1))
+    splits = triton.cdiv(2 * multiprocessors, max(programs, 1))
     return max(1, min(splits, triton.cdiv(max_seq_len, key_tile), MAX_SPLITS))
 
 
@@ -182,11 +187,11 @@ def paged_decode_attention(
 ) -> Tensor:
     """Attention of each sequence's single query over its paged context -> [B, H, D].
 
-    The attention contract (DESIGN.md) restricted to one query per sequence. `num_splits`
-    partitions per context (None: chosen for the device); `key_tile` keys per loop iteration
-    (a power of two >= 16 and >= the block size; None: chosen for the device).
-    `max_query_len` is accepted for signature parity and must be 1 if given; `max_seq_len`
-    saves a host sync. `validate=False` skips the argument checks (and their host syncs).
+    The attention contract (`minipaged.attention_contract`) restricted to one query per sequence.
+    `num_splits` partitions per context (None: chosen for the device); `key_tile` keys per loop
+    iteration (a power of two >= 16 and >= the block size; None: chosen for the device).
+    `max_query_len` is accepted for signature parity and must be 1 if given; `max_seq_len` saves a
+    host sync. `validate=False` skips the argument checks (and their host syncs).
     """
     num_seqs = block_tables.shape[0]
     if validate:
@@ -197,56 +202,60 @@ def paged_decode_attention(
             raise ValueError("decode attention needs exactly one query per sequence")
     if max_query_len is not None and max_query_len != 1:
         raise ValueError(f"decode attention needs max_query_len == 1, got {max_query_len}")
+    out, launches = decode_launches(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                    scale, max_seq_len=max_seq_len, num_splits=num_splits,
+                                    key_tile=key_tile)
+    for launch in launches:
+        launch()
+    return out
+
+
+def decode_launches(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+    query_start_loc: Tensor, scale: float, *, max_seq_len: int | None = None,
+    num_splits: int | None = None, key_tile: int | None = None,
+) -> tuple[Tensor, list[KernelLaunch]]:
+    """The output tensor and the two launches (partitions, merge) that fill it.
+
+    The tile and split choices of `paged_decode_attention`, on arguments whose metadata has
+    been validated; no launch for an empty batch. Works on meta tensors too, which is how
+    `minipaged.kernels.aot` compiles exactly these launches for a GPU.
+    """
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+    num_seqs = block_tables.shape[0]
     block_size = k_cache.shape[1]
     if key_tile is None:
-        key_tile = default_key_tile(block_size)
+        key_tile = default_key_tile(block_size, k_cache.dtype)
     check_power_of_two("key_tile", key_tile, max(block_size, MIN_DOT_SIZE))
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max()) if num_seqs else 0
-    if num_splits is None:
-        num_splits = default_num_splits(num_seqs, k_cache.shape[2], max_seq_len, key_tile,
-                                        q.device)
-    return _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                          num_splits=num_splits, key_tile=key_tile)
-
-
-def _launch_decode(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-    query_start_loc: Tensor, scale: float, *, num_splits: int, key_tile: int,
-) -> Tensor:
-    """Run both stages on already validated arguments."""
-    num_seqs = block_tables.shape[0]
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max()) if num_seqs else 0
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_seq_len, key_tile, q.device)
     group = num_heads // num_kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, like the reference
     if num_seqs == 0:
-        return out
+        return out, []
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim,
                            dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     head_dim_pad = pow2_at_least(head_dim, MIN_DOT_SIZE)
-
-    _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        part_out, part_lse,
-        scale, num_splits,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(),
-        block_tables.stride(0),
-        *part_lse.stride(),
-        GROUP=group, GROUP_PAD=pow2_at_least(group, MIN_DOT_SIZE),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=k_cache.shape[1], KEY_TILE=key_tile,
-        QK_PRECISION=qk_precision(q.dtype), PV_PRECISION=PV_PRECISION,
+    partitions = KernelLaunch(
+        "decode_partition", _decode_partition_kernel, (num_seqs, num_kv_heads, num_splits),
+        (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, part_out, part_lse,
+         scale, num_splits, *q.stride(), *k_cache.stride(), *v_cache.stride(),
+         block_tables.stride(0)),
+        dict(GROUP=group, GROUP_PAD=pow2_at_least(group, MIN_DOT_SIZE),
+             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+             BLOCK_SIZE=block_size, KEY_TILE=key_tile, UPCAST=interpreting()),
     )
-    _merge_partitions_kernel[(num_seqs, num_heads)](
-        part_out, part_lse, out, query_start_loc,
-        num_splits,
-        *part_lse.stride(),
-        *out.stride(),
-        SPLITS_PAD=pow2_at_least(num_splits, 2),  # no size-1 aranges
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+    # Every split count merges in one program (masked rows cost no memory traffic), so a new
+    # batch size never compiles a new one.
+    merge = KernelLaunch(
+        "decode_merge", _merge_partitions_kernel, (num_seqs, num_heads),
+        (part_out, part_lse, out, query_start_loc, num_splits, *out.stride()),
+        dict(SPLITS_PAD=MAX_SPLITS, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad),
     )
-    return out
+    return out, [partitions, merge]

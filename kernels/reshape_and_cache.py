@@ -14,12 +14,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from minipaged.attention import check_reshape_and_cache_args
+from minipaged.attention_contract import check_reshape_and_cache_args
 
-from ._launch import interpreting, pow2_at_least
+from .launch import KernelLaunch, interpreting, pow2_at_least
 
 
-@triton.jit
+# One compiled program for every batch size (Triton would specialise 1 and multiples of 16).
+@triton.jit(do_not_specialize=["num_tokens"])
 def _reshape_and_cache_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     num_tokens,
@@ -74,20 +75,32 @@ def reshape_and_cache(
     """
     if validate:
         check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping)
+    for launch in reshape_and_cache_launches(key, value, k_cache, v_cache, slot_mapping):
+        launch()
+
+
+def reshape_and_cache_launches(
+    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+) -> list[KernelLaunch]:
+    """The one launch `reshape_and_cache` makes (none for no tokens), on validated arguments.
+
+    Works on meta tensors too, which is how `minipaged.kernels.aot` compiles it for a GPU.
+    """
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
-        return
+        return []
     heads_pad = pow2_at_least(num_kv_heads)
     head_dim_pad = pow2_at_least(head_dim)
-    # About 4K elements per program on a GPU; the interpreter prefers few, large programs.
-    elements = (1 << 16) if interpreting() else 4096
-    token_tile = min(pow2_at_least(elements // (heads_pad * head_dim_pad)),
-                     pow2_at_least(num_tokens))
-    _reshape_and_cache_kernel[(triton.cdiv(num_tokens, token_tile),)](
-        key, value, k_cache, v_cache, slot_mapping,
-        num_tokens,
-        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
-        NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=k_cache.shape[1], TOKEN_TILE=token_tile,
-    )
+    per_token = heads_pad * head_dim_pad
+    if interpreting():  # few, large programs, none larger than the batch
+        token_tile = min(pow2_at_least((1 << 16) // per_token), pow2_at_least(num_tokens))
+    else:  # about 4K elements per program, the same compiled program for every batch size
+        token_tile = pow2_at_least(4096 // per_token)
+    return [KernelLaunch(
+        "reshape_and_cache", _reshape_and_cache_kernel, (triton.cdiv(num_tokens, token_tile),),
+        (key, value, k_cache, v_cache, slot_mapping, num_tokens,
+         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride()),
+        dict(NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad,
+             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+             BLOCK_SIZE=k_cache.shape[1], TOKEN_TILE=token_tile),
+    )]

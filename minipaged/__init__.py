@@ -1,7 +1,7 @@
 """minipaged: an educational, from-scratch LLM serving engine.
 
 PagedAttention (Kwon et al., SOSP 2023) and FastServe's skip-join MLFQ scheduler (Wu et al.),
-layered so that each idea can be read, run and checked on its own. See DESIGN.md / the docs.
+layered so that each idea can be read, run and checked on its own. See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ __version__ = "0.1.0"
 # The public API, imported lazily so that `import minipaged` stays cheap and never pulls in
 # Triton or the engine when a reader only wants the tokenizer.
 _LAZY = {
-    "LLM": "minipaged.engine",
+    "LLM": "minipaged.llm",
     "LLMEngine": "minipaged.engine",
+    "EngineConfig": "minipaged.engine_config",
     "SamplingParams": "minipaged.sampling",
-    "RequestOutput": "minipaged.sequence",
-    "CompletionOutput": "minipaged.sequence",
+    "RequestOutput": "minipaged.outputs",
+    "CompletionOutput": "minipaged.outputs",
+    "StepRecord": "minipaged.step",
     "ModelConfig": "minipaged.config",
     "Tokenizer": "minipaged.tokenizer",
 }

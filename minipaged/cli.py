@@ -4,6 +4,12 @@ Flags mirror `SamplingParams` and the `LLM` constructor, so the shell and Python
 choices of `--scheduler`, `--dtype` and `--attention-backend` are read from the engine's own
 registries, so a scheduler registered in `minipaged.engine.SCHEDULERS` is selectable here too.
 
+`generate` decodes greedily. `chat` samples: each setting comes from a flag if given, else from
+the model's own `generation_config.json` (Hugging Face's file, in the model's folder or next to
+its GGUF file), else from `CHAT_DEFAULTS`; `--temperature 0` makes it greedy. The interactive chat
+edits lines with `readline` on a terminal, takes `/help`, `/reset` and `/exit`, and Ctrl-C stops
+the answer being generated (its request is aborted) without ending the conversation.
+
 Exit status: 0 on success, 2 on bad input (argparse's usage errors and any `ValueError` the
 engine raises, e.g. an out-of-range sampling parameter, printed without a traceback), 130 when
 interrupted.
@@ -12,13 +18,15 @@ interrupted.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from pathlib import Path
 from typing import Any
 
 SAMPLING_FLAGS: dict[str, tuple[type, str]] = {
     "n": (int, "number of completions per prompt"),
-    "temperature": (float, "0 for greedy decoding (the default here)"),
+    "temperature": (float, "0 for greedy decoding (generate's default)"),
     "top_k": (int, "keep the k most likely tokens (0 or -1: all)"),
     "top_p": (float, "nucleus sampling mass"),
     "min_p": (float, "drop tokens below min_p x the top probability"),
@@ -33,9 +41,36 @@ SAMPLING_FLAGS: dict[str, tuple[type, str]] = {
     "length_penalty": (float, "beam search length penalty"),
 }
 
-# Defaults that differ from SamplingParams': the command line answers greedily, and at length.
+# Defaults that differ from SamplingParams'. `generate` completes text greedily. `chat` samples
+# where the model's generation_config.json says nothing: greedy decoding makes the bundled
+# SmolLM2 repeat itself ("a page of pages, a page of pages, ..."); temperature 0.7 and top-p 0.9
+# with a mild repetition penalty keep its answers varied, and the fixed seed reproducible.
 GENERATE_DEFAULTS = {"temperature": 0.0, "max_tokens": 64}
-CHAT_DEFAULTS = {"temperature": 0.0, "max_tokens": 256}
+CHAT_DEFAULTS = {
+    "temperature": 0.7,
+    "top_p": 0.9,
+    "repetition_penalty": 1.1,
+    "seed": 0,
+    "max_tokens": 256,
+}
+# The keys of Hugging Face's generation_config.json that chat reads, and their SamplingParams names.
+GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+# An answer's text, piece by piece; closing it stops the answer.
+TextStream = Generator[str, None, None]
+
+CHAT_HELP = """\
+commands (never sent to the model):
+  /help    this list
+  /reset   start a new conversation (the --system prompt stays)
+  /exit    end the session (Ctrl-D too)
+Ctrl-C stops the answer being generated; the conversation before it goes on."""
 
 
 # -- the parser -----------------------------------------------------------------------------------
@@ -48,7 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     generate = sub.add_parser("generate", help="complete raw text prompts")
     generate.add_argument("prompts", nargs="+", help="one or more prompts, batched together")
-    chat = sub.add_parser("chat", help="chat with the model (interactive without a message)")
+    chat = sub.add_parser(
+        "chat",
+        help="chat with the model (interactive without a message)",
+        description="Answer one message, or chat (without one). Each sampling setting comes "
+        "from its flag, else the model's generation_config.json, else: "
+        + ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in CHAT_DEFAULTS.items())
+        + ". --temperature 0 decodes greedily.",
+    )
     chat.add_argument("message", nargs="?", help="a single user message; omit for a chat session")
     chat.add_argument("--system", help="a system prompt")
     for command in (generate, chat):
@@ -58,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    from minipaged.attention import BACKENDS
-    from minipaged.engine import DTYPES
+    from minipaged.attention_backend import BACKENDS
+    from minipaged.engine_config import DTYPES
     from minipaged.scheduler_registry import SCHEDULERS
 
     engine = parser.add_argument_group("engine (see EngineConfig)")
@@ -108,6 +150,42 @@ def sampling_params_from_args(args: argparse.Namespace, **defaults: Any):
     return SamplingParams(**values)
 
 
+def model_generation_settings(model: str | Path | None) -> dict[str, Any]:
+    """The sampling settings in a model's `generation_config.json`, as `SamplingParams` fields.
+
+    The file sits in the model's folder (or the folder of its GGUF file); {} when there is none.
+    Only the settings it states are returned; `do_sample: false` means greedy (temperature 0), as
+    in `transformers`. A file that is not a JSON object raises `ValueError` naming it.
+    """
+    if model is None:
+        from minipaged.checkpoint import default_model_path
+
+        path = default_model_path()
+    else:
+        path = Path(model)
+    file = (path if path.is_dir() else path.parent) / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(config).__name__}")
+    stated = {key: value for key, value in config.items() if value is not None}
+    settings = {name: stated[key] for key, name in GENERATION_CONFIG_KEYS.items() if key in stated}
+    if config.get("do_sample") is False:
+        settings["temperature"] = 0.0
+    return settings
+
+
+def chat_sampling_params(args: argparse.Namespace):
+    """Chat's `SamplingParams`: the flags, then the model's generation settings, then ours."""
+    return sampling_params_from_args(
+        args, **{**CHAT_DEFAULTS, **model_generation_settings(args.model)}
+    )
+
+
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The `LLM(...)` keyword arguments the flags ask for."""
     return dict(
@@ -128,7 +206,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 def llm_from_args(args: argparse.Namespace):
     import torch
 
-    from minipaged.engine import LLM
+    from minipaged.llm import LLM
 
     if args.threads is not None:
         if args.threads < 1:
@@ -150,39 +228,104 @@ def run_generate(args: argparse.Namespace) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> None:
-    params = sampling_params_from_args(args, **CHAT_DEFAULTS)
+    params = chat_sampling_params(args)  # bad values fail before loading
     llm = llm_from_args(args)
-    messages: list[dict[str, str]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
+    system = [{"role": "system", "content": args.system}] if args.system else []
     if args.message is not None:
-        messages.append({"role": "user", "content": args.message})
+        messages = [*system, {"role": "user", "content": args.message}]
         outputs = llm.chat(messages, params, use_tqdm=False)[0].outputs
         for completion in outputs:
             tag = f"[{completion.index}] " if len(outputs) > 1 else ""
             print(f"{tag}{completion.text}")
         return
-    chat_session(llm, messages, params)
+    enable_line_editing()
+    chat_session(llm, system, params)
 
 
-def chat_session(llm: Any, messages: list[dict[str, str]], params: Any) -> None:
-    """Read a line, stream the answer as it is generated, repeat; an empty line or EOF ends."""
-    print("minipaged chat: an empty line or Ctrl-D ends the session.")
+# -- the interactive chat -------------------------------------------------------------------------
+
+
+def enable_line_editing() -> None:
+    """Arrow keys, line editing and this session's history for `input()` on a terminal.
+
+    Importing `readline` is what switches them on; on a pipe (or where Python has no `readline`)
+    `input()` stays as it is.
+    """
+    if sys.stdin.isatty():
+        try:
+            import readline  # noqa: F401
+        except ImportError:
+            pass
+
+
+def chat_session(llm: Any, system: list[dict[str, str]], params: Any) -> list[dict[str, str]]:
+    """Read a line, stream the answer as it is generated, repeat; return the conversation.
+
+    Blank lines are skipped and `/help`, `/reset`, `/exit` are commands (a word that starts with
+    "/" and is none of them is refused, not sent). Ctrl-D or `/exit` ends the session; Ctrl-C
+    clears the line being typed, or stops the answer being generated, which then stays out of
+    the conversation.
+    """
+    print("minipaged chat: /help lists the commands; Ctrl-D or /exit ends the session.")
+    messages = list(system)
     while True:
         try:
             line = input("you> ").strip()
         except EOFError:
-            break
+            print()  # the shell's prompt starts on a line of its own
+            return messages
+        except KeyboardInterrupt:
+            print()
+            continue
         if not line:
-            break
-        messages.append({"role": "user", "content": line})
-        print("bot> ", end="", flush=True)
-        answer = ""
-        for piece in llm.chat_stream(messages, params):
-            answer += piece
+            continue
+        word = line.split()[0]
+        if word == "/exit":
+            return messages
+        if word == "/reset":
+            messages = list(system)
+            print("(a new conversation)")
+            continue
+        if word == "/help":
+            print(CHAT_HELP)
+            continue
+        if line.startswith("/") and " " not in line:
+            print(f"unknown command {line}; /help lists the commands")
+            continue
+        turn = [*messages, {"role": "user", "content": line}]
+        answer = print_answer(stream_answer(llm, turn, params))
+        if answer is not None:
+            messages = [*turn, {"role": "assistant", "content": answer}]
+
+
+def stream_answer(llm: Any, messages: list[dict[str, str]], params: Any) -> TextStream:
+    """`llm.chat_stream(messages, params)`, whose request is aborted if the stream is closed or
+    interrupted before the answer is complete, so no unfinished request (nor its KV blocks) is
+    left behind in the engine."""
+    from minipaged.llm import stream_text
+
+    prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    request_id = llm.engine.add_request(None, prompt, params)
+    try:
+        yield from stream_text(llm.engine, request_id)
+    finally:
+        llm.engine.abort_request(request_id)  # a no-op once the request has finished
+
+
+def print_answer(pieces: TextStream) -> str | None:
+    """Print an answer as it streams; return it, or None when Ctrl-C stopped it."""
+    print("bot> ", end="", flush=True)
+    shown = []
+    try:
+        for piece in pieces:
+            shown.append(piece)
             print(piece, end="", flush=True)
-        print()
-        messages.append({"role": "assistant", "content": answer})
+    except KeyboardInterrupt:
+        pieces.close()  # aborts the request if the interrupt came while the stream waited
+        print("\n(answer stopped; it is not part of the conversation)")
+        return None
+    print()
+    return "".join(shown)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,26 +11,22 @@ iteration time" that decides which queue it joins. One step's time is modelled a
 the prefill's tokens, the decodes' tokens, and the KV cache the decodes attend to), plus
 `per_swap_block` seconds for each block copied between device and host memory.
 
-`CostModel.profile(engine_or_runner)` measures steps on this machine and fits the four numbers
-by least squares; the presets give the papers' set-up (OPT-13B on one A100) from public
-numbers, for simulations bigger than this machine.
+`CostModel.fit` finds the four numbers by least squares from measured steps (the measuring is
+done above: `minipaged.runner_profile` times a model runner's forward passes,
+`minipaged.profiling` whole engine steps); `save` / `load` keep a fitted model in a JSON file;
+`OPT_13B_A100` gives the papers' set-up from public numbers, for simulations bigger than this
+machine. This module depends on nothing else in minipaged.
 """
 
 from __future__ import annotations
 
-import random
-import statistics
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from minipaged.engine import LLMEngine
-    from minipaged.runner import ModelRunner
-    from minipaged.scheduler import SchedulerOutput
 
 # -- data types -----------------------------------------------------------------------------------
 
@@ -47,18 +43,6 @@ class StepShape:
         for name in ("prefill_tokens", "decode_seqs", "context_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-
-    @classmethod
-    def of(cls, out: SchedulerOutput) -> StepShape:
-        """The shape of a scheduled step."""
-        prefill = decode = context = 0
-        for item in out.scheduled:
-            if item.is_prefill:
-                prefill += item.num_new_tokens
-            else:
-                decode += 1
-                context += item.start + item.num_new_tokens
-        return cls(prefill, decode, context)
 
     @property
     def features(self) -> tuple[float, float, float, float]:
@@ -112,19 +96,6 @@ class CostModel:
     def swap_time(self, num_blocks: int) -> float:
         return self.per_swap_block * num_blocks
 
-    def scaled(self, factor: float) -> CostModel:
-        """Every time multiplied by `factor` (a faster or slower machine)."""
-        if factor <= 0:
-            raise ValueError(f"factor must be > 0, got {factor}")
-        return replace(
-            self,
-            base=self.base * factor,
-            per_prefill_token=self.per_prefill_token * factor,
-            per_decode_seq=self.per_decode_seq * factor,
-            per_context_token=self.per_context_token * factor,
-            per_swap_block=self.per_swap_block * factor,
-        )
-
     # -- fitting ----------------------------------------------------------------------------------
 
     @classmethod
@@ -156,41 +127,30 @@ class CostModel:
             active.remove(min(negative, key=lambda i: coef[i]))
         return cls(*(float(c) for c in coef), per_swap_block=per_swap_block, name=name)
 
+    # -- files ----------------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> None:
+        """Write this model to a JSON file (a profile to reuse instead of measuring again)."""
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+
     @classmethod
-    def profile(
-        cls,
-        target: LLMEngine | ModelRunner,
-        *,
-        max_prefill: int = 256,
-        max_batch: int = 16,
-        max_context: int = 256,
-        repeats: int = 3,
-        seed: int = 0,
-        clock: Callable[[], float] = time.perf_counter,
-    ) -> CostModel:
-        """Measure steps on this machine and fit a cost model.
-
-        Given an `LLMEngine`, whole `engine.step()` calls are timed on a calibration workload
-        (scheduling and sampling included: what the simulator must reproduce); the engine must
-        be idle and is left idle. Given a `ModelRunner`, its forward passes are timed on
-        synthetic batches -- this overwrites KV blocks, so call it before serving. `clock` reads
-        the time (`time.thread_time` measures this thread's CPU time only: steadier on a shared
-        machine, with torch on one thread).
-        """
-        from minipaged.engine import LLMEngine
-
-        if isinstance(target, LLMEngine):
-            if target.has_unfinished_requests():
-                raise ValueError("profile an idle engine: it still has unfinished requests")
-            shapes, times = _measure_engine(target, max_prefill, max_batch, seed, clock)
-            runner = target.runner
-        else:
-            runner = target
-            shapes, times = _measure_runner(
-                runner, max_prefill, max_batch, max_context, seed, repeats, clock
+    def load(cls, path: str | Path) -> CostModel:
+        """Read a model written by `save`; a file that is not one is refused, saying why."""
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a saved CostModel is a JSON object, got {data!r}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        required = {n for n, f in fields.items() if f.default is dataclasses.MISSING}
+        unknown, missing = sorted(set(data) - set(fields)), sorted(required - set(data))
+        if unknown or missing:
+            raise ValueError(
+                f"{path}: not a saved CostModel (unknown fields {unknown}, missing {missing})"
             )
-        swap = _measure_swap(runner, repeats, clock)
-        return cls.fit(shapes, times, per_swap_block=swap, name="profiled")
+        for name, value in data.items():
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if (name == "name") != isinstance(value, str) or (name != "name" and not number):
+                raise ValueError(f"{path}: {name} has the wrong type: {value!r}")
+        return cls(**data)
 
 
 # The papers' set-up: OPT-13B in float16 on one A100-40GB (vLLM paper §6, FastServe §6), from
@@ -207,152 +167,3 @@ OPT_13B_A100 = CostModel(
     name="OPT-13B on one A100 (public figures)",
 )
 OPT_13B_A100_KV_BLOCKS = 930  # of 16 tokens
-
-PRESETS: dict[str, CostModel] = {"opt-13b-a100": OPT_13B_A100}
-
-
-# -- measuring ----------------------------------------------------------------------------------
-
-
-def _median_time(run: Callable[[], Any], repeats: int, clock: Callable[[], float]) -> float:
-    run()  # warm-up: first calls allocate and build kernels
-    samples = []
-    for _ in range(repeats):
-        start = clock()
-        run()
-        samples.append(clock() - start)
-    return statistics.median(samples)
-
-
-def _measure_runner(
-    runner: ModelRunner,
-    max_prefill: int,
-    max_batch: int,
-    max_context: int,
-    seed: int,
-    repeats: int,
-    clock: Callable[[], float],
-) -> tuple[list[StepShape], list[float]]:
-    """Time synthetic prefill, decode and mixed batches on blocks 0, 1, 2, ..."""
-    from minipaged.runner import BatchEntry
-
-    bs = runner.block_size
-    num_blocks = runner.kv_caches[0].shape[1]
-    # Every sequence reads the same blocks but writes its own last one (no slot written twice).
-    max_batch = max(1, min(max_batch, num_blocks // 2))
-    longest = min(max(max_prefill, max_context), (num_blocks - max_batch) * bs)
-    shared = list(range(-(-longest // bs)))
-    rng = random.Random(seed)
-    vocab = runner.config.vocab_size
-
-    def prefill(n: int) -> BatchEntry:
-        return BatchEntry([rng.randrange(vocab) for _ in range(n)], 0, shared)
-
-    def decodes(context: int, batch: int) -> list[BatchEntry]:
-        own = -(-context // bs) - 1
-        return [
-            BatchEntry([rng.randrange(vocab)], context - 1, shared[:own] + [len(shared) + i])
-            for i in range(batch)
-        ]
-
-    sizes = _geometric(1, min(max_prefill, longest))
-    batches = _geometric(1, max_batch)
-    contexts = _geometric(16, min(max_context, longest))
-    plans: list[list[BatchEntry]] = [[prefill(n)] for n in sizes]
-    plans += [decodes(c, b) for b in batches for c in contexts]
-    plans += [decodes(contexts[-1], batches[-1]) + [prefill(n)] for n in sizes[::2]]
-    shapes, times = [], []
-    for entries in plans:
-        times.append(_median_time(lambda e=entries: runner.execute(e), repeats, clock))
-        prefill_tokens = sum(len(e.token_ids) for e in entries if e.start_position == 0)
-        decodes = [e for e in entries if e.start_position > 0]
-        context = sum(e.start_position + 1 for e in decodes)
-        shapes.append(StepShape(prefill_tokens, len(decodes), context))
-    return shapes, times
-
-
-CALIBRATION_STEPS_PER_LEVEL = 48  # engine steps timed at each concurrency level
-
-
-def _measure_engine(
-    engine: LLMEngine, max_prefill: int, max_batch: int, seed: int, clock: Callable[[], float]
-) -> tuple[list[StepShape], list[float]]:
-    """Time `engine.step()` while the engine serves 1, 2, 4, ... `max_batch` requests at once.
-
-    At each level a finished request is replaced at once (random prompt and output lengths), so
-    steps mix new prompts with decodes as they do in serving. (Waves of requests that start
-    together never mix them; a fit from those alone over-predicted a replayed trace's steps by
-    about 10%.)
-    """
-    from minipaged.sampling import SamplingParams
-
-    rng = random.Random(seed)
-    vocab = engine.model_config.vocab_size
-    recorder = _RecordingScheduler(engine.scheduler)
-    engine.scheduler = recorder  # type: ignore[assignment]
-    shapes: list[StepShape] = []
-    times: list[float] = []
-
-    def add_request() -> None:
-        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, max_prefill))]
-        params = SamplingParams(temperature=0.0, max_tokens=rng.randint(4, 24), ignore_eos=True)
-        engine.add_request(None, prompt, params)
-
-    def timed_step() -> None:
-        start = clock()
-        engine.step()
-        elapsed = clock() - start
-        shape = StepShape.of(recorder.last)
-        if shape.prefill_tokens or shape.decode_seqs:
-            shapes.append(shape)
-            times.append(elapsed)
-
-    try:
-        for concurrency in _geometric(1, max_batch):
-            for _ in range(CALIBRATION_STEPS_PER_LEVEL):
-                while engine.get_num_unfinished_requests() < concurrency:
-                    add_request()
-                timed_step()
-        while engine.has_unfinished_requests():
-            timed_step()
-    finally:
-        engine.scheduler = recorder.inner
-    return shapes[1:], times[1:]  # the very first step warms up
-
-
-def _measure_swap(runner: ModelRunner, repeats: int, clock: Callable[[], float]) -> float:
-    """Seconds per block of a device <-> host copy (0 when there is no host pool)."""
-    from minipaged.runner import CacheOps
-
-    num_host = runner.host_caches[0].shape[1] if runner.host_caches else 0
-    n = min(num_host, runner.kv_caches[0].shape[1], 32)
-    if n < 1:
-        return 0.0
-    ops = CacheOps(swap_out=[(i, i) for i in range(n)])
-    return _median_time(lambda: runner.apply_cache_ops(ops), repeats, clock) / n
-
-
-def _geometric(low: int, high: int) -> list[int]:
-    """low, 2 low, 4 low, ... up to and including high."""
-    values = []
-    value = max(1, low)
-    while value < high:
-        values.append(value)
-        value *= 2
-    values.append(max(high, 1))
-    return sorted(set(values))
-
-
-class _RecordingScheduler:
-    """Wraps an engine's scheduler to keep the last `SchedulerOutput` (for profiling)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.last: SchedulerOutput | None = None
-
-    def schedule(self, now: float) -> SchedulerOutput:
-        self.last = self.inner.schedule(now)
-        return self.last
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)

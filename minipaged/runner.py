@@ -2,9 +2,10 @@
 
 It owns the paged KV cache (one tensor per layer on the device, and a host pool of the same
 layout for swapped-out blocks). Each step it performs the swaps and copy-on-write copies the
-scheduler asked for, builds the flat batch of DESIGN.md ("The data that flows"), runs the model
-with a `PagedAttentionBackend`, and returns the logits of the sequences that sample this step.
-It knows nothing about requests, sampling or scheduling policy.
+scheduler asked for, builds the flat batch (docs/architecture.md, "One step of the engine"),
+validates its metadata once, runs the model with a `PagedAttentionBackend` (which plans the
+step's attention once for every layer), and returns the logits of the sequences that sample
+this step. It knows nothing about requests, sampling or scheduling policy.
 """
 
 from __future__ import annotations
@@ -12,18 +13,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
-from itertools import accumulate
 
 import torch
 from torch import Tensor
 
-from minipaged.attention import (
-    AttentionMetadata,
-    AttentionOps,
+from minipaged.attention_backend import (
     PagedAttentionBackend,
+    allocate_kv_caches,
+    get_attention_ops,
+)
+from minipaged.attention_contract import (
+    AttentionMetadata,
     check_paged_attention_args,
     check_reshape_and_cache_args,
-    get_attention_ops,
 )
 from minipaged.config import ModelConfig
 
@@ -46,63 +48,11 @@ class BatchEntry:
 
 @dataclass(frozen=True)
 class CacheOps:
-    """The block movements of a step, performed before its compute (DESIGN.md, SchedulerOutput)."""
+    """The block movements of a step, performed before its compute (the scheduler's output)."""
 
     swap_in: Sequence[tuple[int, int]] = ()  # (host block, device block)
     swap_out: Sequence[tuple[int, int]] = ()  # (device block, host block)
     copy: Sequence[tuple[int, int]] = ()  # (source block, destination block), copy-on-write
-
-
-def attention_groups(query_lens: Sequence[int], seq_lens: Sequence[int]) -> list[list[int]]:
-    """Which sequences of a step attend together, in one call of the PyTorch reference.
-
-    The reference pads every sequence of a call to the call's longest query and longest context
-    (one dense batched attention): a step mixing a 512-token prefill with 60 decodes would pad
-    each decode to 512 queries, and one long context pads all the short ones. So, as vLLM v0 ran
-    prefills and decodes as separate attention calls, each prefill attends on its own, and the
-    decodes go in groups of similar context length (a group's longest at most twice its
-    shortest), which bounds the padding at 2x for a few more calls.
-    """
-    decodes = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: seq_lens[i])
-    groups: list[list[int]] = []
-    for i in decodes:
-        if groups and seq_lens[i] <= 2 * seq_lens[groups[-1][0]]:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups + [[i] for i, n in enumerate(query_lens) if n > 1]
-
-
-class GroupedPagedAttention(PagedAttentionBackend):
-    """`PagedAttentionBackend` that writes the step's K/V at once, then attends group by group.
-
-    `groups` holds, per group, the group's token indices in the flat batch and its own metadata
-    (see `attention_groups`). With no groups it is the plain backend.
-    """
-
-    def __init__(
-        self,
-        kv_caches: Sequence[Tensor],
-        metadata: AttentionMetadata,
-        ops: AttentionOps,
-        groups: Sequence[tuple[Tensor, AttentionMetadata]] = (),
-    ) -> None:
-        super().__init__(kv_caches, metadata, ops)
-        self.groups = list(groups)
-
-    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-        if len(self.groups) <= 1:
-            return super().__call__(layer_idx, q, k, v, scale)
-        cache = self.kv_caches[layer_idx]
-        self.ops.reshape_and_cache(k, v, cache[0], cache[1], self.metadata.slot_mapping)
-        out = q.new_empty(q.shape)
-        for tokens, md in self.groups:
-            out[tokens] = self.ops.paged_attention(
-                q[tokens], cache[0], cache[1], md.block_tables, md.seq_lens,
-                md.query_start_loc, scale, max_query_len=md.max_query_len,
-                max_seq_len=md.max_seq_len,
-            )
-        return out
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -140,37 +90,33 @@ class ModelRunner:
         self.dtype = dtype
         self.ops = get_attention_ops(attention_backend, self.device)
         # A step's metadata is the same for every layer: `check_metadata` validates it once per
-        # step, so the layers skip the checks (and their host syncs), 30 times per step here.
+        # step, so the layers skip the checks (and their host syncs).
         self.layer_ops = replace(
             self.ops,
             paged_attention=partial(self.ops.paged_attention, validate=False),
             reshape_and_cache=partial(self.ops.reshape_and_cache, validate=False),
         )
-        layer_shape = (2, num_gpu_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [
-            torch.zeros(layer_shape, dtype=dtype, device=self.device)
-            for _ in range(config.num_layers)
-        ]
-        host_shape = (2, num_cpu_blocks, block_size, config.num_kv_heads, config.head_dim)
-        pin = self.device.type == "cuda"
-        self.host_caches = [
-            torch.zeros(host_shape, dtype=dtype, pin_memory=pin) for _ in range(config.num_layers)
-        ]
+        layer = (block_size, config.num_kv_heads, config.head_dim)
+        self.kv_caches = allocate_kv_caches(
+            config.num_layers, num_gpu_blocks, *layer, dtype=dtype, device=self.device
+        )
+        self.host_caches = allocate_kv_caches(  # pinned: faster copies to and from a GPU
+            config.num_layers, num_cpu_blocks, *layer, dtype=dtype,
+            pin_memory=self.device.type == "cuda",
+        )
 
     # -- block movements ----------------------------------------------------------------------
 
     def apply_cache_ops(self, cache_ops: CacheOps) -> None:
         """Swap out, then swap in, then copy: a block freed by a swap-out may be reused at once."""
-        from minipaged.attention import swap_blocks
-
         if cache_ops.swap_out:
             mapping = torch.tensor(cache_ops.swap_out, dtype=torch.int64)
             for device_cache, host_cache in zip(self.kv_caches, self.host_caches, strict=True):
-                swap_blocks(device_cache, host_cache, mapping)
+                self.ops.swap_blocks(device_cache, host_cache, mapping)
         if cache_ops.swap_in:
             mapping = torch.tensor(cache_ops.swap_in, dtype=torch.int64)
             for device_cache, host_cache in zip(self.kv_caches, self.host_caches, strict=True):
-                swap_blocks(host_cache, device_cache, mapping)
+                self.ops.swap_blocks(host_cache, device_cache, mapping)
         if cache_ops.copy:
             mapping = torch.tensor(cache_ops.copy, dtype=torch.int64, device=self.device)
             self.ops.copy_blocks(self.kv_caches, mapping)
@@ -214,32 +160,6 @@ class ModelRunner:
         )
         return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64), metadata
 
-    def group_metadata(
-        self, entries: Sequence[BatchEntry], metadata: AttentionMetadata
-    ) -> list[tuple[Tensor, AttentionMetadata]]:
-        """Token indices and metadata of each `attention_groups` group; none for a backend
-        whose kernels do not pad (Triton: one varlen launch for the whole batch)."""
-        if self.ops.name != "torch":
-            return []
-        query_lens = [len(e.token_ids) for e in entries]
-        seq_lens = [e.start_position + n for e, n in zip(entries, query_lens, strict=True)]
-        starts = list(accumulate(query_lens, initial=0))
-        groups = []
-        for members in attention_groups(query_lens, seq_lens):
-            tokens = [t for i in members for t in range(starts[i], starts[i + 1])]
-            token_index = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-            seq_index = torch.tensor(members, dtype=torch.int64, device=self.device)
-            group_starts = list(accumulate((query_lens[i] for i in members), initial=0))
-            groups.append((token_index, AttentionMetadata(
-                slot_mapping=metadata.slot_mapping[token_index],
-                query_start_loc=torch.tensor(group_starts, dtype=torch.int32, device=self.device),
-                seq_lens=metadata.seq_lens[seq_index],
-                block_tables=metadata.block_tables[seq_index],
-                max_query_len=max(query_lens[i] for i in members),
-                max_seq_len=max(seq_lens[i] for i in members),
-            )))
-        return groups
-
     def check_metadata(self, metadata: AttentionMetadata, num_tokens: int) -> None:
         """Validate a step's attention metadata against the cache (`ValueError` naming the
         problem), with the attention backends' own checks, once instead of once per layer."""
@@ -262,8 +182,7 @@ class ModelRunner:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         input_ids, positions, metadata = self.prepare(entries)
         self.check_metadata(metadata, len(input_ids))
-        groups = self.group_metadata(entries, metadata)
-        attention = GroupedPagedAttention(self.kv_caches, metadata, self.layer_ops, groups)
+        attention = PagedAttentionBackend(self.kv_caches, metadata, self.layer_ops)
         hidden = self.model(input_ids, positions, attention)
         last_rows = [
             end - 1

@@ -95,6 +95,17 @@ class Scheduler:
                     return group
         return None
 
+    def fork_sequence(self, group: SequenceGroup, parent: Sequence, child: Sequence) -> None:
+        """Add `child` to `group`, sharing every block of `parent` (parallel sampling and beam
+        search, vLLM paper §4.4): the sampler forks sequences, the scheduler their blocks."""
+        self.kv_cache.fork(parent.seq_id, child.seq_id)
+        group.add(child)
+
+    def free_sequence(self, group: SequenceGroup, seq: Sequence) -> None:
+        """Free `seq`'s blocks, if it has any, and remove it from `group` (a pruned beam)."""
+        self._release(seq)
+        group.remove(seq.seq_id)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 

@@ -1,10 +1,10 @@
-"""Request and sequence state, stop conditions, and the vLLM-shaped outputs.
+"""Request and sequence state, and the vLLM-shaped output of a request.
 
 A request (`SequenceGroup`) holds one or more sequences: one for a plain request, `n` for
 parallel sampling, `beam_width` live beams for beam search. They start from the same prompt and
 share its KV blocks through `fork` (the vLLM paper, section 4.4). A sequence moves through
 WAITING -> RUNNING <-> (preempted: WAITING or SWAPPED) -> FINISHED_*; the scheduler moves it, the
-engine appends tokens and asks `check_stop` whether it is done.
+engine appends tokens and asks `minipaged.stopping.check_stop` whether it is done.
 
 Nothing here touches the KV cache or a tensor (bar the per-sample random generators), so the
 scheduler and the simulator can use these types unchanged.
@@ -16,20 +16,15 @@ import copy
 import enum
 import time
 from collections.abc import Collection
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from minipaged.sampling import (
-    SamplingParams,
-    SamplingRow,
-    SamplingType,
-    beam_search_score,
-    make_generator,
-    min_tokens_banned_ids,
-)
+from minipaged.beam_scoring import beam_search_score
+from minipaged.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minipaged.sampler import SamplingRow, make_generator, min_tokens_banned_ids
+from minipaged.sampling import SamplingParams, SamplingType
 
 # --- data types --------------------------------------------------------------------------------
 
@@ -76,58 +71,6 @@ class IncrementalDetokenizer(Protocol):
     def push(self, token_id: int) -> str: ...
 
 
-@dataclass
-class RequestMetrics:
-    """Timestamps (`time.monotonic()` seconds) and counters of one request."""
-
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
-
-    @property
-    def latency(self) -> float | None:
-        if self.finished_time is None:
-            return None
-        return self.finished_time - self.arrival_time
-
-
-@dataclass
-class CompletionOutput:
-    """One generated continuation of a request (vLLM's class of the same name)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestOutput:
-    """The state of one request as returned to the user (vLLM's class of the same name)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: RequestMetrics | None = None
-
-
 @dataclass(frozen=True)
 class StopDecision:
     """Why a sequence must finish, and how much of its text to keep (`check_stop`)."""
@@ -151,7 +94,7 @@ class Sequence:
     def __init__(
         self,
         seq_id: int,
-        prompt_token_ids: Seq[int],
+        prompt_token_ids: Collection[int],
         detokenizer: IncrementalDetokenizer | None = None,
         sample_index: int = 0,
     ) -> None:
@@ -189,20 +132,8 @@ class Sequence:
     def get_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
     def is_finished(self) -> bool:
         return self.status.is_finished
-
-    def get_num_uncomputed_tokens(self) -> int:
-        """Tokens whose K/V the next steps must compute (the whole prompt at first, then 1)."""
-        return self.get_len() - self.num_computed_tokens
-
-    def is_prefill(self) -> bool:
-        """Whether more than the last token is still to be computed."""
-        return self.get_num_uncomputed_tokens() > 1
 
     # changes
     def append_token(
@@ -281,62 +212,6 @@ def _fork_detokenizer(
     return copy.deepcopy(detokenizer, memo)
 
 
-# --- stop conditions ---------------------------------------------------------------------------
-
-
-def check_stop(
-    seq: Sequence,
-    params: SamplingParams,
-    eos_token_ids: Collection[int] = (),
-    max_model_len: int | None = None,
-) -> StopDecision | None:
-    """Whether `seq` is finished after its last `append_token`; None if it goes on.
-
-    In order (as vLLM v0): a sequence that fills the model's context stops ("length") whatever
-    else; before `min_tokens` output tokens nothing else stops it; then EOS (unless
-    `ignore_eos`) or a token of `stop_token_ids` stops it, their text removed; then a stop string
-    anywhere in the text the last token completed -- also one that began in earlier tokens --
-    stops it, the text cut where the stop string begins; finally `max_tokens` ("length").
-    """
-    if max_model_len is not None and seq.get_len() >= max_model_len:
-        return StopDecision(SequenceStatus.FINISHED_LENGTH_CAPPED)
-    num_output = seq.get_output_len()
-    if num_output == 0:
-        return None
-    if num_output >= params.min_tokens:
-        last = seq.output_token_ids[-1]
-        text_without_last = len(seq.output_text) - seq.new_char_count
-        if not params.ignore_eos and last in eos_token_ids:
-            return StopDecision(SequenceStatus.FINISHED_STOPPED, last, text_without_last)
-        if last in params.stop_token_ids:
-            return StopDecision(SequenceStatus.FINISHED_STOPPED, last, text_without_last)
-        found = find_stop_string(seq.output_text, seq.new_char_count, params.stop)
-        if found is not None:
-            stop, index = found
-            return StopDecision(SequenceStatus.FINISHED_STOPPED, stop, index)
-    if num_output >= params.max_tokens:
-        return StopDecision(SequenceStatus.FINISHED_LENGTH_CAPPED)
-    return None
-
-
-def find_stop_string(text: str, new_char_count: int, stops: Seq[str]) -> tuple[str, int] | None:
-    """The earliest stop string that ends within the last `new_char_count` characters of `text`.
-
-    Earlier text was checked when it arrived, so only matches that end in the new characters are
-    new; they may begin before them (a stop string split across tokens). Returns the stop string
-    and where it begins, or None.
-    """
-    if new_char_count <= 0 or not stops:
-        return None
-    best: tuple[str, int] | None = None
-    first_new = len(text) - new_char_count
-    for stop in stops:
-        index = text.find(stop, max(0, first_new - len(stop) + 1))
-        if index != -1 and (best is None or index < best[1]):
-            best = (stop, index)
-    return best
-
-
 # --- requests ----------------------------------------------------------------------------------
 
 
@@ -384,9 +259,6 @@ class SequenceGroup:
     def get_finished_seqs(self) -> list[Sequence]:
         return [seq for seq in self.seqs if seq.is_finished()]
 
-    def num_seqs(self, status: SequenceStatus | None = None) -> int:
-        return len(self.get_seqs(status))
-
     def find(self, seq_id: int) -> Sequence:
         for seq in self.seqs:
             if seq.seq_id == seq_id:
@@ -410,16 +282,6 @@ class SequenceGroup:
         search, else its `n` samples."""
         params = self.sampling_params
         return params.beam_width if params.use_beam_search else params.n
-
-    def max_num_running_seqs(self) -> int:
-        """The most sequences this request can run at once (what the scheduler must budget):
-        `beam_width` for beam search, `n` before the prompt forks, else the unfinished ones."""
-        params = self.sampling_params
-        if params.use_beam_search:
-            return params.beam_width
-        if params.n > len(self.seqs):
-            return params.n
-        return len(self.get_unfinished_seqs())
 
     def abort(self) -> None:
         for seq in self.get_unfinished_seqs():

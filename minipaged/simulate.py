@@ -3,9 +3,12 @@
 It drives the *same* scheduler and `KVCacheManager` objects the engine uses (`FCFSScheduler`,
 `SkipJoinMLFQScheduler` and its variants), so a policy measured here is the policy that serves.
 Each step: admit the requests that have arrived, `schedule(now)`, advance the clock by the
-step's predicted time, append a made-up token to every sequence that samples, free what
-finished. Outputs have fixed lengths (`max_tokens` with `ignore_eos`), as in the papers'
-trace-driven evaluations (vLLM §6.1, FastServe §6.1).
+step's predicted time, append a made-up token to every sequence that samples, check stops, free
+what finished. Outputs have fixed lengths (`max_tokens` with `ignore_eos`), as in the papers'
+trace-driven evaluations (vLLM §6.1, FastServe §6.1). What the engine does alike around a step
+-- parallel samples' forks, stop checks, request metrics, the step's record -- is the same code
+(`minipaged.step`, `minipaged.stopping`); `minipaged.profiling` replays a trace on the real
+engine for comparison.
 
 Step time = compute (`CostModel.step_time` of the step's shape) + swaps on the critical path;
 swaps moved ahead of time for later steps (proactive swapping, FastServe §4.2) overlap with the
@@ -17,11 +20,9 @@ normalized latency (JCT / output tokens); overall, throughput and swap traffic.
 
 from __future__ import annotations
 
-import random
-import time
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,12 +30,17 @@ from minipaged.cost_model import CostModel, StepShape
 from minipaged.kv_cache import KVCacheManager
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import FCFSScheduler, ScheduledSequence, Scheduler, SchedulerConfig
-from minipaged.sequence import Sequence as Seq
-from minipaged.sequence import SequenceGroup, check_stop
-from minipaged.traces import TraceRequest, sharegpt_like
-
-if TYPE_CHECKING:
-    from minipaged.engine import LLMEngine
+from minipaged.sequence import Sequence, SequenceGroup
+from minipaged.step import (
+    StepRecord,
+    finish_requests,
+    fork_samples,
+    mark_first_tokens,
+    record_step,
+    step_shape,
+)
+from minipaged.stopping import finish_if_stopped
+from minipaged.traces import TraceRequest
 
 SchedulerFactory = Callable[[SchedulerConfig, KVCacheManager], Scheduler]
 # The sampler's part of parallel sampling and beam search, called after each step's tokens are
@@ -72,17 +78,6 @@ class RequestResult:
         return self.jct / self.output_len
 
 
-@dataclass(frozen=True)
-class StepRecord:
-    """One simulated step, for pictures: when, who ran, and each job's queue level."""
-
-    start: float
-    end: float
-    request_ids: tuple[str, ...]
-    levels: dict[str, int] = field(default_factory=dict)  # MLFQ only: request -> level
-    num_running: int = 0  # requests holding KV memory (running) at the step's end
-
-
 @dataclass
 class SimulationResult:
     """Everything a run measured."""
@@ -94,7 +89,7 @@ class SimulationResult:
     swapped_in_blocks: int
     swap_blocks_ahead: int
     num_preemptions: int
-    steps: list[StepRecord] = field(default_factory=list)  # only with record_steps=True
+    steps: list[StepRecord] = field(default_factory=list)  # with record_steps=True
 
     def _values(self, name: str) -> np.ndarray:
         return np.array([getattr(r, name) for r in self.requests])
@@ -156,7 +151,7 @@ def step_duration(cost: CostModel, shape: StepShape, swapped: int, ahead: int) -
 
 
 def simulate(
-    trace: Sequence[TraceRequest] | None,
+    trace: Collection[TraceRequest] | None,
     cost: CostModel,
     scheduler: SchedulerFactory = FCFSScheduler,
     *,
@@ -166,7 +161,7 @@ def simulate(
     config: SchedulerConfig | None = None,
     record_steps: bool = False,
     max_steps: int = 10_000_000,
-    groups: Sequence[SequenceGroup] | None = None,
+    groups: Collection[SequenceGroup] | None = None,
     kv_cache: KVCacheManager | None = None,
     on_sample: SampleHook | None = None,
 ) -> SimulationResult:
@@ -200,7 +195,6 @@ def simulate(
     pending = sorted(requests, key=lambda g: g.arrival_time)
     pending.reverse()  # pop() from the end: the earliest arrival
     results: list[RequestResult] = []
-    first_token: dict[str, float] = {}
     steps: list[StepRecord] = []
     now, num_steps = 0.0, 0
     swapped_out = swapped_in = ahead_total = 0
@@ -216,44 +210,36 @@ def simulate(
         if out.is_empty:
             raise RuntimeError(f"the scheduler made no progress at t={now:.3f}s")
         num_swaps = len(out.swap_in) + len(out.swap_out)
-        duration = step_duration(cost, StepShape.of(out), num_swaps, out.num_swap_blocks_ahead)
+        shape = step_shape(out.scheduled)
+        duration = step_duration(cost, shape, num_swaps, out.num_swap_blocks_ahead)
         sched.mark_computed(out)
         start, now = now, now + duration
         swapped_out += len(out.swap_out)
         swapped_in += len(out.swap_in)
         ahead_total += out.num_swap_blocks_ahead
         sampled = [item for item in out.scheduled if item.needs_logits]
+        touched = {id(item.group): item.group for item in sampled}
+        mark_first_tokens(touched.values(), now)
         for item in sampled:
-            first_token.setdefault(item.group.request_id, now)
             item.seq.append_token(0, 0.0)
         if on_sample is not None:
             next_seq_id = on_sample(sched, sampled, next_seq_id)
-        touched = {id(item.group): item.group for item in sampled}
         for group in touched.values():  # forked samples and beams included
             for seq in group.get_unfinished_seqs():
-                decision = check_stop(seq, group.sampling_params)
-                if decision is not None:
-                    seq.finish(decision)
+                finish_if_stopped(seq, group.sampling_params, (), config.max_model_len)
         if record_steps:
-            jobs = getattr(sched, "jobs", {})
-            steps.append(
-                StepRecord(
-                    start,
-                    now,
-                    tuple(dict.fromkeys(s.group.request_id for s in out.scheduled)),
-                    {rid: job.level for rid, job in jobs.items()},
-                    len(sched.running),
-                )
-            )
-        for group in sched.finish_step():
+            steps.append(record_step(num_steps, start, now, out, sched))
+        for group in finish_requests(sched, now):
             seq = group.seqs[0]
+            first_token = group.metrics.first_token_time
+            assert first_token is not None  # every finished request sampled
             results.append(
                 RequestResult(
                     group.request_id,
                     group.arrival_time,
                     seq.get_prompt_len(),
                     seq.get_output_len(),
-                    first_token[group.request_id],
+                    first_token,
                     now,
                     group.metrics.num_preemptions,
                 )
@@ -275,8 +261,20 @@ def simulate(
     )
 
 
+def fork_parallel_samples(
+    scheduler: Scheduler, sampled: list[ScheduledSequence], next_id: int
+) -> int:
+    """The `SampleHook` of parallel sampling: the engine's own fork (`fork_samples`) of every
+    request whose prompt just finished, with ids from `next_id` on; returns the next free id."""
+    seq_ids = itertools.count(next_id)
+    for item in sampled:
+        if not item.group.sampling_params.use_beam_search:
+            fork_samples(scheduler, item.group, item.seq, seq_ids)
+    return next(seq_ids)
+
+
 def _requests(
-    trace: Sequence[TraceRequest] | None, groups: Sequence[SequenceGroup] | None
+    trace: Collection[TraceRequest] | None, groups: Collection[SequenceGroup] | None
 ) -> list[SequenceGroup]:
     """The requests to serve, from exactly one of a trace or ready groups."""
     if (trace is None) == (groups is None):
@@ -294,133 +292,5 @@ def _make_group(index: int, request: TraceRequest) -> SequenceGroup:
     """A request with made-up prompt tokens and a fixed output length."""
     prompt = [(7 * index + i) % 30_000 + 3 for i in range(request.prompt_len)]
     params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
-    seq = Seq(index, prompt)
+    seq = Sequence(index, prompt)
     return SequenceGroup(str(index), [seq], params, arrival_time=request.arrival_time)
-
-
-# -- the same trace on the real engine -------------------------------------------------------------
-
-
-def replay_on_engine(
-    engine: LLMEngine,
-    trace: Sequence[TraceRequest],
-    seed: int = 0,
-    clock: Callable[[], float] = time.perf_counter,
-) -> SimulationResult:
-    """Serve `trace` on a real engine (random prompt tokens, fixed output lengths) and measure
-    what `simulate` predicts, for comparison.
-
-    Times are read from `clock`: wall time by default; `time.thread_time` counts only this
-    thread's CPU time, which keeps other processes on a shared machine out of the measurement
-    (run torch on one thread then). While nothing is in flight the replay jumps to the next
-    arrival instead of sleeping, as the simulator does.
-    """
-    rng = random.Random(seed)
-    vocab = engine.model_config.vocab_size
-    pending = sorted(enumerate(trace), key=lambda x: x[1].arrival_time)
-    pending.reverse()
-    preemptions_before = engine.scheduler.num_preemptions
-    origin = clock()
-    skipped = 0.0
-
-    def now() -> float:
-        return clock() - origin + skipped
-
-    requests: dict[str, TraceRequest] = {}
-    first_token: dict[str, float] = {}
-    finished: dict[str, tuple[float, int, int]] = {}  # time, output tokens, preemptions
-    num_steps = 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[-1][1].arrival_time <= now():
-            index, request = pending.pop()
-            prompt = [rng.randrange(3, vocab) for _ in range(request.prompt_len)]
-            params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
-            requests[engine.add_request(str(index), prompt, params)] = request
-        if not engine.has_unfinished_requests():
-            skipped += pending[-1][1].arrival_time - now()
-            continue
-        outputs = engine.step()
-        t = now()
-        num_steps += 1
-        for output in outputs:
-            first_token.setdefault(output.request_id, t)
-            if output.finished:
-                num_preemptions = output.metrics.num_preemptions if output.metrics else 0
-                tokens = len(output.outputs[0].token_ids)
-                finished[output.request_id] = (t, tokens, num_preemptions)
-    results = [
-        RequestResult(
-            rid,
-            request.arrival_time,
-            request.prompt_len,
-            finished[rid][1],
-            first_token[rid],
-            finished[rid][0],
-            finished[rid][2],
-        )
-        for rid, request in requests.items()
-    ]
-    results.sort(key=lambda r: int(r.request_id))
-    return SimulationResult(
-        requests=results,
-        makespan=now(),
-        num_steps=num_steps,
-        swapped_out_blocks=0,  # not counted on the engine
-        swapped_in_blocks=0,
-        swap_blocks_ahead=getattr(engine.scheduler, "num_swap_blocks_ahead", 0),
-        num_preemptions=engine.scheduler.num_preemptions - preemptions_before,
-    )
-
-
-# -- arrivals -------------------------------------------------------------------------------------
-
-
-def gamma_arrival_times(
-    num_requests: int, rate: float, cv: float, rng: np.random.Generator
-) -> np.ndarray:
-    """Arrival times with gamma-distributed gaps: mean 1/rate, coefficient of variation `cv`
-    (cv 1 is Poisson; larger is burstier, as FastServe's evaluation uses)."""
-    if rate <= 0 or cv <= 0:
-        raise ValueError(f"rate and cv must be positive, got rate={rate!r}, cv={cv!r}")
-    shape = 1.0 / cv**2
-    gaps = rng.gamma(shape, 1.0 / (rate * shape), num_requests)
-    gaps[0] = 0.0
-    return np.cumsum(gaps)
-
-
-def with_arrivals(trace: Sequence[TraceRequest], arrivals: np.ndarray) -> list[TraceRequest]:
-    """The same requests at new arrival times."""
-    if len(arrivals) != len(trace):
-        raise ValueError(f"{len(arrivals)} arrival times for {len(trace)} requests")
-    return [
-        TraceRequest(float(t), r.prompt_len, r.output_len)
-        for t, r in zip(arrivals, trace, strict=True)
-    ]
-
-
-def heavy_tailed(
-    num_requests: int,
-    seed: int = 0,
-    output_median: float = 40.0,
-    output_sigma: float = 1.5,
-    max_seq_len: int = 2048,
-    prompt_median: float | None = None,
-    prompt_sigma: float = 1.0,
-) -> list[TraceRequest]:
-    """ShareGPT-like prompts with heavy-tailed output lengths (log-normal, sigma 1.5: the mean
-    is ~3x the median and a few jobs are 10-50x it): the workload where run-to-completion
-    suffers most from head-of-line blocking (FastServe §2). With `prompt_median`, prompts are
-    log-normal too (long-context jobs: long prefills and large KV caches). All arrive at 0;
-    see `with_arrivals`."""
-    rng = np.random.default_rng(seed + 7919)
-    if prompt_median is None:
-        prompts = sharegpt_like(num_requests, seed=seed, max_seq_len=max_seq_len)
-        prompt_lens = [r.prompt_len for r in prompts]
-    else:
-        drawn = np.round(rng.lognormal(np.log(prompt_median), prompt_sigma, num_requests))
-        prompt_lens = [int(p) for p in drawn.clip(1, max_seq_len - 1)]
-    outputs = np.round(rng.lognormal(np.log(output_median), output_sigma, num_requests))
-    return [
-        TraceRequest(0.0, p, int(min(max(o, 1), max_seq_len - p)))
-        for p, o in zip(prompt_lens, outputs, strict=True)
-    ]

@@ -9,12 +9,17 @@ paper reports (Fig. 11), which is all a memory or scheduling simulation needs:
   pasted-context prompts spread up to the limit), output mean ~338 / median ~271, and
   prompt + output <= `max_seq_len` (2048, OPT's context).
 * Alpaca-like: prompt mean ~19, output mean ~58 (log-normal).
+* Heavy-tailed (FastServe's setting, §2, §6): ShareGPT-like or log-normal prompts with
+  log-normal outputs of sigma 1.5, where a few jobs are 10-50x the median.
 
-Every generator is seeded and returns requests sorted by arrival time.
+Arrivals: a Poisson process, or gamma-distributed gaps for bursty traffic (FastServe's
+evaluation); `with_arrivals` puts a trace's requests at new times. Every generator is seeded and
+returns requests sorted by arrival time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +63,29 @@ def poisson_arrival_times(num_requests: int, rate: float, rng: np.random.Generat
     return np.cumsum(gaps)
 
 
+def gamma_arrival_times(
+    num_requests: int, rate: float, cv: float, rng: np.random.Generator
+) -> np.ndarray:
+    """Arrival times with gamma-distributed gaps: mean 1/rate, coefficient of variation `cv`
+    (cv 1 is Poisson; larger is burstier, as FastServe's evaluation uses)."""
+    if rate <= 0 or cv <= 0:
+        raise ValueError(f"rate and cv must be positive, got rate={rate!r}, cv={cv!r}")
+    shape = 1.0 / cv**2
+    gaps = rng.gamma(shape, 1.0 / (rate * shape), num_requests)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+def with_arrivals(trace: Sequence[TraceRequest], arrivals: np.ndarray) -> list[TraceRequest]:
+    """The same requests at new arrival times."""
+    if len(arrivals) != len(trace):
+        raise ValueError(f"{len(arrivals)} arrival times for {len(trace)} requests")
+    return [
+        TraceRequest(float(t), r.prompt_len, r.output_len)
+        for t, r in zip(arrivals, trace, strict=True)
+    ]
+
+
 def sharegpt_like(
     num_requests: int, rate: float = float("inf"), seed: int = 0, max_seq_len: int = 2048
 ) -> list[TraceRequest]:
@@ -86,6 +114,34 @@ def alpaca_like(
     prompt = prompt.clip(1, max_seq_len - 1)
     output = np.minimum(output, max_seq_len - prompt)
     return _assemble(poisson_arrival_times(num_requests, rate, rng), prompt, output)
+
+
+def heavy_tailed(
+    num_requests: int,
+    seed: int = 0,
+    output_median: float = 40.0,
+    output_sigma: float = 1.5,
+    max_seq_len: int = 2048,
+    prompt_median: float | None = None,
+    prompt_sigma: float = 1.0,
+) -> list[TraceRequest]:
+    """ShareGPT-like prompts with heavy-tailed output lengths (log-normal, sigma 1.5: the mean
+    is ~3x the median and a few jobs are 10-50x it): the workload where run-to-completion
+    suffers most from head-of-line blocking (FastServe §2). With `prompt_median`, prompts are
+    log-normal too (long-context jobs: long prefills and large KV caches). All arrive at 0;
+    see `with_arrivals`."""
+    rng = np.random.default_rng(seed + 7919)
+    if prompt_median is None:
+        prompts = sharegpt_like(num_requests, seed=seed, max_seq_len=max_seq_len)
+        prompt_lens = [r.prompt_len for r in prompts]
+    else:
+        drawn = np.round(rng.lognormal(np.log(prompt_median), prompt_sigma, num_requests))
+        prompt_lens = [int(p) for p in drawn.clip(1, max_seq_len - 1)]
+    outputs = np.round(rng.lognormal(np.log(output_median), output_sigma, num_requests))
+    return [
+        TraceRequest(0.0, p, int(min(max(o, 1), max_seq_len - p)))
+        for p, o in zip(prompt_lens, outputs, strict=True)
+    ]
 
 
 TRACES = {"sharegpt": sharegpt_like, "alpaca": alpaca_like}

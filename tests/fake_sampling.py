@@ -4,7 +4,7 @@ logits gets a made-up token and is finished when its stop rule says so."""
 from __future__ import annotations
 
 from minipaged.scheduler import SchedulerOutput
-from minipaged.sequence import check_stop
+from minipaged.stopping import check_stop
 
 
 def sample_made_up_tokens(out: SchedulerOutput) -> None:

@@ -1,13 +1,14 @@
 """The PyTorch paged-attention reference and the KV-cache operations, checked against the dense
 oracle and against plain per-slot bookkeeping.
 
-Tolerances (tests/paged_utils.py, `TOLERANCES`): float32 within 1e-5 relative (and 1e-5 absolute
-for outputs near 0); float16 within 2e-3 and bfloat16 within 1.6e-2 (about two units in the last
-place: both sides round one float32 result to the storage dtype).
+Tolerances (`minipaged.paged_examples.TOLERANCES`): float32 within 1e-5 relative (and 1e-5
+absolute for outputs near 0); float16 within 2e-3 and bfloat16 within 1.6e-2 (about two units in
+the last place: both sides round one float32 result to the storage dtype).
 """
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from unittest import mock
@@ -16,25 +17,29 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from paged_utils import (
-    dense_reference,
-    make_attention_case,
-    make_paged_cache,
-    seq_and_query_lens,
-    tolerance,
-)
+from paged_utils import seq_and_query_lens
 
 from minipaged import attention
 from minipaged.attention import (
-    AttentionMetadata,
-    PagedAttentionBackend,
-    allocate_kv_caches,
+    MAX_CONTEXT_RATIO,
     copy_blocks,
-    dense_attention,
-    get_attention_ops,
     paged_attention,
+    plan_attention,
     reshape_and_cache,
     swap_blocks,
+)
+from minipaged.attention_backend import (
+    PagedAttentionBackend,
+    allocate_kv_caches,
+    get_attention_ops,
+)
+from minipaged.attention_contract import AttentionMetadata, dense_attention
+from minipaged.paged_examples import (
+    dense_reference,
+    make_attention_case,
+    make_paged_cache,
+    random_block_tables,
+    tolerance,
 )
 
 BLOCK_SIZES = [8, 16, 32]
@@ -141,6 +146,79 @@ def test_a_prefill_does_not_pad_the_decodes_of_its_step():
         out = paged_attention(*case.args())
     torch.testing.assert_close(out, dense_reference(case), **tolerance(torch.float32))
     assert sum(padded_rows) == case.q.shape[0]  # 64 + 4 query rows, none of them padding
+
+
+# ---------------------------------------------------------------------------------------------
+# The chunk plan: every query once, none padded, padding and gather size bounded
+# ---------------------------------------------------------------------------------------------
+
+
+@given(
+    shapes=st.lists(st.tuples(st.sampled_from([0, 1, 1, 1, 2, 7, 16]), st.integers(0, 150)),
+                    min_size=1, max_size=24),
+    block_size=st.sampled_from([1, 4, 16]),
+    budget_blocks=st.sampled_from([1, 3, 10, 40, 10**6]),
+    seed=st.integers(0, 999),
+)
+def test_plan_covers_every_query_once_pads_none_and_respects_its_bounds(
+    shapes, block_size, budget_blocks, seed
+):
+    query_lens = [q for q, _ in shapes]
+    context_lens = [max(q + cached, 1) for q, cached in shapes]
+    block_tables, num_blocks = random_block_tables(
+        context_lens, block_size, generator=torch.Generator().manual_seed(seed))
+    k_cache = torch.empty(num_blocks, block_size, 2, 4)
+    bytes_per_block = 2 * k_cache[0].numel() * k_cache.element_size()
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    plan = plan_attention(block_tables, torch.tensor(context_lens, dtype=torch.int32),
+                          torch.tensor(starts, dtype=torch.int32), k_cache,
+                          chunk_bytes=budget_blocks * bytes_per_block)
+
+    planned = [i for chunk in plan for i in chunk.seqs]
+    assert sorted(planned) == [i for i, n in enumerate(query_lens) if n > 0]  # each once
+    tokens = torch.cat([chunk.tokens for chunk in plan]).tolist() if plan else []
+    assert sorted(tokens) == list(range(starts[-1]))  # every query row exactly once
+    for chunk in plan:
+        assert chunk.tokens.tolist() == [t for i in chunk.seqs
+                                         for t in range(starts[i], starts[i + 1])]
+        assert {query_lens[i] for i in chunk.seqs} == {chunk.query_len}  # no query padded
+        contexts = [context_lens[i] for i in chunk.seqs]
+        assert chunk.num_blocks == -(-max(contexts) // block_size)
+        assert max(contexts) <= MAX_CONTEXT_RATIO * min(contexts)  # padding at most 2x
+        gathered = len(chunk.seqs) * chunk.num_blocks * bytes_per_block
+        assert len(chunk.seqs) == 1 or gathered <= budget_blocks * bytes_per_block
+        assert torch.equal(chunk.block_ids,
+                           block_tables[chunk.seqs, :chunk.num_blocks].clamp(min=0).long())
+        # Which gathered slots each query row sees: causal, never past its sequence's end.
+        key_pos = torch.arange(chunk.num_blocks * block_size)
+        for row, i in enumerate(chunk.seqs):
+            past_end = chunk.tail[1][chunk.tail[0] == row]
+            assert past_end.tolist() == list(range(context_lens[i], len(key_pos)))
+            for r in range(chunk.query_len):
+                sees = key_pos <= context_lens[i] - chunk.query_len + r
+                assert torch.equal(chunk.visible[row, 0, r], sees)
+    # Chunks are cut only where needed: the next sequence of the same query length did not fit.
+    for before, after in itertools.pairwise(plan):
+        if before.query_len == after.query_len:
+            first, nxt = context_lens[before.seqs[0]], context_lens[after.seqs[0]]
+            too_big = ((len(before.seqs) + 1) * -(-nxt // block_size) * bytes_per_block
+                       > budget_blocks * bytes_per_block)
+            assert nxt > MAX_CONTEXT_RATIO * first or too_big
+
+
+def test_a_plan_for_other_metadata_is_refused():
+    first = make_attention_case([20, 9], [3, 9], num_heads=4, num_kv_heads=2, head_dim=32,
+                                block_size=8, seed=1)
+    other = make_attention_case([20, 9], [1, 1], num_heads=4, num_kv_heads=2, head_dim=32,
+                                block_size=8, seed=1)
+    c = other.cache
+    plan = plan_attention(c.block_tables, c.seq_lens, other.query_start_loc, c.k_cache)
+    with pytest.raises(ValueError, match="plan covers 2 queries but q has 12"):
+        paged_attention(*first.args(), plan=plan)
+    with pytest.raises(ValueError, match="block_tables has 2 rows, seq_lens 1 entries"):
+        plan_attention(c.block_tables, c.seq_lens[:1], other.query_start_loc[:2], c.k_cache)
 
 
 def test_blocks_shared_between_sequences():
@@ -429,7 +507,8 @@ def test_unknown_backend():
 
 
 def test_torch_backend_never_imports_triton():
-    code = ("import sys, minipaged, minipaged.attention as a; a.get_attention_ops('torch'); "
+    code = ("import sys, minipaged, minipaged.attention_backend as a; "
+            "a.get_attention_ops('torch'); "
             "a.get_attention_ops(device='cpu'); "
             "assert 'triton' not in sys.modules and 'minipaged.kernels' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

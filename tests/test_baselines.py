@@ -18,13 +18,14 @@ from tiny_models import assert_engine_drained, tiny_engine, tiny_llama_parts
 
 from minipaged.baselines import OrcaScheduler, StaticBatchScheduler
 from minipaged.cost_model import CostModel
+from minipaged.dense import generate_dense
 from minipaged.mlfq import MLFQ_VARIANTS, MLFQConfig, SkipJoinMLFQScheduler
-from minipaged.model import generate_dense
 from minipaged.reservation import ReservationKVCacheManager
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import SchedulerConfig
 from minipaged.scheduler_registry import SCHEDULERS, build_scheduler, needs_cost_model
-from minipaged.sequence import Sequence, SequenceGroup, check_stop
+from minipaged.sequence import Sequence, SequenceGroup
+from minipaged.stopping import check_stop
 
 MAX_LEN = 64
 # The five systems of the vLLM paper's Fig. 12, by their registry names.

@@ -6,7 +6,11 @@
   files give back the original weights exactly, quantised ones equal transformers' load.
 * Tiny random transformers models saved as safetensors (one file, and sharded with an index)
   round-trip exactly.
-* Every kind of bad file raises `CheckpointError` naming the file and the problem.
+* Qwen2, Qwen3 and a LLaMA with biases as GGUF files (Q/K permuted for llama only) give back
+  the original weights; transformers reads Qwen2's the same way.
+* Every kind of bad file raises `CheckpointError` naming the file and the problem, bad metadata
+  too: special token ids outside the vocabulary, heads that do not divide the hidden size, a
+  family's own tensors missing or mis-shaped.
 """
 
 from __future__ import annotations
@@ -23,23 +27,27 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
-from tiny_models import assert_llama_config_matches, random_gpt2, random_llama
+from tiny_models import assert_llama_config_matches, random_gpt2, random_hf
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    PreTrainedModel,
 )
 
 from minipaged.checkpoint import (
     CheckpointError,
     config_from_gguf,
     default_model_path,
-    expected_shapes,
     load_checkpoint,
-    unpermute_qk,
 )
+from minipaged.checkpoint_gguf import unpermute_qk
+from minipaged.config import ModelConfig
+from minipaged.dense import DenseAttentionBackend, DenseKVCache
+from minipaged.model import build_model
+from minipaged.weights import expected_shapes
 
 Q = gguf.GGMLQuantizationType
 
@@ -50,6 +58,12 @@ Q = gguf.GGMLQuantizationType
 
 def tiny_llama(tie: bool = False, **overrides) -> LlamaForCausalLM:
     """A random LLaMA (GQA, untied by default) whose norms are random too."""
+    return tiny_family("llama", tie_word_embeddings=tie, **overrides)
+
+
+def tiny_family(model_type: str, **overrides) -> PreTrainedModel:
+    """A random model of the LLaMA family (`model_type` llama, mistral, qwen2 or qwen3; GQA)
+    whose norms and biases are random too."""
     config = dict(
         vocab_size=64,
         hidden_size=64,
@@ -60,12 +74,12 @@ def tiny_llama(tie: bool = False, **overrides) -> LlamaForCausalLM:
         max_position_embeddings=128,
         rope_theta=5000.0,
         rms_norm_eps=1e-5,
-        tie_word_embeddings=tie,
+        tie_word_embeddings=False,
     )
-    model = random_llama(**(config | overrides))
-    with torch.no_grad():  # norms start at 1: make them random so a mix-up would show
+    model = random_hf(model_type, **(config | overrides))
+    with torch.no_grad():  # norms start at 1, biases at 0: make them random so a mix-up shows
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("bias"):
                 param.uniform_(0.5, 1.5)
     return model
 
@@ -121,6 +135,13 @@ _LLAMA_GGUF = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # Biases (Qwen2; LLaMA with attention_bias) and Qwen3's per-head norms.
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 _GPT2_GGUF = {
     "wte": "token_embd",
@@ -135,13 +156,16 @@ _GPT2_GGUF = {
 }
 
 
-def llama_gguf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
-    """GGUF name -> float32 array, converted as llama.cpp's converter does."""
-    return {gguf_name: array for gguf_name, (_, array) in _llama_conversion(model).items()}
+def llama_gguf_tensors(model: LlamaForCausalLM, arch: str = "llama") -> dict[str, np.ndarray]:
+    """GGUF name -> float32 array, converted as llama.cpp's converter does for `arch`."""
+    return {gguf_name: array for gguf_name, (_, array) in _llama_conversion(model, arch).items()}
 
 
-def _llama_conversion(model: LlamaForCausalLM) -> dict[str, tuple[str, np.ndarray]]:
-    """GGUF name -> (HF name, converted array)."""
+def _llama_conversion(
+    model: LlamaForCausalLM, arch: str = "llama"
+) -> dict[str, tuple[str, np.ndarray]]:
+    """GGUF name -> (HF name, converted array). llama.cpp permutes the Q/K rows (weights and
+    biases) of `llama` files only; Qwen2 and Qwen3 keep Hugging Face's order."""
     cfg = model.config
     out = {}
     for name, tensor in hf_state(model).items():
@@ -149,9 +173,9 @@ def _llama_conversion(model: LlamaForCausalLM) -> dict[str, tuple[str, np.ndarra
         if name.startswith("model.layers."):
             layer, rest = name[len("model.layers.") :].split(".", 1)
             gguf_name = f"blk.{layer}.{_LLAMA_GGUF[rest]}"
-            if rest == "self_attn.q_proj.weight":
+            if arch == "llama" and rest.startswith("self_attn.q_proj."):
                 array = llama_cpp_permute(array, cfg.num_attention_heads)
-            if rest == "self_attn.k_proj.weight":
+            if arch == "llama" and rest.startswith("self_attn.k_proj."):
                 array = llama_cpp_permute(array, cfg.num_key_value_heads)
         else:
             gguf_name = _LLAMA_GGUF[name]
@@ -202,8 +226,9 @@ def write_gguf(
         else:
             writer.add_uint32(key, value)
     writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(vocab_size)])
-    writer.add_uint32("tokenizer.ggml.bos_token_id", 0)
-    writer.add_uint32("tokenizer.ggml.eos_token_id", 1)
+    for key, default in (("tokenizer.ggml.bos_token_id", 0), ("tokenizer.ggml.eos_token_id", 1)):
+        if key not in meta:
+            writer.add_uint32(key, default)
     for name, array in tensors.items():
         qtype = qtypes.get(name, Q.F32)
         if qtype == Q.F32:
@@ -223,18 +248,24 @@ def write_gguf(
     return path
 
 
-def llama_meta(cfg: LlamaConfig, **extra) -> dict:
-    return {
-        "llama.context_length": cfg.max_position_embeddings,
-        "llama.embedding_length": cfg.hidden_size,
-        "llama.block_count": cfg.num_hidden_layers,
-        "llama.feed_forward_length": cfg.intermediate_size,
-        "llama.attention.head_count": cfg.num_attention_heads,
-        "llama.attention.head_count_kv": cfg.num_key_value_heads,
-        "llama.rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
-        "llama.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
-        "llama.rope.dimension_count": cfg.head_dim,
-    } | extra
+def llama_meta(cfg: LlamaConfig, arch: str = "llama", **extra) -> dict:
+    """The metadata llama.cpp writes for a model of the LLaMA family (`arch` llama, qwen2 or
+    qwen3); Qwen3's head size, its own, is stated as the key length."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    meta = {
+        f"{arch}.context_length": cfg.max_position_embeddings,
+        f"{arch}.embedding_length": cfg.hidden_size,
+        f"{arch}.block_count": cfg.num_hidden_layers,
+        f"{arch}.feed_forward_length": cfg.intermediate_size,
+        f"{arch}.attention.head_count": cfg.num_attention_heads,
+        f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
+        f"{arch}.rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
+        f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        f"{arch}.rope.dimension_count": head_dim,
+    }
+    if arch == "qwen3":
+        meta[f"{arch}.attention.key_length"] = head_dim
+    return meta | extra
 
 
 def gpt2_meta(cfg: GPT2Config) -> dict:
@@ -249,13 +280,15 @@ def gpt2_meta(cfg: GPT2Config) -> dict:
 
 
 def write_llama_gguf(
-    path: Path, model: LlamaForCausalLM, qtypes=None, tensors=None, **meta
+    path: Path, model: LlamaForCausalLM, qtypes=None, tensors=None, arch="llama", **meta
 ) -> Path:
-    """`model` as llama.cpp writes it, or `tensors` in its place (a file that differs from the
-    model in some way), with `model`'s metadata plus `meta`."""
-    tensors = llama_gguf_tensors(model) if tensors is None else tensors
+    """`model` (of the LLaMA family: `arch` llama, qwen2 or qwen3) as llama.cpp writes it, or
+    `tensors` in its place (a file that differs from the model in some way), with `model`'s
+    metadata plus `meta`."""
+    tensors = llama_gguf_tensors(model, arch) if tensors is None else tensors
     return write_gguf(
-        path, "llama", tensors, llama_meta(model.config, **meta), model.config.vocab_size, qtypes
+        path, arch, tensors, llama_meta(model.config, arch, **meta), model.config.vocab_size,
+        qtypes,
     )
 
 
@@ -284,21 +317,8 @@ def assert_states_equal(
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def bundled() -> tuple:
-    return load_checkpoint(progress=False)
-
-
-@pytest.fixture(scope="session")
-def bundled_hf() -> torch.nn.Module:
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
-
-
-def test_bundled_config(bundled) -> None:
-    config, _ = bundled
+def test_bundled_config(bundled_checkpoint) -> None:
+    config, _ = bundled_checkpoint
     assert config.architecture == "llama"
     assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (
         30,
@@ -311,13 +331,13 @@ def test_bundled_config(bundled) -> None:
     assert (config.bos_token_id, config.eos_token_ids) == (1, (2,))
 
 
-def test_bundled_config_equals_transformers(bundled, bundled_hf) -> None:
-    assert_llama_config_matches(bundled[0], bundled_hf.config)
+def test_bundled_config_equals_transformers(bundled_checkpoint, bundled_hf_model) -> None:
+    assert_llama_config_matches(bundled_checkpoint[0], bundled_hf_model.config)
 
 
-def test_bundled_tensors_equal_transformers(bundled, bundled_hf) -> None:
-    _, state = bundled
-    assert_states_equal(state, bundled_hf.state_dict(), tied_to="model.embed_tokens.weight")
+def test_bundled_tensors_equal_transformers(bundled_checkpoint, bundled_hf_model) -> None:
+    _, state = bundled_checkpoint
+    assert_states_equal(state, bundled_hf_model.state_dict(), tied_to="model.embed_tokens.weight")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -437,6 +457,48 @@ def test_unpermute_inverts_llama_cpp(n_head, half, cols) -> None:
     assert np.array_equal(unpermute_qk(llama_cpp_permute(w, n_head), n_head), w)
 
 
+GGUF_FAMILIES = {
+    # name: (model_type, which is also the GGUF architecture; config)
+    "qwen2-untied": ("qwen2", {}),
+    "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen3-hd32": ("qwen3", {"head_dim": 32}),  # 4 heads x 32 = 128, not the hidden 64
+    "qwen3-biased": ("qwen3", {"head_dim": 16, "attention_bias": True}),
+    "llama-biased": ("llama", {"attention_bias": True}),  # permuted Q/K biases too
+}
+
+
+@pytest.mark.parametrize("name", sorted(GGUF_FAMILIES))
+def test_family_gguf_gives_back_the_original_weights(tmp_path, name) -> None:
+    """Qwen2, Qwen3 and a LLaMA with biases written as llama.cpp writes them (Q/K rows
+    permuted for llama only) come back as exactly the original weights, with the config's
+    switches read from the file, and the loaded model computes transformers' logits."""
+    model_type, overrides = GGUF_FAMILIES[name]
+    model = tiny_family(model_type, **overrides)
+    path = write_llama_gguf(tmp_path / f"{name}.gguf", model, arch=model_type)
+    config, state = load_checkpoint(path, progress=False)
+    assert_states_equal(state, hf_state(model), tied_to=None)
+    hf_config = ModelConfig.from_hf_dict(model.config.to_dict())
+    switches = ("architecture", "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings",
+                "qkv_bias", "o_bias", "qk_norm", "rope_theta")
+    assert [getattr(config, f) for f in switches] == [getattr(hf_config, f) for f in switches]
+    ids = torch.tensor([3, 14, 15, 9, 26, 5, 35])
+    ours = build_model(config, state)
+    with torch.inference_mode():
+        hidden = ours(ids, torch.arange(len(ids)), DenseAttentionBackend(DenseKVCache(2), [0],
+                                                                         [len(ids)]))
+        assert (ours.compute_logits(hidden) - model(ids[None]).logits[0]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_qwen2_gguf_equals_transformers(tmp_path, tie) -> None:
+    """transformers reads Qwen2 GGUF files without un-permuting, as minipaged does."""
+    path = write_llama_gguf(tmp_path / "qwen2.gguf", tiny_family("qwen2", tie_word_embeddings=tie),
+                            arch="qwen2")
+    _, state = load_checkpoint(path, progress=False)
+    theirs = transformers_gguf_state(path)
+    assert_states_equal(state, theirs, tied_to="model.embed_tokens.weight" if tie else None)
+
+
 # --------------------------------------------------------------------------------------------
 # Safetensors folders.
 # --------------------------------------------------------------------------------------------
@@ -446,6 +508,9 @@ MODELS = {
     "llama-tied": lambda: tiny_llama(tie=True),
     "gpt2": lambda: tiny_gpt2(tie=True),
     "gpt2-untied": lambda: tiny_gpt2(tie=False),
+    "qwen2-tied": lambda: tiny_family("qwen2", tie_word_embeddings=True),
+    "qwen3": lambda: tiny_family("qwen3", head_dim=32),
+    "mistral": lambda: tiny_family("mistral", sliding_window=4096),
 }
 
 
@@ -648,8 +713,9 @@ def test_default_model_path_when_missing(monkeypatch) -> None:
         load_checkpoint()
 
 
-def test_default_model_path_finds_the_file() -> None:
-    path = default_model_path()
+def test_default_model_path_finds_the_file(bundled_path) -> None:
+    path = bundled_path
+    assert path == default_model_path()
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
     assert path.read_bytes()[:4] == b"GGUF"
 
@@ -665,3 +731,93 @@ def test_type_gguf_cannot_dequantise(tmp_path) -> None:
     tensors["output_norm.weight"] = tensors["output_norm.weight"].astype(np.float64)
     path = write_llama_gguf(tmp_path / "f64.gguf", model, tensors=tensors)
     assert_load_fails(path, "output_norm.weight", "F64", "cannot dequantise", progress=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad metadata: special token ids, head counts, the families' own tensors.
+# --------------------------------------------------------------------------------------------
+
+
+def _edit_config_json(folder: Path, **changes) -> Path:
+    """Change (or, for a value of None, remove) keys of a saved config.json."""
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text()) | changes
+    path.write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("eos_token_id", 64), ("bos_token_id", 100), ("pad_token_id", -3),
+                         ("eos_token_id", [1, 64])]
+)
+def test_special_token_outside_vocabulary_config_json(tmp_path, field, value) -> None:
+    tiny_llama().save_pretrained(tmp_path)
+    config_file = _edit_config_json(tmp_path, **{field: value})
+    bad = value[-1] if isinstance(value, list) else value
+    assert_load_fails(tmp_path, f"{field} {bad} is outside the vocabulary of 64 tokens",
+                      names=config_file)
+
+
+@pytest.mark.parametrize(
+    "key", ["tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.padding_token_id"]
+)
+def test_special_token_outside_vocabulary_gguf(tmp_path, key) -> None:
+    path = write_llama_gguf(tmp_path / "tokens.gguf", tiny_llama(), **{key: 64})
+    assert_load_fails(path, f"{key} 64 is outside the vocabulary of 64 tokens")
+    with pytest.raises(CheckpointError, match=key):
+        config_from_gguf(path)
+
+
+def test_head_count_must_divide_hidden_size(tmp_path) -> None:
+    """Without a stated head size, LLaMA's is hidden / heads: 5 heads do not divide 64."""
+    tiny_llama().save_pretrained(tmp_path / "hf")
+    config_file = _edit_config_json(tmp_path / "hf", num_attention_heads=5, num_key_value_heads=5,
+                                    head_dim=None)
+    assert_load_fails(tmp_path / "hf", "num_attention_heads 5 does not divide hidden_size 64",
+                      names=config_file)
+    path = write_llama_gguf(tmp_path / "heads.gguf", tiny_llama(),
+                            **{"llama.attention.head_count": 5})
+    assert_load_fails(
+        path, "llama.attention.head_count 5 does not divide llama.embedding_length 64"
+    )
+    tiny_gpt2().save_pretrained(tmp_path / "gpt2")
+    config_file = _edit_config_json(tmp_path / "gpt2", n_head=3)
+    assert_load_fails(tmp_path / "gpt2", "n_head 3 does not divide n_embd 32", names=config_file)
+
+
+def test_qwen3_needs_its_head_size(tmp_path) -> None:
+    tiny_family("qwen3", head_dim=32).save_pretrained(tmp_path)
+    config_file = _edit_config_json(tmp_path, head_dim=None)
+    assert_load_fails(tmp_path, "lacks the required key 'head_dim'", names=config_file)
+
+
+def test_family_tensors_missing_or_mis_shaped(tmp_path) -> None:
+    """Each family's own tensors are required and checked: Qwen2's q/k/v biases, Qwen3's q/k
+    norms (one weight per element of a head)."""
+    tiny_family("qwen2").save_pretrained(tmp_path / "qwen2")
+    state = load_file(tmp_path / "qwen2" / "model.safetensors")
+    del state["model.layers.1.self_attn.k_proj.bias"]
+    save_file(state, tmp_path / "qwen2" / "model.safetensors")
+    assert_load_fails(tmp_path / "qwen2", "model.layers.1.self_attn.k_proj.bias missing in")
+
+    tiny_family("qwen3", head_dim=16).save_pretrained(tmp_path / "qwen3")
+    state = load_file(tmp_path / "qwen3" / "model.safetensors")
+    state["model.layers.0.self_attn.q_norm.weight"] = torch.ones(64)  # hidden, not head_dim
+    save_file(state, tmp_path / "qwen3" / "model.safetensors")
+    assert_load_fails(tmp_path / "qwen3", "model.layers.0.self_attn.q_norm.weight", "shape [64]",
+                      "needs [16]")
+
+    model = tiny_family("qwen2")
+    tensors = llama_gguf_tensors(model, "qwen2")
+    del tensors["blk.0.attn_v.bias"]
+    path = write_llama_gguf(tmp_path / "qwen2.gguf", model, tensors=tensors, arch="qwen2")
+    assert_load_fails(path, "model.layers.0.self_attn.v_proj.bias missing in")
+
+
+def test_mistral_gguf_window_caps_the_context(tmp_path) -> None:
+    path = write_llama_gguf(tmp_path / "window.gguf", tiny_llama(),
+                            **{"llama.attention.sliding_window": 32})
+    with pytest.warns(UserWarning, match="sliding_window 32 < context length 128"):
+        config, _ = load_checkpoint(path, progress=False)
+    assert (config.sliding_window, config.max_position_embeddings) == (32, 32)

@@ -1,32 +1,40 @@
-"""The user-facing layer on the bundled SmolLM2: the command line, streaming, request metrics.
+"""The user-facing layer on the bundled SmolLM2: the command line, the interactive chat,
+streaming, request metrics.
 
-The model is loaded once per test session; every `LLM(...)` the command line builds reuses it
+The model is conftest's session fixture; every `LLM(...)` the command line builds reuses it
 (`LLMEngine.from_pretrained` is patched to wrap the loaded weights in a fresh engine with the
 flags' configuration, which the patch records so the tests can check the flags got through).
+The interactive chat reads its lines through a patched `input()`.
 
 References: the model's greedy answer to "What is the capital of France?" is a documented fact
-(TOOLCHAIN.md, checked against transformers); other outputs are compared with `generate_dense`,
+(checked against transformers); other outputs are compared with `generate_dense`,
 the cache-free oracle, and streamed text with the engine's own final text.
 """
 
 from __future__ import annotations
 
 import builtins
+import json
 import os
+import sys
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from minipaged import cli
-from minipaged import engine as engine_module
-from minipaged.engine import EngineConfig, LLMEngine, stream_text
-from minipaged.model import generate_dense
+from minipaged import cli, engine_config
+from minipaged import llm as llm_module
+from minipaged.dense import generate_dense
+from minipaged.engine import LLMEngine
+from minipaged.engine_config import EngineConfig
+from minipaged.llm import stream_text
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import FCFSScheduler
 
 QUESTION = "What is the capital of France?"
-ANSWER = "The capital of France is Paris."  # TOOLCHAIN.md: float32 greedy, chat template
+ANSWER = "The capital of France is Paris."  # float32 greedy, chat template
+# Plain greedy decoding for chat: its default repetition penalty applies at any temperature.
+GREEDY = ["--temperature", "0", "--repetition-penalty", "1"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,11 +47,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="session")
-def bundled():
-    """The bundled model's weights, config and tokenizer, loaded once."""
-    engine = LLMEngine.from_pretrained(num_gpu_blocks=1, num_cpu_blocks=0)
-    return engine.runner.model, engine.model_config, engine.tokenizer
+@pytest.fixture(scope="module")
+def bundled(bundled_model, bundled_tokenizer):
+    """The bundled model's weights, config and tokenizer (conftest's session fixtures)."""
+    model, model_config = bundled_model
+    return model, model_config, bundled_tokenizer
 
 
 def make_engine(bundled, **kwargs) -> LLMEngine:
@@ -87,7 +95,7 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 def test_chat_one_shot_answers_greedily(loads, capsys):
-    assert cli.main(["chat", QUESTION]) == 0
+    assert cli.main(["chat", QUESTION, "--temperature", "0"]) == 0
     assert capsys.readouterr().out == ANSWER + "\n"
     assert loads.calls[0]["scheduler"] == "fcfs" and loads.calls[0]["model"] is None
 
@@ -135,20 +143,20 @@ def test_unknown_choices_are_usage_errors(loads, capsys):
 
 
 def test_scheduler_choices_come_from_the_registry(loads, capsys, monkeypatch):
-    monkeypatch.setitem(engine_module.SCHEDULERS, "test-fcfs", FCFSScheduler)
+    monkeypatch.setitem(engine_config.SCHEDULERS, "test-fcfs", FCFSScheduler)
     assert cli.main(["generate", "Hi", "--scheduler", "test-fcfs", "--max-tokens", "2"]) == 0
     assert loads.calls[0]["scheduler"] == "test-fcfs"
     assert loads.engines[0].config.scheduler == "test-fcfs"
     assert capsys.readouterr().out.startswith("Hi")
 
 
-def test_interactive_chat_streams_and_ends_on_an_empty_line(loads, capsys, monkeypatch):
-    lines = iter([QUESTION, "And of Italy?", ""])
+def test_interactive_chat_streams_and_ends_on_exit(loads, capsys, monkeypatch):
+    lines = iter([QUESTION, "And of Italy?", "", "/exit"])
     prompts: list[str] = []
 
     def fake_input(prompt: str = "") -> str:
         prompts.append(prompt)
-        return next(lines)  # a call after the empty line would raise StopIteration
+        return next(lines)  # a call after /exit would raise StopIteration
 
     pieces: list[list[str]] = []
 
@@ -159,10 +167,10 @@ def test_interactive_chat_streams_and_ends_on_an_empty_line(loads, capsys, monke
             yield piece
 
     monkeypatch.setattr(builtins, "input", fake_input)
-    monkeypatch.setattr(engine_module, "stream_text", spy_stream_text)
-    assert cli.main(["chat", "--max-tokens", "12"]) == 0
+    monkeypatch.setattr(llm_module, "stream_text", spy_stream_text)
+    assert cli.main(["chat", "--max-tokens", "12", *GREEDY]) == 0
     out = capsys.readouterr().out
-    assert prompts == ["you> "] * 3
+    assert prompts == ["you> "] * 4  # the blank line is skipped, /exit ends
     assert len(pieces) == 2 and all(len(p) > 1 for p in pieces)  # streamed, piece by piece
     answers = [line.removeprefix("bot> ") for line in out.splitlines() if line.startswith("bot> ")]
     assert answers == ["".join(p) for p in pieces]
@@ -171,19 +179,226 @@ def test_interactive_chat_streams_and_ends_on_an_empty_line(loads, capsys, monke
     engine = loads.engines[0]
     conversation = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": ANSWER},
                     {"role": "user", "content": "And of Italy?"}]
+    assert answers[1] == dense_answer(engine, conversation, 12)
+
+
+def dense_answer(engine: LLMEngine, conversation: list[dict[str, str]], max_tokens: int) -> str:
+    """The cache-free oracle's greedy answer to a conversation."""
     ids = engine.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
                                                tokenize=True)
-    dense = generate_dense(engine.runner.model, [ids], 12, engine.eos_token_ids)[0]
-    assert answers[1] == engine.tokenizer.decode(dense, skip_special_tokens=True)
+    dense = generate_dense(engine.runner.model, [ids], max_tokens, engine.eos_token_ids)[0]
+    return engine.tokenizer.decode(dense, skip_special_tokens=True)
+
+
+def typed(monkeypatch, *lines: str | type[BaseException]) -> list[str]:
+    """Make `input()` return `lines` one by one (an exception class is raised instead, as
+    Ctrl-C and Ctrl-D make `input()` raise); return the prompts it showed. The prompt goes to
+    stdout, as the real `input()` writes it."""
+    queue = list(lines)
+    prompts: list[str] = []
+
+    def fake_input(prompt: str = "") -> str:
+        prompts.append(prompt)
+        print(prompt, end="")
+        line = queue.pop(0)  # a call past the last line raises IndexError
+        if isinstance(line, type):
+            raise line
+        print(line)  # the terminal echoes what was typed
+        return line
+
+    monkeypatch.setattr(builtins, "input", fake_input)
+    return prompts
+
+
+def count_streams(monkeypatch) -> list[str]:
+    """Record the request id of every answer the chat streams."""
+    streamed: list[str] = []
+
+    def spy_stream_text(engine, request_id):
+        streamed.append(request_id)
+        yield from stream_text(engine, request_id)
+
+    monkeypatch.setattr(llm_module, "stream_text", spy_stream_text)
+    return streamed
+
+
+def test_interactive_chat_commands_and_blank_lines_are_not_sent(loads, capsys, monkeypatch):
+    typed(monkeypatch, "/help", "", "   ", "/nope", QUESTION, "/reset", "And of Italy?", "/exit")
+    streamed = count_streams(monkeypatch)
+    assert cli.main(["chat", "--max-tokens", "12", *GREEDY]) == 0
+    out = capsys.readouterr().out
+    assert len(streamed) == 2  # only the two questions reached the model
+    assert cli.CHAT_HELP in out
+    assert "unknown command /nope" in out
+    answers = [line.removeprefix("bot> ") for line in out.splitlines() if line.startswith("bot> ")]
+    assert answers[0] == ANSWER
+    # After /reset the second question is asked on its own, without the first turn.
+    fresh = [{"role": "user", "content": "And of Italy?"}]
+    assert answers[1] == dense_answer(loads.engines[0], fresh, 12)
+    assert not loads.engines[0].has_unfinished_requests()
+
+
+@pytest.mark.parametrize("after_pieces", [0, 3])
+def test_ctrl_c_stops_the_answer_aborts_its_request_and_keeps_the_chat(
+    loads, capsys, monkeypatch, after_pieces
+):
+    """Ctrl-C while the first answer streams (before its first piece, or after three): the
+    request is aborted at once, the turn is left out, and the next question is answered on the
+    conversation as it was before it."""
+    interrupted: list[str] = []
+
+    def interrupted_stream_text(engine, request_id):
+        stream = stream_text(engine, request_id)
+        if not interrupted:
+            interrupted.append(request_id)
+            for _ in range(after_pieces):
+                yield next(stream)
+            raise KeyboardInterrupt  # what Ctrl-C raises wherever the stream is
+        yield from stream
+
+    unfinished_at_prompt: list[int] = []
+    prompts = typed(monkeypatch, "Write a short poem about the sea.", QUESTION, "/exit")
+    real_input = builtins.input
+
+    def checking_input(prompt: str = "") -> str:
+        if loads.engines:
+            unfinished_at_prompt.append(loads.engines[0].get_num_unfinished_requests())
+        return real_input(prompt)
+
+    monkeypatch.setattr(builtins, "input", checking_input)
+    monkeypatch.setattr(llm_module, "stream_text", interrupted_stream_text)
+    assert cli.main(["chat", "--max-tokens", "12", *GREEDY]) == 0
+    out = capsys.readouterr().out
+    assert prompts == ["you> "] * 3  # the session went on after Ctrl-C
+    assert "answer stopped" in out
+    assert unfinished_at_prompt == [0, 0, 0]  # nothing left running after the interrupt
+    engine = loads.engines[0]
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks  # its blocks came back
+    assert not engine.abort_request(interrupted[0])  # already aborted
+    answers = [line.removeprefix("bot> ") for line in out.splitlines() if line.startswith("bot> ")]
+    assert answers[-1] == ANSWER  # the one-shot answer: the stopped turn is not in the chat
+
+
+def test_ctrl_c_at_the_prompt_clears_the_line(loads, capsys, monkeypatch):
+    prompts = typed(monkeypatch, KeyboardInterrupt, "/exit")
+    streamed = count_streams(monkeypatch)
+    assert cli.main(["chat"]) == 0
+    assert prompts == ["you> "] * 2 and not streamed
+    assert "you> \nyou> /exit" in capsys.readouterr().out
+
+
+def test_closing_the_answer_stream_aborts_its_request(loads):
+    llm = llm_module.LLM()
+    stream = cli.stream_answer(llm, [{"role": "user", "content": QUESTION}],
+                               SamplingParams(temperature=0.0, max_tokens=12))
+    assert next(stream)
+    assert llm.engine.has_unfinished_requests()
+    stream.close()
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.get_num_unfinished_requests() == 0
 
 
 def test_interactive_chat_ends_on_eof(loads, capsys, monkeypatch):
-    def eof(prompt: str = "") -> str:
-        raise EOFError
-
-    monkeypatch.setattr(builtins, "input", eof)
+    typed(monkeypatch, EOFError)
     assert cli.main(["chat"]) == 0
-    assert "ends the session" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ends the session" in out
+    assert out.endswith("you> \n")  # the shell's prompt starts on a new line
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_line_editing_only_on_a_terminal(monkeypatch, tty):
+    pytest.importorskip("readline")  # Python builds without it have no line editing to switch on
+
+    class Stdin:
+        def isatty(self) -> bool:
+            return tty
+
+    monkeypatch.delitem(sys.modules, "readline", raising=False)
+    monkeypatch.setattr(sys, "stdin", Stdin())
+    cli.enable_line_editing()
+    assert ("readline" in sys.modules) == tty
+
+
+# -- chat sampling ----------------------------------------------------------------------------
+
+
+def repeated_trigrams(text: str) -> float:
+    """The fraction of a text's word trigrams that occurred earlier in it (0: no repetition)."""
+    words = text.split()
+    grams = [tuple(words[i : i + 3]) for i in range(len(words) - 2)]
+    return 1 - len(set(grams)) / len(grams)
+
+
+def test_chat_samples_by_default_and_does_not_loop_where_greedy_does(loads, capsys):
+    """Plain greedy decoding makes the bundled model repeat a line over and over on this prompt;
+    the chat defaults (temperature, top-p, repetition penalty) give an answer without repeats."""
+    prompt = "Write a haiku about memory pages"
+    answers = {}
+    for name, flags in [("greedy", GREEDY), ("default", [])]:
+        assert cli.main(["chat", prompt, "--max-tokens", "40", *flags]) == 0
+        answers[name] = capsys.readouterr().out
+    assert repeated_trigrams(answers["greedy"]) > 0.3
+    assert repeated_trigrams(answers["default"]) < 0.05
+
+
+def parsed(*argv: str):
+    return cli.build_parser().parse_args(["chat", *argv])
+
+
+def test_chat_defaults_apply_where_no_flag_is_given():
+    params = cli.chat_sampling_params(parsed())  # the bundled GGUF has no generation_config.json
+    for name, value in cli.CHAT_DEFAULTS.items():
+        assert getattr(params, name) == value
+    params = cli.chat_sampling_params(parsed("--temperature", "0", "--max-tokens", "5"))
+    assert (params.temperature, params.max_tokens, params.top_p) == (0.0, 5, 0.9)
+
+
+def write_generation_config(folder, **settings) -> None:
+    (folder / "generation_config.json").write_text(json.dumps(settings))
+
+
+def test_generation_config_of_the_model_sets_the_chat_defaults(tmp_path):
+    write_generation_config(tmp_path, do_sample=True, temperature=0.6, top_p=0.8, top_k=20,
+                            repetition_penalty=1.05, max_new_tokens=100, bos_token_id=1,
+                            min_p=None)
+    expected = {"temperature": 0.6, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
+                "max_tokens": 100}
+    assert cli.model_generation_settings(tmp_path) == expected  # an HF folder
+    assert cli.model_generation_settings(tmp_path / "model.gguf") == expected  # a file in it
+    params = cli.chat_sampling_params(parsed("--model", str(tmp_path), "--top-k", "5"))
+    assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.8, 5)  # the flag wins
+    assert (params.repetition_penalty, params.max_tokens) == (1.05, 100)
+    assert params.seed == cli.CHAT_DEFAULTS["seed"]  # not in the file: the chat default
+
+
+def test_generation_config_without_sampling_means_greedy(tmp_path):
+    write_generation_config(tmp_path, do_sample=False, temperature=0.9)
+    assert cli.model_generation_settings(tmp_path) == {"temperature": 0.0}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.model_generation_settings(empty) == {}
+
+
+def test_chat_answers_with_the_model_folders_settings(tmp_path, loads, capsys):
+    write_generation_config(tmp_path, do_sample=False, max_new_tokens=12)
+    assert cli.main(["chat", QUESTION, "--model", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == ANSWER + "\n"  # greedy, as the file says
+    assert loads.calls[0]["model"] == str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "text, named",
+    [("{not json", "generation_config.json"), ("[1, 2]", "generation_config.json"),
+     (json.dumps({"top_p": 2.0}), "top_p"), (json.dumps({"max_new_tokens": 0}), "max_tokens")],
+)
+def test_bad_generation_config_exits_2_before_loading(tmp_path, loads, capsys, text, named):
+    (tmp_path / "generation_config.json").write_text(text)
+    assert cli.main(["chat", "Hi", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("minipaged: error:") and named in err
+    assert not loads.calls
 
 
 # -- streaming ------------------------------------------------------------------------------------

@@ -121,6 +121,8 @@ def test_gpt2_config_matches_transformers(tmp_path, n_inner) -> None:
         vocab_size=500,
         n_inner=n_inner,
         layer_norm_epsilon=1e-6,
+        bos_token_id=0,  # GPT-2's 50256 is not a token of this 500-token vocabulary
+        eos_token_id=1,
     )
     ours = saved(hf, tmp_path)
     assert ours.architecture == "gpt2"
@@ -180,3 +182,110 @@ def test_config_json_problems(tmp_path) -> None:
     path.write_text(json.dumps({"model_type": "t5"}))
     with pytest.raises(ValueError, match="unsupported model_type 't5'"):
         ModelConfig.from_json_file(path)
+
+
+# --------------------------------------------------------------------------------------------
+# LLaMA's relatives: Mistral, Qwen2 / Qwen2.5, Qwen3.
+# --------------------------------------------------------------------------------------------
+
+SMALL = dict(
+    vocab_size=300,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=256,
+)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra", "switches"),
+    [
+        ("qwen2", {}, dict(qkv_bias=True, o_bias=False, qk_norm=False)),
+        ("qwen2", {"tie_word_embeddings": True}, dict(qkv_bias=True, o_bias=False, qk_norm=False)),
+        ("qwen3", {"head_dim": 32}, dict(qkv_bias=False, o_bias=False, qk_norm=True)),
+        ("qwen3", {"head_dim": 8, "attention_bias": True}, dict(qkv_bias=True, o_bias=True)),
+        ("mistral", {"sliding_window": None}, dict(qkv_bias=False, o_bias=False, qk_norm=False)),
+        ("llama", {"attention_bias": True}, dict(qkv_bias=True, o_bias=True, qk_norm=False)),
+    ],
+)
+def test_family_config_matches_transformers(tmp_path, model_type, extra, switches) -> None:
+    """Every family's config.json, as transformers writes it, reads as the same sizes, and sets
+    the switches that family differs from LLaMA by."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoConfig.for_model(model_type, **(SMALL | extra))
+    ours = saved(hf, tmp_path)
+    assert ours.architecture == {"mistral": "llama"}.get(model_type, model_type)
+    assert_llama_config_matches(ours, hf)
+    for name, value in switches.items():
+        assert getattr(ours, name) is value, name
+    assert ours.sliding_window is None
+
+
+def test_qwen_window_counts_only_when_used() -> None:
+    """Qwen's configs name a `sliding_window` that applies only with `use_sliding_window`."""
+    cfg = dict(model_type="qwen2", vocab_size=32, hidden_size=32, num_hidden_layers=1,
+               num_attention_heads=4, intermediate_size=64, max_position_embeddings=128,
+               sliding_window=16, use_sliding_window=False)
+    assert ModelConfig.from_hf_dict(cfg).max_position_embeddings == 128
+    with pytest.warns(UserWarning, match="sliding_window 16"):
+        used = ModelConfig.from_hf_dict(cfg | {"use_sliding_window": True})
+    assert (used.sliding_window, used.max_position_embeddings) == (16, 16)
+
+
+@pytest.mark.parametrize(("window", "context"), [(16, 64), (64, 64), (100, 64), (None, 64)])
+def test_mistral_context_capped_to_its_window(tmp_path, window, context) -> None:
+    """minipaged has no sliding-window attention: a Mistral whose window is shorter than its
+    context is served up to the window, with a warning that says why; never past it."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.MistralConfig(**(SMALL | {"max_position_embeddings": context}),
+                                    sliding_window=window)
+    if window is not None and window < context:
+        with pytest.warns(UserWarning, match=f"sliding_window {window} < context length "
+                                             f"{context}.*no sliding-window attention"):
+            ours = saved(hf, tmp_path)
+    else:
+        ours = saved(hf, tmp_path)
+    assert ours.sliding_window == window
+    assert ours.max_position_embeddings == min(context, window or context)
+
+
+def test_window_shorter_than_context_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"max_position_embeddings \(32\) exceeds sliding_window"):
+        ModelConfig(**(VALID | {"sliding_window": 16}))
+    assert ModelConfig(**(VALID | {"sliding_window": 32})).sliding_window == 32
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"eos_token_ids": (3, 10)}, "eos_token_id 10 is outside the vocabulary of 10 tokens"),
+        ({"bos_token_id": -1}, "bos_token_id -1 is outside"),
+        ({"pad_token_id": 99}, "pad_token_id 99 is outside"),
+        ({"architecture": "gpt2", "num_kv_heads": 2, "qk_norm": True}, "qk_norm"),
+        ({"sliding_window": 0}, "sliding_window must be a positive integer"),
+    ],
+)
+def test_invalid_family_values(change, words) -> None:
+    with pytest.raises(ValueError, match=words):
+        ModelConfig(**(VALID | change))
+
+
+@pytest.mark.parametrize(
+    ("cfg", "words"),
+    [
+        ({"model_type": "llama", "hidden_size": 50, "num_attention_heads": 4},
+         "num_attention_heads 4 does not divide hidden_size 50"),
+        ({"model_type": "gpt2", "n_embd": 30, "n_head": 4, "n_layer": 1, "n_positions": 8},
+         "n_head 4 does not divide n_embd 30"),
+        ({"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4},
+         "lacks the required key 'head_dim'"),
+        ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
+    ],
+)
+def test_head_size_problems(cfg, words) -> None:
+    base = {"vocab_size": 32, "hidden_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "intermediate_size": 64}
+    with pytest.raises(ValueError, match=words):
+        ModelConfig.from_hf_dict(base | cfg)

@@ -1,5 +1,5 @@
-"""The cost model: the fit recovers known step times, shapes are counted right, profiling leaves
-the engine as it found it."""
+"""The cost model: the fit recovers known step times, shapes are counted right, a saved model
+reads back equal, profiling leaves the engine as it found it."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import tiny_engine, tiny_llama_parts
 
-from minipaged.cost_model import OPT_13B_A100, CostModel, StepShape, _measure_engine
+from minipaged import engine as engine_module
+from minipaged.cost_model import OPT_13B_A100, CostModel, StepShape
 from minipaged.kv_cache import KVCacheManager
+from minipaged.profiling import measure_engine_steps, profile_engine
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import FCFSScheduler, SchedulerConfig
 from minipaged.sequence import Sequence, SequenceGroup
+from minipaged.step import step_shape
 
 TRUE = CostModel(base=2e-3, per_prefill_token=5e-5, per_decode_seq=1e-4, per_context_token=2e-7)
 
@@ -73,7 +76,6 @@ def test_predictions():
     assert TRUE.prefill_time(100) == pytest.approx(2e-3 + 100 * 5e-5)
     assert TRUE.step_time(StepShape(0, 3, 300)) == pytest.approx(2e-3 + 3e-4 + 300 * 2e-7)
     assert OPT_13B_A100.swap_time(10) == pytest.approx(10 * OPT_13B_A100.per_swap_block)
-    assert TRUE.scaled(2.0).prefill_time(100) == pytest.approx(2 * TRUE.prefill_time(100))
 
 
 def test_the_shortest_iteration_is_one_token_of_one_sequence():
@@ -92,7 +94,7 @@ def test_shape_of_a_scheduled_step_counts_prefill_and_decode():
     first = SequenceGroup("a", [Sequence(0, list(range(3, 10)))], params, arrival_time=0.0)
     scheduler.add(first)
     out = scheduler.schedule(0.0)
-    assert StepShape.of(out) == StepShape(prefill_tokens=7)
+    assert step_shape(out.scheduled) == StepShape(prefill_tokens=7)
     scheduler.mark_computed(out)
     first.seqs[0].append_token(5, 0.0)
     scheduler.finish_step()
@@ -100,7 +102,9 @@ def test_shape_of_a_scheduled_step_counts_prefill_and_decode():
     scheduler.add(second)
     out = scheduler.schedule(1.0)
     # `first` decodes its 8th token (context 8); `second` prefills 5 tokens.
-    assert StepShape.of(out) == StepShape(prefill_tokens=5, decode_seqs=1, context_tokens=8)
+    assert step_shape(out.scheduled) == StepShape(
+        prefill_tokens=5, decode_seqs=1, context_tokens=8
+    )
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +115,7 @@ def tiny():
 def test_profiling_an_engine_leaves_it_idle_with_its_own_scheduler(tiny):
     engine = tiny_engine(tiny, num_gpu_blocks=64, num_cpu_blocks=16, block_size=8)
     scheduler = engine.scheduler
-    cost = CostModel.profile(engine, max_prefill=32, max_batch=4)
+    cost = profile_engine(engine, max_prefill=32, max_batch=4)
     assert engine.scheduler is scheduler
     assert not engine.has_unfinished_requests()
     assert engine.kv_cache.num_free_blocks == 64
@@ -119,7 +123,7 @@ def test_profiling_an_engine_leaves_it_idle_with_its_own_scheduler(tiny):
     # Not idle: refused.
     engine.add_request(None, [5, 6, 7], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="idle"):
-        CostModel.profile(engine)
+        profile_engine(engine)
 
 
 def test_profiling_an_engine_times_steps_like_serving_ones(tiny):
@@ -127,7 +131,9 @@ def test_profiling_an_engine_times_steps_like_serving_ones(tiny):
     include the mixed ones (a new prompt beside decodes) a served trace is full of, and decode
     batches of every size up to the largest level."""
     engine = tiny_engine(tiny, num_gpu_blocks=64, num_cpu_blocks=16, block_size=8)
-    shapes, times = _measure_engine(engine, max_prefill=32, max_batch=4, seed=0, clock=lambda: 0.0)
+    shapes, times = measure_engine_steps(
+        engine, max_prefill=32, max_batch=4, seed=0, clock=lambda: 0.0
+    )
     assert len(shapes) == len(times) > 100
     mixed = [s for s in shapes if s.prefill_tokens and s.decode_seqs]
     assert len(mixed) >= 10
@@ -142,3 +148,41 @@ def test_profiling_a_runner_fits_its_forward_passes(tiny):
     cost = engine.scheduler.cost_model
     assert isinstance(cost, CostModel) and cost.name == "profiled"
     assert cost.prefill_time(64) >= cost.prefill_time(1) > 0
+
+
+def test_a_saved_cost_model_reads_back_equal_and_bad_files_are_named(tmp_path):
+    path = tmp_path / "cost.json"
+    for cost in (TRUE, OPT_13B_A100):
+        cost.save(path)
+        assert CostModel.load(path) == cost
+    bad = {
+        "unknown fields": '{"base": 1, "per_prefill_token": 0, "per_decode_seq": 0, '
+        '"per_context_token": 0, "speed": 2}',
+        "missing": '{"base": 1}',
+        "wrong type": '{"base": "1", "per_prefill_token": 0, "per_decode_seq": 0, '
+        '"per_context_token": 0}',
+        "JSON object": "[1, 2]",
+        "per_decode_seq": '{"base": 1, "per_prefill_token": 0, "per_decode_seq": -1, '
+        '"per_context_token": 0}',
+    }
+    for message, text in bad.items():
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            CostModel.load(path)
+
+
+def test_mlfq_profiles_once_into_its_cost_model_file(tiny, tmp_path, monkeypatch):
+    calls = []
+
+    def fake_profile(runner, **kwargs):
+        calls.append(kwargs)
+        return TRUE
+
+    monkeypatch.setattr(engine_module, "profile_runner", fake_profile)
+    path = tmp_path / "profile.json"
+    config = dict(num_gpu_blocks=32, block_size=8, scheduler="mlfq", cost_model_file=path)
+    first = tiny_engine(tiny, **config)
+    assert first.scheduler.cost_model == TRUE and CostModel.load(path) == TRUE
+    assert calls == [{"progress": True}]  # the start-up profile shows its progress
+    second = tiny_engine(tiny, **config)
+    assert second.scheduler.cost_model == TRUE and len(calls) == 1  # read, not measured again

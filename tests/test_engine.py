@@ -15,10 +15,19 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from tiny_models import assert_engine_drained, dense_last_logits, tiny_engine, tiny_llama_parts
 
+from minipaged.dense import generate_dense
 from minipaged.engine import LLMEngine
-from minipaged.model import generate_dense
+from minipaged.engine_config import EngineConfig
+from minipaged.kv_cache import KVCacheManager
+from minipaged.llm import LLM
 from minipaged.sampling import SamplingParams
-from minipaged.scheduler import RequestRejectedError
+from minipaged.scheduler import (
+    FCFSScheduler,
+    RequestRejectedError,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+from minipaged.step import StepRecord
 
 VOCAB = 96
 EOS = 1  # ignored unless a test says otherwise: random models emit it at random
@@ -181,6 +190,17 @@ def test_bad_requests_are_rejected_and_others_finish(tiny, bad, message):
     assert_engine_drained(engine)
 
 
+def test_the_package_exports_the_public_api():
+    import minipaged
+
+    assert (minipaged.LLM, minipaged.LLMEngine, minipaged.EngineConfig) == (
+        LLM,
+        LLMEngine,
+        EngineConfig,
+    )
+    assert minipaged.SamplingParams is SamplingParams and minipaged.StepRecord is StepRecord
+
+
 def test_rejection_is_a_value_error_subclass():
     assert issubclass(RequestRejectedError, ValueError)
 
@@ -294,3 +314,124 @@ def test_engine_state_machine(tiny):
         max_examples=30, stateful_step_count=25, deadline=None
     )
     EngineMachine.TestCase().runTest()
+
+
+# -- the public surface: request lookup, step records, a scheduler given at construction ---------
+
+
+def test_get_request_follows_a_request_until_one_step_after_it_finished(tiny):
+    engine = make_engine(tiny)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    rid = engine.add_request("r", random_prompts(1, seed=9)[0], params)
+    longer = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    other = engine.add_request("o", random_prompts(1, seed=10)[0], longer)
+    before = engine.get_request(rid)
+    assert before.outputs[0].token_ids == [] and not before.finished
+    assert engine.get_sampling_params(rid) is params
+    outputs = {}
+    while rid not in outputs or not outputs[rid].finished:
+        outputs.update({o.request_id: o for o in engine.step()})
+        now = engine.get_request(rid)
+        assert now.outputs[0].token_ids == outputs[rid].outputs[0].token_ids
+    assert engine.get_request(rid).finished and engine.get_sampling_params(rid) is None
+    engine.step()  # the next step forgets it
+    assert engine.get_request(rid) is None and engine.get_request("no-such-request") is None
+    assert engine.abort_request(other) and engine.get_request(other) is None
+    assert_engine_drained(engine)
+
+
+class RecordingScheduler(FCFSScheduler):
+    """FCFS that keeps every `SchedulerOutput` it returns (handed to the engine at construction)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.outputs: list[SchedulerOutput] = []
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        self.outputs.append(super().schedule(now))
+        return self.outputs[-1]
+
+
+def recording_engine(tiny, num_blocks: int, **config) -> tuple[LLMEngine, RecordingScheduler]:
+    model, model_config = tiny
+    scheduler = RecordingScheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=512, **config),
+        KVCacheManager(num_blocks, 8, num_host_blocks=64, enable_prefix_caching=False),
+    )
+    return LLMEngine(model, model_config, scheduler=scheduler), scheduler
+
+
+def test_a_scheduler_given_at_construction_serves_the_engine(tiny, batch_and_oracle):
+    prompts, expected = batch_and_oracle
+    engine, scheduler = recording_engine(tiny, num_blocks=24, preemption_mode="swap")
+    assert engine.scheduler is scheduler and engine.kv_cache is scheduler.kv_cache
+    assert engine.runner.kv_caches[0].shape[1] == 24  # the pools take the scheduler's sizes
+    assert run_greedy(engine, prompts[:12], max_tokens=12) == expected[:12]
+    assert len(scheduler.outputs) > 0 and scheduler.num_preemptions > 0
+    assert_engine_drained(engine)
+
+
+def test_step_records_are_what_the_scheduler_decided(tiny):
+    engine, scheduler = recording_engine(tiny, num_blocks=16, preemption_mode="swap")
+    records: list[StepRecord] = []
+    engine.add_step_observer(records.append)
+    prompts = random_prompts(6, seed=11)
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    finals = engine.run_until_done()
+    assert [r.index for r in records] == list(range(len(scheduler.outputs)))  # one per step
+    for record, out in zip(records, scheduler.outputs, strict=True):
+        assert [
+            (w.request_id, w.seq_id, w.start, w.num_new_tokens, w.is_prefill)
+            for w in record.scheduled
+        ] == [
+            (s.group.request_id, s.seq.seq_id, s.start, s.num_new_tokens, s.is_prefill)
+            for s in out.scheduled
+        ]
+        assert (record.swap_in, record.swap_out, record.copy) == (
+            tuple(out.swap_in),
+            tuple(out.swap_out),
+            tuple(out.copy),
+        )
+        assert record.preempted == tuple(g.request_id for g in out.preempted)
+        for work in record.scheduled:  # the table covers the tokens the step computed
+            assert len(work.block_table) * 8 >= work.start + work.num_new_tokens
+        t = record.timings
+        assert min(t.schedule_s, t.forward_s, t.sample_s, t.update_s) >= 0
+        assert t.schedule_s + t.forward_s + t.sample_s + t.update_s <= t.total_s
+        assert record.start <= record.end
+    assert any(r.swap_out for r in records) and any(r.copy for r in records)
+    # Swapping keeps the K/V, so every token of every sample was computed exactly once.
+    computed: dict[int, int] = {}
+    for work in (w for r in records for w in r.scheduled):
+        computed[work.seq_id] = computed.get(work.seq_id, 0) + work.num_new_tokens
+    assert all(len(c.token_ids) == 10 for rid in ids for c in finals[rid].outputs)
+    assert sum(computed.values()) == sum(
+        len(p) + sum(len(c.token_ids) - 1 for c in finals[rid].outputs)
+        for rid, p in zip(ids, prompts, strict=True)
+    )
+    engine.remove_step_observer(records.append)
+    engine.add_request(None, prompts[0], params)
+    seen = len(records)
+    engine.run_until_done()
+    assert len(records) == seen  # removed: no more calls
+
+
+def test_chat_outputs_carry_the_rendered_prompt(bundled_model, bundled_tokenizer, monkeypatch):
+    model, model_config = bundled_model
+
+    def from_pretrained(cls, path=None, **kwargs):
+        config = EngineConfig(num_gpu_blocks=32, num_cpu_blocks=0)
+        return LLMEngine(model, model_config, bundled_tokenizer, config)
+
+    monkeypatch.setattr(LLMEngine, "from_pretrained", classmethod(from_pretrained))
+    llm = LLM()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    (out,) = llm.chat(messages, params, use_tqdm=False)
+    template = bundled_tokenizer.apply_chat_template
+    assert out.prompt == template(messages, add_generation_prompt=True)
+    assert out.prompt_token_ids == template(messages, add_generation_prompt=True, tokenize=True)
+    assert "".join(llm.chat_stream(messages, params)) == out.outputs[0].text
+    with pytest.raises(ValueError, match="prompt_text"):
+        llm.engine.add_request(None, "Hi", params, prompt_text="Hi")

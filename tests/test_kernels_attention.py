@@ -22,18 +22,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from paged_utils import (
-    dense_reference,
-    lengths,
-    make_attention_case,
-    seq_and_query_lens,
-    tolerance,
-)
+from paged_utils import lengths, seq_and_query_lens
 
 import minipaged.attention as reference
 from minipaged import kernels
+from minipaged.attention_contract import dense_attention
 from minipaged.kernels.decode import paged_decode_attention
 from minipaged.kernels.prefill import paged_prefill_attention
+from minipaged.paged_examples import dense_reference, make_attention_case, tolerance
 
 dispatch = kernels.attention  # the module holding the dispatcher, for patching
 
@@ -173,7 +169,7 @@ def test_dispatcher_sends_pure_decode_to_the_decode_kernel() -> None:
         out = kernels.paged_attention(q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens, qsl,
                                       case.scale)
         assert (dec.call_count, pre.call_count) == (1, 2)
-    expected = reference.dense_attention(q, case.keys[0], case.values[0], case.scale)
+    expected = dense_attention(q, case.keys[0], case.values[0], case.scale)
     torch.testing.assert_close(out, expected, **tolerance(torch.float32))
 
 

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import assert_engine_drained, tiny_engine, tiny_llama_parts
 
-from minipaged.cost_model import CostModel, StepShape
+from minipaged import engine as engine_module
+from minipaged.cost_model import CostModel
 from minipaged.kv_cache import KVCacheManager
 from minipaged.mlfq import (
     MLFQ_VARIANTS,
@@ -24,6 +25,7 @@ from minipaged.sampling import SamplingParams
 from minipaged.scheduler import SchedulerConfig, SchedulerOutput
 from minipaged.scheduler_registry import needs_cost_model
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.step import step_shape
 
 BLOCK = 4
 MS = 2.0**-10  # about a millisecond, exact in binary: sums of whole "ms" compare exactly
@@ -71,7 +73,7 @@ class Driver:
         self.check_cache_contents(out)
         scheduler.mark_computed(out)
         start = self.now
-        self.now += max(self.cost.step_time(StepShape.of(out)), 1 * MS)
+        self.now += max(self.cost.step_time(step_shape(out.scheduled)), 1 * MS)
         sample_made_up_tokens(out)
         scheduler.finish_step()
         self.steps.append((start, self.now, out))
@@ -508,7 +510,7 @@ def tiny():
 def no_profiling():
     """The engine measures a cost model for MLFQ; these tests check tokens, not timing."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(CostModel, "profile", classmethod(lambda cls, *args, **kwargs: COST))
+        patch.setattr(engine_module, "profile_runner", lambda *args, **kwargs: COST)
         yield
 
 
@@ -541,12 +543,12 @@ def test_greedy_outputs_under_mlfq_equal_fcfs(tiny, seed, variant):
 
 
 def test_the_engine_takes_a_ready_cost_model_and_mlfq_settings(tiny, monkeypatch):
-    from minipaged.engine import EngineConfig
+    from minipaged.engine_config import EngineConfig
 
     def no_profile(*args, **kwargs):
         raise AssertionError("profiled although a cost model was given")
 
-    monkeypatch.setattr(CostModel, "profile", classmethod(no_profile))
+    monkeypatch.setattr(engine_module, "profile_runner", no_profile)
     mlfq = MLFQConfig.sized_to(COST, num_levels=3, skip_join=False)
     engine = tiny_engine(
         tiny, num_gpu_blocks=32, block_size=8, scheduler="mlfq", mlfq=mlfq, cost_model=COST

@@ -1,8 +1,10 @@
 """The from-scratch models against Hugging Face `transformers`, and the dense generation oracle.
 
 * Tiny random LLaMA (GQA ratios 1, 3, 4; tied and untied heads; rope theta; linear and llama3
-  scaling) and GPT-2 models, saved as safetensors and loaded back: logits equal `transformers`'
-  on random flat batches of several sequences.
+  scaling), GPT-2, Qwen2, Qwen3 (head_dim != hidden / heads) and Mistral models, saved as
+  safetensors (one file or shards) and loaded back: logits equal `transformers`' on random flat
+  batches of several sequences, and the engine's greedy batches equal `generate`.
+* A Mistral whose sliding window is shorter than its context is served only up to the window.
 * The bundled SmolLM2 GGUF: first-step logits and 32 greedy tokens for several chat prompts equal
   `transformers` loading the same file.
 * Decoding step by step through the cache equals recomputing the whole sequence each step.
@@ -10,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -20,25 +23,33 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
-from tiny_models import random_gpt2, random_llama  # noqa: E402
+from tiny_models import random_gpt2, random_hf, random_llama  # noqa: E402
 
-from minipaged.attention import dense_attention  # noqa: E402
-from minipaged.checkpoint import default_model_path, load_checkpoint  # noqa: E402
+from minipaged.attention_contract import dense_attention  # noqa: E402
+from minipaged.checkpoint import load_checkpoint  # noqa: E402
 from minipaged.config import ModelConfig  # noqa: E402
-from minipaged.model import (  # noqa: E402
-    ONEDNN_AVAILABLE,
-    CheckpointMismatchError,
+from minipaged.dense import (  # noqa: E402
     DenseAttentionBackend,
     DenseKVCache,
-    ModelInputError,
-    build_model,
     decode_attention,
     generate_dense,
+)
+from minipaged.engine import LLMEngine  # noqa: E402
+from minipaged.engine_config import EngineConfig  # noqa: E402
+from minipaged.model import (  # noqa: E402
+    MODEL_CLASSES,
+    CheckpointMismatchError,
+    build_model,
+)
+from minipaged.model_layers import (  # noqa: E402
+    ONEDNN_AVAILABLE,
+    ModelInputError,
     linear,
-    load_model,
     uses_onednn,
 )
-from minipaged.tokenizer import Tokenizer  # noqa: E402
+from minipaged.sampling import SamplingParams  # noqa: E402
+from minipaged.scheduler import RequestRejectedError  # noqa: E402
+from minipaged.weights import expected_shapes, is_conv1d, to_module_name  # noqa: E402
 
 VOCAB = 97
 
@@ -58,6 +69,41 @@ GPT2_CASES = {
     "gpt2-4heads": (32, 4, None),
     "gpt2-2heads-inner": (24, 2, 40),
 }
+FAMILY_CASES = {
+    # name: (model_type, config beyond the shared sizes (hidden 48), saved in shards)
+    "qwen2-gqa3-tied": (
+        "qwen2", dict(num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True),
+        False,
+    ),
+    "qwen2-mha-untied": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=4), True),
+    # Qwen3's heads are not hidden / heads wide: 4 x 16 = 64 != 48, and 6 x 4 = 24.
+    "qwen3-gqa2-hd16-tied": (
+        "qwen3",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e6,
+             tie_word_embeddings=True),
+        True,
+    ),
+    "qwen3-mha-hd4-untied": (
+        "qwen3", dict(num_attention_heads=6, num_key_value_heads=6, head_dim=4), False
+    ),
+    "mistral-gqa4-hd12": (
+        "mistral",
+        dict(num_attention_heads=8, num_key_value_heads=2, head_dim=12, sliding_window=4096),
+        True,
+    ),
+    "mistral-mha-tied": (
+        "mistral",
+        dict(num_attention_heads=4, num_key_value_heads=4, sliding_window=None,
+             tie_word_embeddings=True),
+        False,
+    ),
+}
+# What every family case shares; wide weights keep greedy choices clear of near-ties.
+FAMILY_SIZES = dict(
+    vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+    max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    initializer_range=0.3,
+)
 
 
 def _make_hf(name: str):
@@ -71,12 +117,15 @@ def _make_hf(name: str):
             max_position_embeddings=64, rope_theta=theta, rope_scaling=scaling,
             tie_word_embeddings=tied, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
         )
-    else:
+    elif name in GPT2_CASES:
         n_embd, n_head, n_inner = GPT2_CASES[name]
         model = random_gpt2(
             seed, vocab_size=VOCAB, n_embd=n_embd, n_layer=2, n_head=n_head, n_inner=n_inner,
             n_positions=64, bos_token_id=1, eos_token_id=2,
         )
+    else:
+        model_type, config, _ = FAMILY_CASES[name]
+        model = random_hf(model_type, seed, **(FAMILY_SIZES | config))
     # Random init leaves norms at 1 and biases at 0: perturb them so a mix-up would show.
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -90,7 +139,9 @@ def _pair(name: str, tmp_root: str):
     """(transformers model, minipaged model) for a case, through a safetensors round trip."""
     hf = _make_hf(name)
     folder = Path(tmp_root) / name
-    hf.save_pretrained(folder)
+    sharded = name in FAMILY_CASES and FAMILY_CASES[name][2]
+    hf.save_pretrained(folder, max_shard_size="20KB" if sharded else "1GB")
+    assert (folder / "model.safetensors.index.json").exists() == sharded
     config, state_dict = load_checkpoint(folder, progress=False)
     return hf, build_model(config, state_dict)
 
@@ -115,7 +166,7 @@ token_seqs = st.lists(
 )
 
 
-@pytest.mark.parametrize("name", [*LLAMA_CASES, *GPT2_CASES])
+@pytest.mark.parametrize("name", [*LLAMA_CASES, *GPT2_CASES, *FAMILY_CASES])
 @settings(max_examples=8)
 @given(seqs=token_seqs)
 def test_logits_equal_transformers(name, tmp_root, seqs):
@@ -411,6 +462,100 @@ def test_bad_inputs_raise(tmp_root):
 
 
 # ---------------------------------------------------------------------------------------------
+# LLaMA's relatives (Qwen2, Qwen3, Mistral) through the engine
+# ---------------------------------------------------------------------------------------------
+
+
+def _hf_generate(hf, prompt: list[int], max_new: int, min_new: int, eos: int) -> list[int]:
+    """`transformers`' greedy `generate` of one prompt: its new tokens, EOS included."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                          max_new_tokens=max_new, min_new_tokens=min_new, do_sample=False,
+                          eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("min_tokens", [4, 10])
+@pytest.mark.parametrize("name", sorted(FAMILY_CASES))
+def test_engine_greedy_equals_transformers_generate(name, tmp_root, min_tokens):
+    """Several prompts as one engine batch, token for token what `generate` gives each alone.
+    The end-of-sequence token is one that some prompt's continuation first produces after its
+    4th token, so with `min_tokens` 4 (both sides mask EOS until then: `min_tokens` here,
+    `min_new_tokens` there) that prompt stops early, and with 10 it runs to the end."""
+    hf, model = _pair(name, tmp_root)
+    prompts = [[5, 17, 33, 4, 80, 61], [9, 3], [44, 12, 90, 7, 7, 7, 21, 60, 3, 11, 50], [88]]
+    free = generate_dense(model, prompts, 10)
+    first, eos = next((i, t) for i, out in enumerate(free) for t in out[4:9] if t not in out[:4])
+    expected = [_hf_generate(hf, p, 10, min_tokens, eos) for p in prompts]
+    engine = LLMEngine(model, dataclasses.replace(model.config, eos_token_ids=(eos,)), None,
+                       EngineConfig(num_gpu_blocks=32, num_cpu_blocks=0, block_size=4))
+    params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=min_tokens)
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    finals = engine.run_until_done()
+    assert [finals[i].outputs[0].token_ids for i in ids] == expected
+    assert (len(expected[first]) < 10) == (min_tokens < 10)
+
+
+def test_mistral_window_caps_the_context(tmp_path):
+    """A Mistral whose sliding window (16) is shorter than its context (64) is served up to the
+    window: there its attention is exactly transformers' sliding-window attention, and past it
+    (where transformers attends differently) the model, the engine and its scheduler refuse."""
+    hf = random_hf("mistral", 7, **(FAMILY_SIZES | dict(
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=16)))
+    hf.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="sliding_window 16 < context length 64"):
+        config, state = load_checkpoint(tmp_path, progress=False)
+    assert (config.sliding_window, config.max_position_embeddings) == (16, 16)
+    model = build_model(config, state)
+    seq = [(7 * i + 3) % VOCAB for i in range(24)]
+    with torch.no_grad():
+        windowed = hf(torch.tensor([seq])).logits[0]
+        hf.config.sliding_window = None
+        full = hf(torch.tensor([seq])).logits[0]
+    assert (windowed[16:] - full[16:]).abs().max() > 1e-3  # past the window, the two differ
+    assert (_flat_forward(model, [seq[:16]]) - windowed[:16]).abs().max() <= 1e-4
+    with pytest.raises(ModelInputError, match="position"):
+        model(torch.tensor([1]), torch.tensor([16]), DenseAttentionBackend(DenseKVCache(2), [0],
+                                                                           [1]))
+    engine = LLMEngine(model, config, None, EngineConfig(num_gpu_blocks=16, block_size=4))
+    assert engine.max_model_len == 16
+    with pytest.raises(RequestRejectedError, match="context of 16 tokens"):
+        engine.add_request(None, seq[:16], SamplingParams(max_tokens=1))
+    request = engine.add_request(None, seq[:12], SamplingParams(temperature=0.0, max_tokens=10,
+                                                                 ignore_eos=True))
+    out = engine.run_until_done()[request].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4  # 12 + 4 = the window
+    assert out.token_ids == generate_dense(model, [seq[:12]], 4)[0]
+
+
+def test_weight_table_names_the_modules_parameters():
+    """The one table of names and shapes (`minipaged.weights`) is exactly what each family's
+    modules hold, for every switch: biases, q/k norms, head sizes, tied and untied heads."""
+    base = dict(vocab_size=11, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
+                head_dim=4, intermediate_size=12, max_position_embeddings=16)
+    configs = [
+        ModelConfig(architecture="llama", **base),
+        ModelConfig(architecture="llama", **base, qkv_bias=True, o_bias=True),
+        ModelConfig(architecture="qwen2", **base, qkv_bias=True, tie_word_embeddings=True),
+        ModelConfig(architecture="qwen3", **(base | dict(head_dim=6)), qk_norm=True),
+        ModelConfig(architecture="gpt2", **(base | dict(num_kv_heads=2))),
+        ModelConfig(architecture="gpt2", **(base | dict(num_kv_heads=2)),
+                    tie_word_embeddings=False),
+    ]
+    for config in configs:
+        with torch.device("meta"):
+            model = MODEL_CLASSES[config.architecture](config)
+        held = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        if config.tie_word_embeddings:
+            del held["lm_head.weight"]
+        table = {
+            to_module_name(config, name): shape[::-1] if is_conv1d(config, name) else shape
+            for name, shape in expected_shapes(config).items()
+        }
+        assert table == held, config
+
+
+# ---------------------------------------------------------------------------------------------
 # The bundled SmolLM2 GGUF
 # ---------------------------------------------------------------------------------------------
 
@@ -423,26 +568,14 @@ CHAT_PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def smollm2():
-    """(transformers model, minipaged tokenizer, minipaged model, config), each loaded from the
-    GGUF on its own (minipaged dequantises with `minipaged.checkpoint`), once per session."""
-    path = default_model_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    tok = Tokenizer.from_gguf(path)
-    model, config = load_model(path, progress=False)
-    return hf, tok, model, config
-
-
-def _chat_ids(tok: Tokenizer, prompt: str) -> list[int]:
+def _chat_ids(tok, prompt: str) -> list[int]:
     return tok.apply_chat_template([{"role": "user", "content": prompt}],
                                    add_generation_prompt=True, tokenize=True)
 
 
-def test_smollm2_first_step_logits(smollm2):
-    hf, tok, model, _ = smollm2
+def test_smollm2_first_step_logits(bundled_hf_model, bundled_tokenizer, bundled_model):
+    """minipaged dequantises the GGUF with `minipaged.checkpoint`, transformers on its own."""
+    hf, tok, (model, _) = bundled_hf_model, bundled_tokenizer, bundled_model
     seqs = [_chat_ids(tok, p) for p in CHAT_PROMPTS[:2]]
     ours = _flat_forward(model, seqs)
     with torch.no_grad():
@@ -450,8 +583,10 @@ def test_smollm2_first_step_logits(smollm2):
     assert (ours - ref).abs().max().item() <= 1e-3
 
 
-def test_smollm2_greedy_tokens_equal_transformers(smollm2):
-    hf, tok, model, config = smollm2
+def test_smollm2_greedy_tokens_equal_transformers(
+    bundled_hf_model, bundled_tokenizer, bundled_model
+):
+    hf, tok, (model, config) = bundled_hf_model, bundled_tokenizer, bundled_model
     prompts = [_chat_ids(tok, p) for p in CHAT_PROMPTS]
     ours = generate_dense(model, prompts, 32, eos_token_ids=config.eos_token_ids)
     width = max(map(len, prompts))

@@ -18,16 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import dense_last_logits
 
-from minipaged.attention import PagedAttentionBackend
+from minipaged.attention import paged_attention, plan_attention
+from minipaged.attention_backend import PagedAttentionBackend
 from minipaged.config import ModelConfig
-from minipaged.model import GPT2ForCausalLM, LlamaForCausalLM
-from minipaged.runner import (
-    BatchEntry,
-    CacheOps,
-    GroupedPagedAttention,
-    ModelRunner,
-    attention_groups,
-)
+from minipaged.model_gpt2 import GPT2ForCausalLM
+from minipaged.model_llama import LlamaForCausalLM
+from minipaged.runner import BatchEntry, CacheOps, ModelRunner
 
 VOCAB = 64
 
@@ -146,22 +142,9 @@ def test_check_metadata_rejects_a_block_outside_the_cache():
         runner.check_metadata(md, 3)
 
 
-@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 200)), min_size=1, max_size=20))
-def test_attention_groups_partition_the_batch(shapes):
-    query_lens = [q for q, _ in shapes]
-    seq_lens = [q + cached for q, cached in shapes]
-    groups = attention_groups(query_lens, seq_lens)
-    assert sorted(i for g in groups for i in g) == list(range(len(shapes)))  # each exactly once
-    for g in groups:
-        if any(query_lens[i] > 1 for i in g):
-            assert len(g) == 1  # a prefill attends alone
-        else:
-            lengths = [seq_lens[i] for i in g]
-            assert max(lengths) <= 2 * min(lengths)  # decodes padded at most 2x
-
-
-def test_grouped_attention_equals_one_call():
-    """Attending group by group gives what one padded call over the whole batch gives."""
+def test_the_step_plan_groups_decodes_and_attends_as_one_call_per_sequence():
+    """The plan a step's backend makes once for every layer cuts this batch into five chunks,
+    and attending chunk by chunk gives what attending each sequence on its own gives."""
     model = tiny_model()
     runner = make_runner(model, num_gpu_blocks=40, block_size=4)
     for cache in runner.kv_caches:
@@ -174,14 +157,22 @@ def test_grouped_attention_equals_one_call():
         table = [free.pop() for _ in range(-(-(start + n) // 4))]
         entries.append(BatchEntry([rng.randrange(VOCAB) for _ in range(n)], start, table))
     _, _, md = runner.prepare(entries)
-    groups = runner.group_metadata(entries, md)
-    assert len(groups) == 5  # decodes of contexts 4 | 13 | 31 and 61; two prefills
+    plan = plan_attention(md.block_tables, md.seq_lens, md.query_start_loc, runner.kv_caches[0][0])
+    assert len(plan) == 5  # decodes of contexts 4 | 13 | 31 and 61; two prefills
     q = torch.randn(len(md.slot_mapping), 4, 8)
     k, v = torch.randn(2, len(md.slot_mapping), 2, 8)
-    grouped = GroupedPagedAttention(runner.kv_caches, md, runner.layer_ops, groups)
-    plain = PagedAttentionBackend(runner.kv_caches, md, runner.ops)
+    backend = PagedAttentionBackend(runner.kv_caches, md, runner.layer_ops)
     with torch.inference_mode():  # as in `execute` (the reference's gather buffer is shared)
-        torch.testing.assert_close(grouped(0, q, k, v, 0.3), plain(0, q, k, v, 0.3))
+        out = backend(0, q, k, v, 0.3)
+        cache = runner.kv_caches[0]
+        starts = md.query_start_loc.tolist()
+        alone = torch.cat([
+            paged_attention(q[starts[i] : starts[i + 1]], cache[0], cache[1],
+                            md.block_tables[i : i + 1], md.seq_lens[i : i + 1],
+                            torch.tensor([0, starts[i + 1] - starts[i]], dtype=torch.int32), 0.3)
+            for i in range(len(entries))
+        ])
+    torch.testing.assert_close(out, alone)
 
 
 # -- block movements ------------------------------------------------------------------------------

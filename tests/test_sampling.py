@@ -15,22 +15,23 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.sampling import (
+from minipaged.beam_scoring import (
     BeamCandidate,
-    Sampler,
-    SamplingParams,
-    SamplingRow,
-    SamplingType,
-    apply_min_p,
-    apply_temperature,
-    apply_top_k_top_p,
     beam_search_candidates,
     beam_search_is_done,
     beam_search_score,
+)
+from minipaged.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_min_p,
+    apply_temperature,
+    apply_top_k_top_p,
     derive_seed,
     make_generator,
     min_tokens_banned_ids,
 )
+from minipaged.sampling import SamplingParams, SamplingType
 
 # --- SamplingParams ----------------------------------------------------------------------------
 

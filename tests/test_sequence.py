@@ -7,17 +7,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minipaged.sampling import Sampler, SamplingParams, make_generator
-from minipaged.sequence import (
-    RequestMetrics,
-    Sequence,
-    SequenceGroup,
-    SequenceStatus,
-    StopDecision,
-    check_stop,
-    find_stop_string,
-)
-from minipaged.tokenizer import IncrementalDetokenizer, Tokenizer, bytes_to_unicode
+from minipaged.outputs import RequestMetrics
+from minipaged.sampler import Sampler, make_generator
+from minipaged.sampling import SamplingParams
+from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus, StopDecision
+from minipaged.stopping import check_stop, find_stop_string
+from minipaged.tokenizer import IncrementalDetokenizer, Tokenizer
+from minipaged.tokenizer_bpe import bytes_to_unicode
 
 EOS = 2
 
@@ -52,13 +48,10 @@ def test_status_finish_reasons():
 
 def test_sequence_tokens_lengths_and_logprobs():
     seq = Sequence(7, [5, 6, 9], PieceDetokenizer({1: "a", 4: "bc"}))
-    assert (seq.get_len(), seq.last_token_id, seq.get_num_uncomputed_tokens()) == (3, 9, 3)
-    assert seq.is_prefill()
-    seq.num_computed_tokens = 2
-    assert not seq.is_prefill()  # only the last prompt token is left: a decode step
+    assert seq.get_len() == 3
     assert seq.append_token(1, -0.5, {1: -0.5, 3: -1.5}) == "a"
     assert seq.append_token(4, -0.25) == "bc"
-    assert seq.get_token_ids() == [5, 6, 9, 1, 4] and seq.last_token_id == 4
+    assert seq.get_token_ids() == [5, 6, 9, 1, 4]
     assert (seq.get_len(), seq.get_prompt_len(), seq.get_output_len()) == (5, 3, 2)
     assert seq.cumulative_logprob == -0.75 and seq.output_text == "abc"
     assert seq.new_char_count == 2 and seq.output_logprobs == [{1: -0.5, 3: -1.5}]
@@ -186,13 +179,13 @@ def test_request_metrics():
 def test_group_lookup_widths_and_abort():
     params = SamplingParams(n=3, seed=1)
     group = SequenceGroup("r1", [Sequence(0, [4, 5])], params, arrival_time=1.0, prompt="hi")
-    assert group.max_width == 3 and group.max_num_running_seqs() == 3  # before the fork
+    assert group.max_width == 3
     for i in (1, 2):
         group.add(group.seqs[0].fork(i, sample_index=i))
     with pytest.raises(ValueError, match="already"):
         group.add(Sequence(1, [4, 5]))
     group.find(2).status = SequenceStatus.FINISHED_STOPPED
-    assert group.max_num_running_seqs() == 2 and group.num_seqs() == 3
+    assert len(group.get_unfinished_seqs()) == 2 and len(group.get_seqs()) == 3
     assert [s.seq_id for s in group.get_seqs(SequenceStatus.WAITING)] == [0, 1]
     assert not group.is_finished()
     group.abort()
@@ -273,7 +266,7 @@ def sample_requests(groups, steps, logits_table):
             for seq in live:
                 rows.append(group.sampling_row(seq))
                 seqs.append(seq)
-        logits = logits_table[[seq.last_token_id for seq in seqs]]
+        logits = logits_table[[seq.get_token_ids()[-1] for seq in seqs]]
         out = sampler(logits, rows)
         for seq, token, lp in zip(seqs, out.token_ids.tolist(), out.logprobs, strict=True):
             seq.append_token(token, float(lp))

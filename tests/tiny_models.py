@@ -9,8 +9,9 @@ module in `tests/` as
 
 (pytest puts `tests/` on `sys.path` because the folder has no `__init__.py`).
 
-* `random_llama` / `random_gpt2`: a seeded, randomly initialised `transformers` model for any
-  config; each test module keeps its own config, these builders only remove the ceremony.
+* `random_hf` (and its shorthands `random_llama` / `random_gpt2`): a seeded, randomly
+  initialised `transformers` model of any family and config; each test module keeps its own
+  config, these builders only remove the ceremony.
 * `minipaged_parts`: the same weights as a minipaged model, through `ModelConfig.from_hf_dict`
   and `build_model` -- what the engine tests run on.
 * `tiny_llama_parts`: both steps at once, starting from `SMALL_LLAMA` (a two-layer GQA LLaMA).
@@ -33,11 +34,13 @@ import pytest
 import torch
 
 from minipaged.config import ModelConfig
-from minipaged.engine import EngineConfig, LLMEngine
-from minipaged.model import DenseAttentionBackend, DenseKVCache, build_model
+from minipaged.dense import DenseAttentionBackend, DenseKVCache
+from minipaged.engine import LLMEngine
+from minipaged.engine_config import EngineConfig
+from minipaged.model import build_model
 
 if TYPE_CHECKING:
-    from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 # A two-layer LLaMA with grouped-query attention (4 query heads share 2 KV heads): small enough
 # that an engine step costs milliseconds on a CPU, and still every part of the architecture.
@@ -52,20 +55,24 @@ SMALL_LLAMA: dict[str, Any] = dict(
 )
 
 
-def random_llama(seed: int = 0, **config: Any) -> LlamaForCausalLM:
-    """A `transformers` LLaMA of this config with random weights drawn after `torch.manual_seed`
-    (so the same every time), in eval mode."""
+def random_hf(model_type: str, seed: int = 0, **config: Any) -> PreTrainedModel:
+    """A `transformers` causal LM of `model_type` ("llama", "mistral", "qwen2", "qwen3",
+    "gpt2", ...) and this config, with random weights drawn after `torch.manual_seed` (so the
+    same every time), in eval mode."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    hf_config = transformers.AutoConfig.for_model(model_type, **config)
+    return transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+
+
+def random_llama(seed: int = 0, **config: Any) -> LlamaForCausalLM:
+    """`random_hf("llama", ...)`."""
+    return random_hf("llama", seed, **config)
 
 
 def random_gpt2(seed: int = 0, **config: Any) -> GPT2LMHeadModel:
-    """A `transformers` GPT-2 of this config with random weights drawn after `torch.manual_seed`
-    (so the same every time), in eval mode."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(seed)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**config)).eval()
+    """`random_hf("gpt2", ...)`."""
+    return random_hf("gpt2", seed, **config)
 
 
 def minipaged_parts(hf_model: torch.nn.Module) -> tuple[torch.nn.Module, ModelConfig]:
@@ -102,13 +109,15 @@ def dense_last_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor
 
 
 def assert_llama_config_matches(ours: ModelConfig, hf: LlamaConfig) -> None:
-    """Every size, the norm epsilon, the rope base and the head tying read as transformers did."""
+    """Every size, the norm epsilon, the rope base and the head tying read as transformers did
+    (for any config of the LLaMA family: LLaMA, Mistral, Qwen2, Qwen3)."""
     assert ours.vocab_size == hf.vocab_size
     assert ours.hidden_size == hf.hidden_size
     assert ours.num_layers == hf.num_hidden_layers
     assert ours.num_heads == hf.num_attention_heads
     assert ours.num_kv_heads == hf.num_key_value_heads
-    assert ours.head_dim == hf.head_dim
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert ours.head_dim == head_dim
     assert ours.intermediate_size == hf.intermediate_size
     assert ours.max_position_embeddings == hf.max_position_embeddings
     assert ours.norm_eps == hf.rms_norm_eps

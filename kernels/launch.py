@@ -1,0 +1,74 @@
+"""Launch-side helpers shared by the kernel modules: launches as data, tile sizes, padding.
+
+Nothing here runs on the device. Each launcher first plans its launches (`KernelLaunch`: kernel,
+grid, arguments, compile-time constants, warps), then runs them; the same plans are what
+`minipaged.kernels.aot` compiles ahead of time for real GPUs, so the compiled programs are the
+launched ones. The one policy decision is tile sizes: on a GPU, tiles are sized for registers
+and occupancy; under Triton's CPU interpreter every loop iteration costs the same few
+milliseconds whatever its size, so tiles are made as large as allowed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import triton
+
+# `tl.dot` on a GPU needs every dimension to be at least 16.
+MIN_DOT_SIZE = 16
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel launch as a launcher plans it: what to run, on which grid, with what.
+
+    `args` are the runtime arguments in the kernel's order (tensors, ints, floats) and
+    `constexprs` its compile-time constants by name. Triton's JIT compiles one program per
+    distinct set of constants, argument dtypes and integer specialisations (values of 1,
+    multiples of 16), so a plan fixes which program runs.
+    """
+
+    name: str
+    kernel: Any  # a @triton.jit function (an interpreted one under TRITON_INTERPRET=1)
+    grid: tuple[int, ...]
+    args: tuple
+    constexprs: dict[str, Any] = field(default_factory=dict)
+    num_warps: int = 4
+
+    def __call__(self) -> Any:
+        """Launch; returns what Triton returns (on a GPU, the compiled kernel)."""
+        return self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def pow2_at_least(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(n, minimum): `tl.arange` sizes must be powers of two."""
+    return max(triton.next_power_of_2(max(n, 1)), minimum)
+
+
+def check_power_of_two(name: str, value: int, minimum: int = 1) -> None:
+    """Raise `ValueError` unless `value` is a power of two >= `minimum` (a tile size)."""
+    if value < minimum or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= {minimum}, got {value}")
+
+
+def default_key_tile(block_size: int, dtype: torch.dtype) -> int:
+    """Keys per inner-loop iteration: a whole number of cache blocks, at least 16 for `tl.dot`.
+
+    On a GPU, 64 keys for 16-bit caches and 32 for float32 ones. A float32 K or V tile is twice
+    the bytes, and "tf32x3" keeps every float32 operand as two TF32 parts besides, so 64-key
+    float32 tiles at head dim 128 need more than the 255 registers a thread can have and spill
+    to local memory (`minipaged.kernels.aot` measures it). The interpreter takes 128.
+    """
+    if interpreting():
+        target = 128
+    else:
+        target = 32 if dtype == torch.float32 else 64
+    return max(target, block_size, MIN_DOT_SIZE)

@@ -1,0 +1,83 @@
+"""`EngineConfig`: everything an engine is built from besides the model, checked at once.
+
+`SCHEDULERS` names the schedulers `EngineConfig.scheduler` may choose ("fcfs", "mlfq" and the
+MLFQ ablations); `DTYPES` the model dtypes. The engine itself is `minipaged.engine`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from minipaged.cost_model import CostModel
+from minipaged.mlfq import MLFQConfig
+from minipaged.scheduler_registry import SCHEDULERS, needs_cost_model
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# -- configuration --------------------------------------------------------------------------------
+
+
+@dataclass
+class EngineConfig:
+    """Everything `LLM(...)` / `LLMEngine.from_pretrained(...)` accepts besides the model path.
+
+    `num_gpu_blocks` and `num_cpu_blocks` are vLLM's names for the device and host pools of KV
+    blocks (`KVCacheManager`'s `num_blocks` and `num_host_blocks`).
+    """
+
+    dtype: str = "float32"
+    device: str | None = None  # None: "cuda" when available, else "cpu"
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # None: from kv_cache_memory / gpu_memory_utilization
+    kv_cache_memory: float = 1.0  # GiB of KV cache on a CPU device
+    gpu_memory_utilization: float = 0.9  # fraction of a CUDA device's memory for model + cache
+    swap_space: float = 1.0  # GiB of host memory for swapped-out blocks
+    num_cpu_blocks: int | None = None  # None: from swap_space
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's own context length
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduler: str = "fcfs"
+    # MLFQ schedulers: settings replacing the variant's (`MLFQConfig`), and a ready cost model
+    # (`CostModel`) or a JSON file of one (`CostModel.save`) so that the engine need not profile
+    # this model at start-up. A file that does not exist yet is written with the profile taken.
+    mlfq: MLFQConfig | None = None
+    cost_model: CostModel | None = None
+    cost_model_file: str | Path | None = None
+    preemption_mode: str | None = None  # None: recompute single sequences, swap groups
+    attention_backend: str | None = None  # None: Triton on CUDA, PyTorch elsewhere
+    seed: int = 0  # the engine's generator, for requests without a seed of their own
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(
+                f"scheduler must be one of {sorted(SCHEDULERS)}, got {self.scheduler!r}"
+            )
+        if self.mlfq is not None and not needs_cost_model(self.scheduler):
+            raise ValueError(f"mlfq settings need an MLFQ scheduler, got {self.scheduler!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")

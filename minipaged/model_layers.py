@@ -1,0 +1,226 @@
+"""The building blocks every model family shares, and the interface a model attends through.
+
+The models run on a *flat token batch*: the new tokens of every sequence in one step,
+concatenated into `input_ids [T]` with their `positions [T]` (`check_flat_batch` checks it).
+Nothing in a model knows where past keys and values live: each layer hands its new queries, keys
+and values to an `AttentionBackend`, which owns the KV cache (the dense oracle's in
+`minipaged.dense`, the paged one in `minipaged.attention`, Kwon et al., SOSP'23, section 4.1).
+
+The blocks: `Linear` (every projection, on oneDNN's matmul where that pays), `RMSNorm`, and
+rotary position embeddings (`RotaryEmbedding`, `apply_rotary`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from minipaged.config import ModelConfig
+
+
+class AttentionBackend(Protocol):
+    """Attention of the new tokens of a flat batch over their sequences' whole context.
+
+    `q [T, H, D]`, `k`, `v [T, H_kv, D]` are the projections of the step's new tokens, rotary
+    already applied. The backend stores `k`/`v` in its cache for layer `layer_idx`, then returns
+    causal attention of each new token over its own sequence's cached plus new keys: `[T, H, D]`.
+    """
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        ...
+
+
+class CausalLM(nn.Module):
+    """What every family's model offers: `forward` over a flat batch to the final hidden
+    states, `compute_logits` of some of their rows, and the token embedding a tied head shares.
+    """
+
+    config: ModelConfig
+    lm_head: Linear
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+        """Hidden states `[T, hidden_size]` (final norm applied) of a flat token batch."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """Next-token logits `[N, vocab_size]` in float32 for the rows of `hidden`."""
+        return self.lm_head(hidden).float()
+
+    def input_embedding(self) -> nn.Embedding:
+        """The token embedding, which a tied head shares."""
+        raise NotImplementedError
+
+
+class ModelInputError(ValueError):
+    """The flat batch handed to a model does not fit it (shape, dtype or position range)."""
+
+
+def check_flat_batch(config: ModelConfig, input_ids: Tensor, positions: Tensor) -> None:
+    """Raise `ModelInputError` unless `input_ids` and `positions` are a valid flat batch."""
+    if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+        raise ModelInputError(
+            f"input_ids and positions must both be [T], got {tuple(input_ids.shape)} and "
+            f"{tuple(positions.shape)}"
+        )
+    if input_ids.dtype != torch.long or positions.dtype != torch.long:
+        raise ModelInputError(
+            f"input_ids and positions must be int64, got {input_ids.dtype} and {positions.dtype}"
+        )
+    if input_ids.numel() == 0:
+        raise ModelInputError("empty flat batch")
+    # One host sync per step; the sampler syncs anyway, and a readable error beats a device assert.
+    lo_id, hi_id = int(input_ids.min()), int(input_ids.max())
+    if lo_id < 0 or hi_id >= config.vocab_size:
+        raise ModelInputError(f"token id out of range [0, {config.vocab_size}): {lo_id}..{hi_id}")
+    lo_pos, hi_pos = int(positions.min()), int(positions.max())
+    if lo_pos < 0 or hi_pos >= config.max_position_embeddings:
+        raise ModelInputError(
+            f"position out of range [0, {config.max_position_embeddings}): {lo_pos}..{hi_pos}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear layers: every projection of every family
+# ---------------------------------------------------------------------------------------------
+
+# oneDNN's linear op, from PyTorch's oneDNN integration (torch.compile's CPU backend emits it for
+# fused linear layers); absent from builds without oneDNN, where `linear` is `F.linear`.
+ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(
+    torch.ops.mkldnn, "_linear_pointwise"
+)
+# oneDNN's fixed cost per call is higher than MKL's: below 2^16 weights (256 x 256) it outweighs
+# what oneDNN saves at decode row counts (`benchmarks/linear_cpu.py` times each shape).
+ONEDNN_MIN_WEIGHT_ELEMENTS = 1 << 16
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`x @ weight.T + bias`, as `F.linear`; in float32 on CPU, through oneDNN's matmul.
+
+    PyTorch's CPU build sends `F.linear` to MKL's GEMM, which on some CPUs is slow at the few
+    rows of a decode step and at odd row counts; oneDNN, the other GEMM inside PyTorch, is not
+    (`benchmarks/linear_cpu.py` measures both on the machine at hand). Small weights (tiny test
+    models) stay with `F.linear`: oneDNN's fixed cost per call outweighs its gain. The sums are
+    the same, in another order: outputs differ from `F.linear` by float rounding. The oneDNN op
+    has no backward, so anything that needs gradients takes `F.linear`.
+    """
+    if uses_onednn(x, weight):
+        return onednn_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear` on oneDNN, whatever the sizes (`linear` decides when to call it)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def uses_onednn(x: Tensor, weight: Tensor) -> bool:
+    """Whether `linear(x, weight)` runs on oneDNN (see `linear`)."""
+    return (
+        ONEDNN_AVAILABLE
+        and weight.numel() >= ONEDNN_MIN_WEIGHT_ELEMENTS
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    )
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters, same checkpoint layout) whose forward is `linear`."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm and rotary position embeddings
+# ---------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dimension, computed in float32 (as Hugging Face does)
+    and cast back."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> Tensor:
+    """The rotary angle per position of each of the head's `head_dim / 2` dimension pairs.
+
+    theta_i = rope_theta ** (-2i / head_dim) (Su et al., RoFormer), optionally rescaled to stretch
+    the context: "linear" divides every frequency by `factor` (position interpolation); "llama3"
+    divides only the low frequencies (long wavelengths) by `factor`, keeps the high ones, and
+    blends smoothly in between (Llama 3.1).
+    """
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low_freq_factor = scaling["low_freq_factor"]
+        high_freq_factor = scaling["high_freq_factor"]
+        old_context = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        low_freq_wavelen = old_context / low_freq_factor  # longer than this: divide by factor
+        high_freq_wavelen = old_context / high_freq_factor  # shorter than this: keep
+        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        return torch.where(
+            wavelen > low_freq_wavelen,
+            inv_freq / factor,
+            torch.where(wavelen < high_freq_wavelen, inv_freq, blended),
+        )
+    raise ValueError(f"unsupported rope scaling {kind!r}; minipaged implements linear and llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates each query and key by an angle proportional to its position (RoFormer).
+
+    Dimension `i` is paired with dimension `i + D/2` (Hugging Face's `rotate_half` layout), and the
+    pair is rotated by `position * inv_freq[i]`. The dot product of a rotated query and key then
+    depends only on their distance. cos/sin are cached for every position up to
+    `max_position_embeddings`, in float32, on the CPU even when the model is built on the meta
+    device (they are computed, not loaded); moving the model moves them.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        inv_freq = rope_inverse_frequencies(config)
+        angles = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
+        angles = angles[:, None] * inv_freq[None, :]  # [P, D/2]
+        angles = torch.cat([angles, angles], dim=-1)  # [P, D]: pair (i, i + D/2) shares an angle
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin `[T, 1, D]` of the tokens at `positions` (looked up once per forward pass,
+        shared by all layers; the 1 broadcasts over heads)."""
+        return self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate each pair (i, i + D/2) of every head of `x [T, heads, D]` by its angle."""
+    return x * cos + rotate_half(x) * sin
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension: a 90 degree turn per pair."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)

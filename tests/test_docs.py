@@ -1,0 +1,262 @@
+"""The docs site and the notebooks as a reader gets them.
+
+The site builds with `mkdocs build --strict`; every internal link and `#anchor` of the built
+HTML leads to a page and an element that exist (parsed with the stdlib's `html.parser`), and no
+page loads anything from another host (the site works offline). Every notebook fits the rendered
+page: code lines of at most 88 characters, figures at most ~9 in wide at ~110 dpi (read from the
+PNG outputs' headers), no warnings or local file paths in its outputs. A failure lists every
+offending cell, counted from 0 as in the file's "cells" list.
+
+The build takes a few seconds; the tests that need it share one build, on one xdist worker.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+
+pytestmark = pytest.mark.xdist_group("docs")
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+MAX_CODE_LINE = 88  # characters: what a notebook page's code column shows without scrolling
+MAX_FIGURE_WIDTH = 1000  # pixels: ~9 in at ~110 dpi, shown unscaled on a notebook page
+MIN_FIGURE_DPI = 100  # below it a figure's 10-point labels are under 14 pixels high
+BUILD_TIMEOUT = 300  # seconds; a build takes a few
+
+# Elements whose URL attribute the browser loads or follows, and the attribute.
+URL_ATTRIBUTES = {"a": "href", "link": "href", "img": "src", "script": "src", "source": "src",
+                  "iframe": "src"}
+# A local file path in an output: an absolute Unix path under a user or system folder, or a
+# Python installation's package folder.
+LOCAL_PATH = re.compile(r"(?<![\w.:/])/(?:home|root|work|tmp|Users|usr|opt|var|srv)/|site-packages")
+
+
+# -- reading the built site -----------------------------------------------------------------------
+
+
+@dataclass
+class Page:
+    """What a built HTML page offers (the ids its anchors can name) and refers to."""
+
+    ids: set[str] = field(default_factory=set)
+    urls: list[tuple[str, str]] = field(default_factory=list)  # (tag, url)
+
+
+class PageParser(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.page = Page()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        values = dict(attrs)
+        for name in ("id", "name"):
+            if values.get(name):
+                self.page.ids.add(values[name])
+        url = values.get(URL_ATTRIBUTES.get(tag, ""))
+        if url is not None:
+            self.page.urls.append((tag, url))
+
+
+def parse_site(site: Path) -> dict[Path, Page]:
+    pages = {}
+    for path in sorted(site.rglob("*.html")):
+        parser = PageParser()
+        parser.feed(path.read_text(encoding="utf-8"))
+        pages[path] = parser.page
+    return pages
+
+
+def is_external(url: str) -> bool:
+    return bool(urlsplit(url).scheme) or url.startswith("//")
+
+
+def broken(site: Path, pages: dict[Path, Page], source: Path, url: str) -> str | None:
+    """Why an internal `url` on page `source` leads nowhere; None when it resolves."""
+    parts = urlsplit(url)
+    path = unquote(parts.path)
+    if not path:
+        target = source
+    elif path.startswith("/"):  # root-relative (the 404 page's links)
+        target = site / path.lstrip("/")
+    else:
+        target = source.parent / path
+    target = target.resolve()
+    if target.is_dir():
+        target = target / "index.html"
+    if not target.is_relative_to(site.resolve()):
+        return "leads outside the site"
+    if not target.is_file():
+        return "no such file"
+    fragment = unquote(parts.fragment)
+    if fragment and target.suffix == ".html" and fragment not in pages[target].ids:
+        return f"no element with id {fragment!r} in {target.relative_to(site.resolve())}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site, built strict (any warning fails) into a temporary folder."""
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=BUILD_TIMEOUT)
+    assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stderr[-4000:]}"
+    return out.resolve()
+
+
+# -- the site -------------------------------------------------------------------------------------
+
+
+def test_every_internal_link_and_anchor_resolves(site):
+    pages = parse_site(site)
+    assert site / "index.html" in pages
+    assert site / "notebooks" / "01_tokenizer" / "index.html" in pages
+    failures = []
+    checked = 0
+    for source, page in pages.items():
+        for _, url in page.urls:
+            if is_external(url):
+                continue
+            checked += 1
+            reason = broken(site, pages, source, url)
+            if reason:
+                failures.append(f"{source.relative_to(site)}: {url} ({reason})")
+    assert checked > 100  # the navigation alone links every page from every page
+    assert not failures, "\n".join(failures)
+
+
+def test_the_site_loads_nothing_from_other_hosts(site):
+    """Stylesheets, scripts, fonts and images come with the site (`theme: font: false`), so it
+    reads the same offline; only plain links (`<a href>`) may point elsewhere."""
+    loaded = [
+        f"{source.relative_to(site)}: <{tag}> {url}"
+        for source, page in parse_site(site).items()
+        for tag, url in page.urls
+        if tag != "a" and is_external(url) and not url.startswith("data:")
+    ]
+    assert not loaded, "\n".join(loaded)
+
+
+def test_broken_links_and_anchors_are_found(tmp_path):
+    """The checker itself: a missing page, a missing anchor and a link out of the site are
+    reported; a good link, a good anchor and a root-relative link are not."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "index.html").write_text('<h2 id="here">x</h2>')
+    (tmp_path / "index.html").write_text("")
+    pages = parse_site(tmp_path)
+    source = tmp_path / "a" / "index.html"
+    assert broken(tmp_path, pages, source, "#here") is None
+    assert broken(tmp_path, pages, source, "../a/#here") is None
+    assert broken(tmp_path, pages, source, "/a/") is None
+    assert broken(tmp_path, pages, source, "../") is None
+    assert "no element" in broken(tmp_path, pages, source, "#gone")
+    assert "no such file" in broken(tmp_path, pages, source, "../b/")
+    assert "outside" in broken(tmp_path, pages, source, "../../x/")
+
+
+# -- the notebooks --------------------------------------------------------------------------------
+
+
+def cells(notebook: Path) -> list[dict]:
+    return json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+
+
+def text_of(value: str | list[str]) -> str:
+    return value if isinstance(value, str) else "".join(value)
+
+
+def png_size(data: bytes) -> tuple[int, int, float | None]:
+    """(width, height, dots per inch) from a PNG's header; dpi None when it records none."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk comes first
+    dpi = None
+    at = data.find(b"pHYs")
+    if at > 0:
+        per_x, _, unit = struct.unpack(">IIB", data[at + 4 : at + 13])
+        if unit == 1:  # pixels per metre
+            dpi = per_x * 0.0254
+    return width, height, dpi
+
+
+def figures(notebook: Path) -> list[tuple[int, int, float | None]]:
+    """(cell index, width, dpi) of every PNG output of the notebook."""
+    found = []
+    for index, cell in enumerate(cells(notebook)):
+        for output in cell.get("outputs", []):
+            png = output.get("data", {}).get("image/png")
+            if png is not None:
+                width, _, dpi = png_size(base64.b64decode(text_of(png)))
+                found.append((index, width, dpi))
+    return found
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_code_lines_fit_the_page(notebook):
+    long_lines = [
+        f"cell {index}, line {number}: {len(line)} characters"
+        for index, cell in enumerate(cells(notebook))
+        if cell["cell_type"] == "code"
+        for number, line in enumerate(text_of(cell["source"]).splitlines(), 1)
+        if len(line) > MAX_CODE_LINE
+    ]
+    assert not long_lines, "\n".join(long_lines)
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_figures_fit_the_page(notebook):
+    too_wide = [f"cell {index}: {width} px wide" for index, width, _ in figures(notebook)
+                if width > MAX_FIGURE_WIDTH]
+    assert not too_wide, "\n".join(too_wide)
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_figures_have_legible_labels(notebook):
+    low = [f"cell {index}: {dpi:.0f} dpi" for index, _, dpi in figures(notebook)
+           if dpi is not None and dpi < MIN_FIGURE_DPI - 0.5]
+    assert not low, "\n".join(low)
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_outputs_show_no_warning_or_local_path(notebook):
+    shown = []
+    for index, cell in enumerate(cells(notebook)):
+        for output in cell.get("outputs", []):
+            text = text_of(output.get("text", "")) + text_of(
+                output.get("data", {}).get("text/plain", "")
+            ) + "\n".join(output.get("traceback", []))
+            if output.get("name") == "stderr" and "Warning" in text:
+                shown.append(f"cell {index}: a warning: {text.strip()[:80]}")
+            if LOCAL_PATH.search(text):
+                shown.append(f"cell {index}: a local path: {LOCAL_PATH.search(text).group()}")
+    assert not shown, "\n".join(shown)
+
+
+def test_png_size_reads_width_and_dpi():
+    """The header reader on a PNG made here: 3 x 2 pixels at 110 dpi."""
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(
+            ">I", zlib.crc32(kind + body)
+        )
+
+    per_metre = round(110 / 0.0254)
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 3, 2, 8, 0, 0, 0, 0))
+           + chunk(b"pHYs", struct.pack(">IIB", per_metre, per_metre, 1))
+           + chunk(b"IDAT", zlib.compress(b"\x00\x00\x00\x00" * 2)) + chunk(b"IEND", b""))
+    width, height, dpi = png_size(png)
+    assert (width, height) == (3, 2) and abs(dpi - 110) < 0.01
