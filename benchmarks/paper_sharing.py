@@ -89,12 +89,10 @@ def beam_search_hook(rng: np.random.Generator):
             picks = [parents.count(i) for i in range(len(beams))]
             for beam, count in zip(beams, picks, strict=True):
                 if count == 0:  # dropped first, so a reservation's chunk is free to reuse
-                    scheduler.kv_cache.free(beam.seq_id)
-                    group.remove(beam.seq_id)
+                    scheduler.free_sequence(group, beam)
             for beam, count in zip(beams, picks, strict=True):
                 for _ in range(count - 1):
-                    scheduler.kv_cache.fork(beam.seq_id, next_id)
-                    group.add(beam.fork(next_id))
+                    scheduler.fork_sequence(group, beam, beam.fork(next_id))
                     next_id += 1
         return next_id
 

@@ -31,6 +31,7 @@ Writes benchmarks/results/paper_vllm_sim.json and paper_vllm_engine.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import time
@@ -49,6 +50,7 @@ from minipaged.scheduler import Scheduler, SchedulerConfig
 from minipaged.scheduler_registry import build_scheduler
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.simulate import SampleHook
+from minipaged.step import fork_samples
 from minipaged.traces import TRACES, TraceRequest
 
 RESULTS = Path(__file__).parent / "results"
@@ -147,15 +149,12 @@ def simulate_groups(
 
 
 def fork_parallel_samples(scheduler: Scheduler, sampled: list, next_id: int) -> int:
-    """Parallel sampling (§4.4): once the prompt is done, fork samples 1..n-1 from it."""
+    """Parallel sampling (§4.4): once the prompt is done, fork samples 1..n-1 from it (the
+    engine's own `fork_samples`); returns the next free sequence id."""
+    seq_ids = itertools.count(next_id)
     for item in sampled:
-        group = item.group
-        while len(group.seqs) < group.sampling_params.n:
-            child = item.seq.fork(next_id, sample_index=len(group.seqs))
-            scheduler.kv_cache.fork(item.seq.seq_id, next_id)
-            group.add(child)
-            next_id += 1
-    return next_id
+        fork_samples(scheduler, item.group, item.seq, seq_ids)
+    return next(seq_ids)
 
 
 def _stats(

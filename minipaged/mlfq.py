@@ -51,7 +51,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -61,6 +60,7 @@ from minipaged.scheduler import (
     PreemptionMode,
     Scheduler,
     SchedulerConfig,
+    SchedulerFactory,
     SchedulerOutput,
     StepBudget,
 )
@@ -357,8 +357,6 @@ class SkipJoinMLFQScheduler(Scheduler):
 
 
 # -- the variants (FastServe §6.3's ablation) -----------------------------------------------------
-
-SchedulerFactory = Callable[[SchedulerConfig, KVManager], Scheduler]
 
 MLFQ_VARIANTS: dict[str, MLFQConfig] = {
     "mlfq": MLFQConfig(),

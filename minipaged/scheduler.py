@@ -18,7 +18,7 @@ samples, and calls `finish_step()`.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from minipaged.kv_interface import KVManager
 from minipaged.scheduler_types import (
@@ -309,6 +309,10 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         if seq.seq_id in self.kv_cache:
             self.kv_cache.free(seq.seq_id)
+
+
+# What a registry or the simulator holds: builds a scheduler over a given KV manager.
+SchedulerFactory = Callable[[SchedulerConfig, KVManager], Scheduler]
 
 
 class FCFSScheduler(Scheduler):

@@ -19,9 +19,9 @@ from minipaged.baselines import OrcaScheduler, StaticBatchScheduler
 from minipaged.cost_model import CostModel
 from minipaged.kv_cache import KVCacheManager
 from minipaged.kv_interface import KVManager
-from minipaged.mlfq import MLFQ_VARIANTS, MLFQConfig, SchedulerFactory, mlfq_factory
+from minipaged.mlfq import MLFQ_VARIANTS, MLFQConfig, mlfq_factory
 from minipaged.reservation import ReservationKVCacheManager
-from minipaged.scheduler import FCFSScheduler, Scheduler, SchedulerConfig
+from minipaged.scheduler import FCFSScheduler, Scheduler, SchedulerConfig, SchedulerFactory
 
 SCHEDULERS: dict[str, SchedulerFactory] = {
     "fcfs": FCFSScheduler,
