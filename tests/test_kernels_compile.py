@@ -31,6 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "benchmarks" / "results" / "kernel_resources.json"
 KERNELS = {"decode_partition", "decode_merge", "prefill", "reshape_and_cache", "copy_blocks"}
 
+# One xdist worker runs every test here, so the programs are compiled once per run.
+pytestmark = pytest.mark.xdist_group("aot")
+
 
 @pytest.fixture(scope="session")
 def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
