@@ -1,8 +1,9 @@
-"""The command line: `minipaged generate`, `minipaged chat` (one-shot or interactive).
+"""The command line: `minipaged generate`, `minipaged chat` (one-shot or interactive), `serve`.
 
 Flags mirror `SamplingParams` and the `LLM` constructor, so the shell and Python read alike. The
 choices of `--scheduler`, `--dtype` and `--attention-backend` are read from the engine's own
-registries, so a scheduler registered in `minipaged.engine.SCHEDULERS` is selectable here too.
+registries, so a scheduler registered in `minipaged.scheduler_registry.SCHEDULERS` is
+selectable here too.
 
 `generate` decodes greedily. `chat` samples: each setting comes from a flag if given, else from
 the model's own `generation_config.json` (Hugging Face's file, in the model's folder or next to
