@@ -29,7 +29,13 @@ import numpy as np
 from minipaged.cost_model import CostModel, StepShape
 from minipaged.kv_cache import KVCacheManager
 from minipaged.sampling import SamplingParams
-from minipaged.scheduler import FCFSScheduler, ScheduledSequence, Scheduler, SchedulerConfig
+from minipaged.scheduler import (
+    FCFSScheduler,
+    ScheduledSequence,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerFactory,
+)
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.step import (
     StepRecord,
@@ -42,7 +48,6 @@ from minipaged.step import (
 from minipaged.stopping import finish_if_stopped
 from minipaged.traces import TraceRequest
 
-SchedulerFactory = Callable[[SchedulerConfig, KVCacheManager], Scheduler]
 # The sampler's part of parallel sampling and beam search, called after each step's tokens are
 # appended: (scheduler, the step's sampling items, the next free sequence id) -> the next free id.
 SampleHook = Callable[[Scheduler, list[ScheduledSequence], int], int]
