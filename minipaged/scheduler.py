@@ -70,8 +70,7 @@ class Scheduler:
         max_len = min(prompt_len + group.sampling_params.max_tokens, self.config.max_model_len)
         width = group.max_width
         field = "beam_width" if group.sampling_params.use_beam_search else "n"
-        # A group runs all its sequences in one step; without chunked prefill a resumed one
-        # recomputes every token of each in that step.
+        # A group runs all its sequences in a step; unchunked, a resumed one recomputes them.
         tokens = width if self.config.enable_chunked_prefill else width * max_len
         for limit, used in (("max_num_seqs", width), ("max_num_batched_tokens", tokens)):
             if used > getattr(self.config, limit):
@@ -79,8 +78,7 @@ class Scheduler:
                     f"request {group.request_id}: {field}={width} needs {used} of "
                     f"{limit}={getattr(self.config, limit)} in one step"
                 )
-        # Admission, swap-in and re-admission after recomputation all leave the watermark free:
-        # a request must fit beside it, or once preempted it could never come back.
+        # Admission, swap-in and re-admission all leave the watermark free: so must a request.
         kv = self.kv_cache
         needed = kv.blocks_for_request(prompt_len, max_len, width)
         usable = kv.num_blocks - kv.watermark_blocks
@@ -226,9 +224,7 @@ class Scheduler:
 
     def shared_prompt_blocks(self, seqs: list[Sequence]) -> int:
         """Full prompt blocks that the sequences of one group share (none for a single one)."""
-        if len(seqs) < 2:
-            return 0
-        return seqs[0].get_prompt_len() // self.kv_cache.block_size
+        return seqs[0].get_prompt_len() // self.kv_cache.block_size if len(seqs) > 1 else 0
 
     def fits(self, seqs: list[Sequence]) -> bool:
         """Whether a group can compute its pending tokens now, wherever its blocks are."""
@@ -269,12 +265,15 @@ class Scheduler:
             pending = seq.get_len() - self.kv_cache.num_tokens(seq.seq_id)
             if pending:
                 out.copy.extend(self.kv_cache.append_slots(seq.seq_id, pending))
-        for seq in seqs:
+        # After a re-admission the others read the shared prompt blocks the first one writes.
+        shared, written = self.shared_prompt_blocks(seqs) * self.kv_cache.block_size, 0
+        for i, seq in enumerate(seqs):
             n = budget.chunk(seq.get_len() - seq.num_computed_tokens)
-            if n <= 0:
+            if n <= 0 or (i and written < shared):
                 continue
             out.scheduled.append(ScheduledSequence(seq, group, seq.num_computed_tokens, n))
             budget.take(n)
+            written = written or seq.num_computed_tokens + n
         if group.metrics.first_scheduled_time is None:
             group.metrics.first_scheduled_time = self._now
 
@@ -293,10 +292,10 @@ class Scheduler:
             cached = self.kv_cache.allocate(first.seq_id, first.get_token_ids()[:shared])
             for seq in seqs[1:]:
                 self.kv_cache.fork(first.seq_id, seq.seq_id)
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             if not shared:
                 cached = self.kv_cache.allocate(seq.seq_id, seq.get_token_ids())
-            seq.num_computed_tokens = cached
+            seq.num_computed_tokens = shared if i and shared else cached  # `run` orders them
             if first_admission:
                 group.metrics.num_cached_tokens += cached
             seq.status = SequenceStatus.RUNNING
