@@ -54,20 +54,38 @@ def advance_beams(
             assigned.append((parent, cand))
     for cand in finishing:
         hypothesis = beams[cand.parent].fork(next(seq_ids))  # no blocks: it is done
-        hypothesis.append_token(cand.token_id, cand.logprob)
+        alternatives = _alternatives(next_logprobs, cand, params.logprobs)
+        hypothesis.append_token(cand.token_id, cand.logprob, alternatives)
         hypothesis.finish(StopDecision(SequenceStatus.FINISHED_STOPPED, cand.token_id))
         group.add(hypothesis)
     for index, beam in enumerate(beams):
         if index not in used:
             scheduler.free_sequence(group, beam)
     for beam, cand in assigned:
-        beam.append_token(cand.token_id, cand.logprob)
+        alternatives = _alternatives(next_logprobs, cand, params.logprobs)
+        beam.append_token(cand.token_id, cand.logprob, alternatives)
         # max_tokens or the context: the beam ends as it is (stop tokens were handled above)
         finish_if_stopped(beam, params, (), max_model_len)
     _prune_hypotheses(scheduler, group, eos_token_ids)
     if _is_done(group, eos_token_ids):
         for beam in group.get_unfinished_seqs():
             scheduler.free_sequence(group, beam)
+
+
+def _alternatives(
+    next_logprobs: Tensor, cand: BeamCandidate, k: int | None
+) -> dict[int, float] | None:
+    """vLLM's per-token logprobs of a beam's new token: the `k` most likely tokens after its
+    parent, plus the chosen one; None when the request did not ask for them."""
+    if k is None:
+        return None
+    row = next_logprobs[cand.parent]
+    out: dict[int, float] = {}
+    if k > 0:
+        top = torch.topk(row, k)
+        out.update(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    out[cand.token_id] = float(cand.logprob)
+    return out
 
 
 def _prune_hypotheses(

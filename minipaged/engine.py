@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import collections.abc
 import itertools
+import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +29,27 @@ from minipaged.config import ModelConfig
 from minipaged.cost_model import CostModel
 from minipaged.engine_config import EngineConfig
 from minipaged.outputs import RequestOutput
-from minipaged.runner import BatchEntry, CacheOps, GiB, ModelRunner, num_blocks_for_memory
+from minipaged.request_io import RequestStream, check_params, prompt_token_ids
+from minipaged.runner import (
+    BatchEntry,
+    CacheOps,
+    GiB,
+    ModelRunner,
+    blocks_that_fit,
+    num_blocks_for_memory,
+)
 from minipaged.runner_profile import profile_runner
 from minipaged.sampler import Sampler
 from minipaged.sampling import SamplingParams
 from minipaged.sampling_stage import sample_tokens
 from minipaged.scheduler import Scheduler, SchedulerConfig
 from minipaged.scheduler_registry import build_scheduler, needs_cost_model
-from minipaged.sequence import Sequence, SequenceGroup
+from minipaged.scheduler_types import SchedulerOutput
+from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.step import StepRecord, StepTimings, finish_requests, record_step
 
 StepObserver = Callable[[StepRecord], None]
+logger = logging.getLogger(__name__)
 
 
 # -- the engine -----------------------------------------------------------------------------------
@@ -73,7 +84,10 @@ class LLMEngine:
             num_gpu_blocks = scheduler.kv_cache.num_blocks
             num_cpu_blocks = scheduler.kv_cache.num_host_blocks
         else:
-            num_gpu_blocks = config.num_gpu_blocks or self._blocks_that_fit(device, dtype)
+            num_gpu_blocks = config.num_gpu_blocks or blocks_that_fit(
+                model_config, config.block_size, dtype, device,
+                config.gpu_memory_utilization, config.kv_cache_memory,
+            )
             num_cpu_blocks = config.num_cpu_blocks
             if num_cpu_blocks is None:
                 num_cpu_blocks = num_blocks_for_memory(
@@ -118,6 +132,7 @@ class LLMEngine:
         )
         self._groups: dict[str, SequenceGroup] = {}
         self._finished: dict[str, RequestOutput] = {}  # requests finished in the last step
+        self._streams: dict[str, collections.deque[RequestOutput]] = {}  # outputs not yet read
         self._observers: list[StepObserver] = []
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -134,17 +149,6 @@ class LLMEngine:
         path = Path(model) if model is not None else default_model_path()
         nn_model, model_config = load_model(path, dtype=config.torch_dtype, device="cpu")
         return cls(nn_model, model_config, Tokenizer.from_pretrained(path), config)
-
-    def _blocks_that_fit(self, device: torch.device, dtype: torch.dtype) -> int:
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            budget = free - (1 - self.config.gpu_memory_utilization) * total
-        else:
-            budget = self.config.kv_cache_memory * GiB
-        blocks = num_blocks_for_memory(self.model_config, self.config.block_size, dtype, budget)
-        if blocks < 1:
-            raise ValueError("no memory left for even one KV block; lower the model size")
-        return blocks
 
     def _startup_cost_model(self) -> CostModel:
         """The cost model given, or the one saved in `cost_model_file`, or a profile of this
@@ -173,17 +177,18 @@ class LLMEngine:
     ) -> str:
         """Queue a request (text, or token ids); return its id. `prompt_text` is the text that
         token ids were made from (a rendered chat prompt, say), reported as the output's
-        `prompt`. Bad input raises `ValueError` naming the problem and leaves the engine
-        untouched."""
-        params = sampling_params or SamplingParams()
+        `prompt`. Bad input raises `TypeError` / `ValueError` naming the field and the value
+        and leaves the engine untouched (`minipaged.admission`, `Scheduler.check_request`)."""
+        vocab = self.model_config.vocab_size
+        params = check_params(sampling_params, vocab, self.tokenizer is not None)
         if prompt_text is not None and isinstance(prompt, str):
             raise ValueError("prompt_text names the text of token-id prompts, not of text ones")
-        request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
+        if request_id is None:
+            request_id = self._new_request_id()
+        request_id = str(request_id)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer to detokenize the output")
+        text, token_ids = prompt_token_ids(prompt, self.tokenizer, vocab)
         seq = Sequence(next(self._seq_ids), token_ids, self._detokenizer())
         prompt_text = text if text is not None else prompt_text
         group = SequenceGroup(request_id, [seq], params, arrival_time, prompt=prompt_text)
@@ -191,23 +196,11 @@ class LLMEngine:
         self._groups[request_id] = group
         return request_id
 
-    def _tokenize(
-        self, prompt: str | collections.abc.Sequence[int]
-    ) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; pass token ids instead")
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-            text: str | None = prompt
-        else:
-            token_ids, text = [int(t) for t in prompt], None
-        if not token_ids:
-            raise ValueError("the prompt is empty: it must contain at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        return text, token_ids
+    def _new_request_id(self) -> str:
+        """The next free number: never an id a caller's request holds now."""
+        while (request_id := str(next(self._request_ids))) in self._groups:
+            pass
+        return request_id
 
     def _detokenizer(self) -> Any | None:
         if self.tokenizer is None:
@@ -263,34 +256,31 @@ class LLMEngine:
         out = self.scheduler.schedule(start)
         scheduled = clock()
         entries = [
-            BatchEntry(
-                s.token_ids,
-                s.start,
-                s.block_table,
-                s.needs_logits,
-            )
-            for s in out.scheduled
+            BatchEntry(s.token_ids, s.start, s.block_table, s.needs_logits) for s in out.scheduled
         ]
-        logits = self.runner.execute(entries, CacheOps(out.swap_in, out.swap_out, out.copy))
-        computed = clock()
-        self.scheduler.mark_computed(out)
-        marked = clock()
-        touched = sample_tokens(
-            [s for s in out.scheduled if s.needs_logits],
-            logits,
-            sampler=self.sampler,
-            scheduler=self.scheduler,
-            seq_ids=self._seq_ids,
-            eos_token_ids=self.eos_token_ids,
-            max_model_len=self.max_model_len,
-        )
+        try:
+            logits = self.runner.execute(entries, CacheOps(out.swap_in, out.swap_out, out.copy))
+            computed = clock()
+            self.scheduler.mark_computed(out)
+            marked = clock()
+            touched = sample_tokens(
+                [s for s in out.scheduled if s.needs_logits],
+                logits,
+                sampler=self.sampler,
+                scheduler=self.scheduler,
+                seq_ids=self._seq_ids,
+                eos_token_ids=self.eos_token_ids,
+                max_model_len=self.max_model_len,
+            )
+        except Exception:  # the step's requests end with "error"; the others go on
+            logger.exception("step %d failed; its requests finish with 'error'", self._num_steps)
+            return self._fail_step(out)
         sampled = clock()
         num_running = len(self.scheduler.running)
         for group in finish_requests(self.scheduler, time.monotonic()):
             self._groups.pop(group.request_id, None)
         freed = clock()
-        outputs = [self._request_output(g) for g in touched]
-        self._finished = {o.request_id: o for o in outputs if o.finished}
+        outputs = self._publish([self._request_output(g) for g in touched])
         if self._observers:
             timings = StepTimings(
                 schedule_s=scheduled - began,
@@ -314,6 +304,29 @@ class LLMEngine:
         self._num_steps += 1
         return outputs
 
+    def _fail_step(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """End every request the failed step touched with `finish_reason="error"`, freeing
+        its blocks, so that the next step starts from a consistent engine."""
+        groups = {id(g): g for g in [s.group for s in out.scheduled] + out.preempted}
+        finished = []
+        for group in groups.values():
+            if self.scheduler.abort(group.request_id, SequenceStatus.FINISHED_ERROR):
+                group.metrics.finished_time = time.monotonic()
+                self._groups.pop(group.request_id, None)
+                finished.append(group)
+        self._num_steps += 1
+        return self._publish([self._request_output(g) for g in finished])
+
+    def _publish(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Keep the step's finished outputs for `get_request` and queue every output of a
+        request with an open stream for that stream."""
+        self._finished = {o.request_id: o for o in outputs if o.finished}
+        for output in outputs:
+            pending = self._streams.get(output.request_id)
+            if pending is not None:
+                pending.append(output)
+        return outputs
+
     def _request_output(self, group: SequenceGroup) -> RequestOutput:
         """The user's view of a request. While a sample runs, the end of its text that may be
         the start of a stop string is held back (as vLLM does), so streamed text never has to be
@@ -326,22 +339,30 @@ class LLMEngine:
                 completion.text = by_index[completion.index].stream_text(hold_back)
         return output
 
-    def stream(self, request_id: str) -> Iterator[RequestOutput]:
-        """Step the engine until `request_id` finishes, yielding its output after every step
-        that gave it new tokens; the last one is `finished`. Other requests advance meanwhile.
+    def stream(self, request_id: str) -> RequestStream:
+        """Follow `request_id`: iterating yields its output after every step that gave it new
+        tokens, stepping the engine when none is waiting; the last one is `finished`. Other
+        requests advance meanwhile, and their outputs are kept for their own streams.
 
         Each output holds the whole text so far (vLLM's cumulative outputs); successive texts
         only grow, so `text[len(previous):]` is the new piece (see `minipaged.llm.stream_text`).
+        Closing the stream (`close()`, leaving a `for` loop over it that is then dropped, or
+        the stream being collected) aborts the request if it has not finished.
         """
         request_id = str(request_id)
         if request_id not in self._groups:
             raise ValueError(f"unknown or finished request {request_id!r}")
-        while self.has_unfinished_requests():
-            for output in self.step():
-                if output.request_id == request_id:
-                    yield output
-                    if output.finished:
-                        return
+        if request_id in self._streams:
+            raise ValueError(f"request {request_id!r} already has an open stream")
+        pending: collections.deque[RequestOutput] = collections.deque()
+        self._streams[request_id] = pending
+        return RequestStream(self, request_id, pending)
+
+    def close_stream(self, request_id: str, pending: collections.deque[RequestOutput]) -> None:
+        """End the stream that owns `pending`, aborting its request if it is still running."""
+        if self._streams.get(request_id) is pending:
+            del self._streams[request_id]
+            self.abort_request(request_id)
 
     # -- driving it to completion ------------------------------------------------------------------
 
@@ -358,4 +379,4 @@ class LLMEngine:
         return finals
 
 
-__all__ = ["EngineConfig", "LLMEngine", "StepObserver"]
+__all__ = ["EngineConfig", "LLMEngine", "RequestStream", "StepObserver"]

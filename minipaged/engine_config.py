@@ -71,6 +71,21 @@ class EngineConfig:
             )
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(
+                f"max_model_len must be None or >= 2 (a prompt token and one to generate), "
+                f"got {self.max_model_len}"
+            )
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -11,7 +11,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from minipaged.engine import LLMEngine
+from minipaged.engine import LLMEngine, RequestStream
 from minipaged.engine_config import EngineConfig
 from minipaged.outputs import RequestOutput
 from minipaged.sampling import SamplingParams
@@ -53,7 +53,8 @@ class LLM:
     def chat_stream(
         self, messages: Sequence[dict[str, str]], sampling_params: SamplingParams | None = None
     ) -> Iterator[str]:
-        """Yield the answer's text piece by piece as the engine produces it."""
+        """Yield the answer's text piece by piece as the engine produces it; closing the
+        generator aborts the request."""
         token_ids, text = self._chat_prompt(messages)
         request_id = self.engine.add_request(None, token_ids, sampling_params, prompt_text=text)
         yield from stream_text(self.engine, request_id)
@@ -70,7 +71,7 @@ class LLM:
         try:
             for (prompt, text), p in zip(prompts, params, strict=True):
                 ids.append(self.engine.add_request(None, prompt, p, prompt_text=text))
-        except ValueError:
+        except BaseException:
             for request_id in ids:  # all or nothing: do not leave half a batch queued
                 self.engine.abort_request(request_id)
             raise
@@ -90,18 +91,26 @@ def stream_text(engine: LLMEngine, request_id: str) -> Iterator[str]:
 
     The pieces join up to the final text: text that may begin a stop string is held back until
     the stop string is ruled out (then shown) or completed (then cut off, never shown). Beam
-    search's best beam may change its past, so its text comes in one piece at the end.
+    search's best beam may change its past, so its text comes in one piece at the end. Closing
+    the generator (or dropping it) closes the engine's stream, which aborts the request.
     """
     params = engine.get_sampling_params(request_id)
     beams = params is not None and params.use_beam_search
+    return _pieces(engine.stream(request_id), beams)
+
+
+def _pieces(stream: RequestStream, beams: bool) -> Iterator[str]:
     shown = ""
-    for output in engine.stream(request_id):
-        if beams and not output.finished:
-            continue
-        text = output.outputs[0].text
-        if len(text) > len(shown):
-            yield text[len(shown) :]
-            shown = text
+    try:
+        for output in stream:
+            if beams and not output.finished:
+                continue
+            text = output.outputs[0].text
+            if len(text) > len(shown):
+                yield text[len(shown) :]
+                shown = text
+    finally:
+        stream.close()
 
 
 def _per_prompt(

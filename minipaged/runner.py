@@ -68,6 +68,27 @@ def num_blocks_for_memory(
     return int(memory_bytes // kv_bytes_per_block(config, block_size, dtype))
 
 
+def blocks_that_fit(
+    model_config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    gpu_memory_utilization: float,
+    kv_cache_memory: float,
+) -> int:
+    """KV blocks for the memory left: on CUDA what `gpu_memory_utilization` leaves of the
+    device's free memory, elsewhere `kv_cache_memory` GiB."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - (1 - gpu_memory_utilization) * total
+    else:
+        budget = kv_cache_memory * GiB
+    blocks = num_blocks_for_memory(model_config, block_size, dtype, budget)
+    if blocks < 1:
+        raise ValueError("no memory left for even one KV block; lower the model size")
+    return blocks
+
+
 class ModelRunner:
     """Runs a model over a paged KV cache, one flat batch per step."""
 

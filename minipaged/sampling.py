@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 # Temperatures below this are greedy (as in vLLM): dividing by them would overflow.
 SAMPLING_EPS = 1e-5
+# The most alternatives `logprobs` may ask for a token (vLLM's default `max_logprobs`).
+MAX_LOGPROBS = 20
 # Range of the seeds `torch.Generator.manual_seed` accepts without wrapping.
 MAX_SEED = 2**64
 
@@ -86,7 +88,10 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0, allowed="None or an integer >= 0")
+            allowed = f"None or an integer in [0, {MAX_LOGPROBS}]"
+            _check_int("logprobs", self.logprobs, low=0, allowed=allowed)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be {allowed}, got {self.logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             _check_float(name, getattr(self, name), f"-2 <= {name} <= 2", lambda x: -2 <= x <= 2)
         _check_float(

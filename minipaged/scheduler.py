@@ -69,21 +69,36 @@ class Scheduler:
             )
         max_len = min(prompt_len + group.sampling_params.max_tokens, self.config.max_model_len)
         width = group.max_width
-        needed = self.kv_cache.blocks_for_request(prompt_len, max_len, width)
-        if needed > self.kv_cache.num_blocks:
+        field = "beam_width" if group.sampling_params.use_beam_search else "n"
+        # A group runs all its sequences in a step; unchunked, a resumed one recomputes them.
+        tokens = width if self.config.enable_chunked_prefill else width * max_len
+        for limit, used in (("max_num_seqs", width), ("max_num_batched_tokens", tokens)):
+            if used > getattr(self.config, limit):
+                raise RequestRejectedError(
+                    f"request {group.request_id}: {field}={width} needs {used} of "
+                    f"{limit}={getattr(self.config, limit)} in one step"
+                )
+        # Admission, swap-in and re-admission all leave the watermark free: so must a request.
+        kv = self.kv_cache
+        needed = kv.blocks_for_request(prompt_len, max_len, width)
+        usable = kv.num_blocks - kv.watermark_blocks
+        if needed > usable:
             raise RequestRejectedError(
                 f"request {group.request_id}: needs up to {needed} KV blocks of "
-                f"{self.kv_cache.block_size} tokens ({width} x up to {max_len} tokens) but the "
-                f"cache has only {self.kv_cache.num_blocks}; lower max_tokens or n, or enlarge "
-                "the cache"
+                f"{kv.block_size} tokens ({width} x up to {max_len} tokens) but the cache has "
+                f"only {usable} usable ({kv.num_blocks} less the watermark); lower max_tokens "
+                "or n, or enlarge the cache"
             )
 
     def add(self, group: SequenceGroup) -> None:
         self.check_request(group)
         self.waiting.append(group)
 
-    def abort(self, request_id: str) -> SequenceGroup | None:
-        """Remove a request wherever it is, return its blocks; None when it is unknown."""
+    def abort(
+        self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED
+    ) -> SequenceGroup | None:
+        """Remove a request wherever it is, return its blocks, and end its unfinished
+        sequences with `status`; None when it is unknown."""
         for queue in (self.waiting, self.running, self.swapped):
             for group in queue:
                 if group.request_id == request_id:
@@ -91,7 +106,7 @@ class Scheduler:
                     for seq in group.seqs:
                         if not seq.is_finished():
                             self._release(seq)
-                            seq.status = SequenceStatus.FINISHED_ABORTED
+                            seq.status = status
                     return group
         return None
 
@@ -176,6 +191,12 @@ class Scheduler:
         kv = self.kv_cache
         if not kv.can_swap_in([s.seq_id for s in seqs]):
             return False
+        return kv.num_free_blocks - self.swap_in_blocks(seqs) >= 0
+
+    def swap_in_blocks(self, seqs: list[Sequence]) -> int:
+        """Device blocks a swapped group takes to come back and take its pending tokens: each
+        shared host block once, plus growth and at most one copy-on-write copy a sequence."""
+        kv = self.kv_cache
         tables = {s.seq_id: kv.block_table(s.seq_id) for s in seqs}
         uses = Counter(block for table in tables.values() for block in table)
         growth = 0
@@ -185,15 +206,25 @@ class Scheduler:
             last_block_shared = uses[tables[seq.seq_id][-1]] > 1
             if wanted > cached and cached % kv.block_size and last_block_shared:
                 growth += 1  # at most one copy-on-write copy
-        return kv.num_free_blocks - len(uses) - growth >= 0
+        return len(uses) + growth
 
     def can_admit(self, seqs: list[Sequence]) -> bool:
         """Whether admitting these waiting sequences leaves the watermark free."""
         kv = self.kv_cache
         if len(seqs) == 1:  # token ids let the manager count prefix-cache hits
             return kv.can_allocate(seqs[0].seq_id, seqs[0].get_token_ids())
-        needed = sum(kv.num_blocks_for(s.get_len()) for s in seqs)
-        return kv.num_free_blocks - needed >= kv.watermark_blocks
+        # Several sequences come back only after recomputation; `admit` shares their prompt's
+        # full blocks, counted once, as `check_request` counted them.
+        return kv.num_free_blocks - self.admit_blocks(seqs) >= kv.watermark_blocks
+
+    def admit_blocks(self, seqs: list[Sequence]) -> int:
+        """Device blocks `admit` takes for these waiting sequences (no prefix hits counted)."""
+        shared = self.shared_prompt_blocks(seqs)
+        return shared + sum(self.kv_cache.num_blocks_for(s.get_len()) - shared for s in seqs)
+
+    def shared_prompt_blocks(self, seqs: list[Sequence]) -> int:
+        """Full prompt blocks that the sequences of one group share (none for a single one)."""
+        return seqs[0].get_prompt_len() // self.kv_cache.block_size if len(seqs) > 1 else 0
 
     def fits(self, seqs: list[Sequence]) -> bool:
         """Whether a group can compute its pending tokens now, wherever its blocks are."""
@@ -205,16 +236,18 @@ class Scheduler:
         return self.can_admit(seqs)
 
     def blocks_needed(self, seqs: list[Sequence]) -> int:
-        """Free device blocks a group needs before it can compute its pending tokens: exact for
-        a running group; for a swapped or waiting one every block of every sequence, counted
-        without sharing (an upper bound, to tell whether making room is worth trying)."""
+        """Free device blocks a group needs before it can compute its pending tokens, shared
+        blocks counted once (prefix-cache hits not counted: an upper bound for a waiting one)."""
         kv = self.kv_cache
-        if seqs[0].status is SequenceStatus.RUNNING:
+        status = seqs[0].status
+        if status is SequenceStatus.RUNNING:
             return sum(
                 kv.num_blocks_to_append(s.seq_id, s.get_len() - kv.num_tokens(s.seq_id))
                 for s in seqs
             )
-        return sum(kv.num_blocks_for(s.get_len()) for s in seqs)
+        if status is SequenceStatus.SWAPPED:
+            return self.swap_in_blocks(seqs)
+        return self.admit_blocks(seqs)
 
     # -- moves ------------------------------------------------------------------------------------
 
@@ -232,12 +265,15 @@ class Scheduler:
             pending = seq.get_len() - self.kv_cache.num_tokens(seq.seq_id)
             if pending:
                 out.copy.extend(self.kv_cache.append_slots(seq.seq_id, pending))
-        for seq in seqs:
+        # After a re-admission the others read the shared prompt blocks the first one writes.
+        shared, written = self.shared_prompt_blocks(seqs) * self.kv_cache.block_size, 0
+        for i, seq in enumerate(seqs):
             n = budget.chunk(seq.get_len() - seq.num_computed_tokens)
-            if n <= 0:
+            if n <= 0 or (i and written < shared):
                 continue
             out.scheduled.append(ScheduledSequence(seq, group, seq.num_computed_tokens, n))
             budget.take(n)
+            written = written or seq.num_computed_tokens + n
         if group.metrics.first_scheduled_time is None:
             group.metrics.first_scheduled_time = self._now
 
@@ -249,9 +285,17 @@ class Scheduler:
         """
         first_admission = group.metrics.first_scheduled_time is None
         self.waiting.remove(group)
-        for seq in group.get_unfinished_seqs():
-            cached = self.kv_cache.allocate(seq.seq_id, seq.get_token_ids())
-            seq.num_computed_tokens = cached
+        seqs = group.get_unfinished_seqs()
+        shared = self.shared_prompt_blocks(seqs) * self.kv_cache.block_size
+        if shared:  # samples or beams back from recomputation: one copy of the prompt blocks
+            first = seqs[0]
+            cached = self.kv_cache.allocate(first.seq_id, first.get_token_ids()[:shared])
+            for seq in seqs[1:]:
+                self.kv_cache.fork(first.seq_id, seq.seq_id)
+        for i, seq in enumerate(seqs):
+            if not shared:
+                cached = self.kv_cache.allocate(seq.seq_id, seq.get_token_ids())
+            seq.num_computed_tokens = shared if i and shared else cached  # `run` orders them
             if first_admission:
                 group.metrics.num_cached_tokens += cached
             seq.status = SequenceStatus.RUNNING

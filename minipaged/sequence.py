@@ -39,6 +39,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH_CAPPED = "finished_length_capped"  # max_tokens or the model's context
     FINISHED_ABORTED = "finished_aborted"  # the user aborted the request
     FINISHED_IGNORED = "finished_ignored"  # rejected before it ran (e.g. prompt too long)
+    FINISHED_ERROR = "finished_error"  # the step computing it failed (model or sampler)
 
     @property
     def is_finished(self) -> bool:
@@ -46,7 +47,8 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """OpenAI's / vLLM's finish reason: "stop", "length", "abort", or None while unfinished."""
+        """OpenAI's / vLLM's finish reason: "stop", "length", "abort", "error", or None while
+        unfinished."""
         return _FINISH_REASONS.get(self)
 
 
@@ -55,6 +57,7 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
     SequenceStatus.FINISHED_IGNORED: "length",
+    SequenceStatus.FINISHED_ERROR: "error",
 }
 
 
