@@ -48,8 +48,9 @@ from machine import report_header, save_report
 from tqdm import tqdm
 
 from minipaged.cost_model import OPT_13B_A100, OPT_13B_A100_KV_BLOCKS, CostModel, StepShape
+from minipaged.fcfs import FCFSScheduler
 from minipaged.mlfq import MLFQ_VARIANTS, MLFQConfig, mlfq_factory
-from minipaged.scheduler import FCFSScheduler, SchedulerConfig
+from minipaged.scheduler import SchedulerConfig
 from minipaged.simulate import SimulationResult, simulate
 from minipaged.traces import gamma_arrival_times, heavy_tailed, with_arrivals
 

@@ -48,10 +48,11 @@ from minipaged.checkpoint import default_model_path
 from minipaged.config import ModelConfig
 from minipaged.cost_model import CostModel
 from minipaged.engine import EngineConfig, LLMEngine
+from minipaged.fcfs import FCFSScheduler
 from minipaged.mlfq import MLFQConfig, mlfq_factory
 from minipaged.model import build_model
 from minipaged.sampling import SamplingParams
-from minipaged.scheduler import FCFSScheduler, SchedulerConfig
+from minipaged.scheduler import SchedulerConfig
 from minipaged.server.launch import free_port, wait_until_healthy
 from minipaged.server.metrics import parse_metrics
 from minipaged.simulate import gamma_arrival_times, heavy_tailed, simulate, with_arrivals

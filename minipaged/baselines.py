@@ -16,8 +16,9 @@ batch only when none is running. `minipaged.scheduler_registry` builds them by n
 
 from __future__ import annotations
 
+from minipaged.fcfs import FCFSScheduler
 from minipaged.reservation import ReservationKVCacheManager
-from minipaged.scheduler import FCFSScheduler, SchedulerOutput, StepBudget
+from minipaged.scheduler import SchedulerOutput, StepBudget
 from minipaged.sequence import SequenceGroup, SequenceStatus
 
 

@@ -6,8 +6,8 @@ growing, preempting all-or-nothing by swapping to host memory or by freeing the 
 recomputation, swapping back in; the fit checks; the step's token budget (`StepBudget`); and
 `schedule(now)`, which asks the policy to fill the step and hands the block tables the step
 needs to the engine on `SchedulerOutput`. A policy only orders and chooses (`choose`):
-`FCFSScheduler` here (vLLM's), `minipaged.mlfq.SkipJoinMLFQScheduler` (FastServe's multi-level
-feedback queue), and the baselines' `minipaged.baselines`.
+`minipaged.fcfs.FCFSScheduler` (vLLM's), `minipaged.mlfq.SkipJoinMLFQScheduler` (FastServe's
+multi-level feedback queue), and the baselines' `minipaged.baselines`.
 
 The scheduler is pure bookkeeping over `SequenceGroup`s and a `KVManager`
 (`minipaged.kv_interface`) -- no tensors -- so the simulator drives the very code the engine
@@ -357,47 +357,3 @@ class Scheduler:
 
 # What a registry or the simulator holds: builds a scheduler over a given KV manager.
 SchedulerFactory = Callable[[SchedulerConfig, KVManager], Scheduler]
-
-
-class FCFSScheduler(Scheduler):
-    """First-come-first-served continuous batching with preemption (vLLM paper §4.5)."""
-
-    def choose(self, now: float, out: SchedulerOutput, budget: StepBudget) -> None:
-        """Running groups first (preempting the latest arrivals when blocks run out), then, if
-        nobody was preempted, swapped ones, then new ones in arrival order."""
-        self.schedule_running(out, budget)
-        if not out.preempted:
-            self._schedule_swapped(out, budget)
-            if not self.swapped:
-                self._schedule_waiting(out, budget)
-
-    def schedule_running(self, out: SchedulerOutput, budget: StepBudget) -> None:
-        """Grow every running group that fits the budget, in order; when blocks run out, the
-        most recently arrived running group is preempted (possibly the one growing)."""
-        queue = deque(self.running)
-        while queue:
-            group = queue.popleft()
-            seqs = group.get_seqs(SequenceStatus.RUNNING)
-            if not budget.fits(seqs):
-                continue  # stays running, keeps its blocks, waits for the next step
-            while not self.can_grow(seqs):
-                victim = queue.pop() if queue else group
-                self.preempt(victim, out)
-                if victim is group:
-                    break
-            else:
-                self.run(group, out, budget)
-
-    def _schedule_swapped(self, out: SchedulerOutput, budget: StepBudget) -> None:
-        while self.swapped:
-            seqs = self.swapped[0].get_seqs(SequenceStatus.SWAPPED)
-            if not budget.fits(seqs) or not self.can_swap_in(seqs):
-                return
-            self.run(self.swapped[0], out, budget)
-
-    def _schedule_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
-        while self.waiting:
-            seqs = self.waiting[0].get_seqs(SequenceStatus.WAITING)
-            if not budget.fits(seqs) or not self.can_admit(seqs):
-                return  # first come, first served: nobody overtakes the head of the queue
-            self.run(self.waiting[0], out, budget)

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from minipaged.baselines import OrcaScheduler, StaticBatchScheduler
 from minipaged.cost_model import CostModel
+from minipaged.fcfs import FCFSScheduler
 from minipaged.kv_cache import KVCacheManager
 from minipaged.kv_interface import KVManager
 from minipaged.mlfq import MLFQ_VARIANTS, MLFQConfig, mlfq_factory
 from minipaged.reservation import ReservationKVCacheManager
-from minipaged.scheduler import FCFSScheduler, Scheduler, SchedulerConfig, SchedulerFactory
+from minipaged.scheduler import Scheduler, SchedulerConfig, SchedulerFactory
 
 SCHEDULERS: dict[str, SchedulerFactory] = {
     "fcfs": FCFSScheduler,

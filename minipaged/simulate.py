@@ -27,15 +27,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minipaged.cost_model import CostModel, StepShape
+from minipaged.fcfs import FCFSScheduler
 from minipaged.kv_cache import KVCacheManager
 from minipaged.sampling import SamplingParams
-from minipaged.scheduler import (
-    FCFSScheduler,
-    ScheduledSequence,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerFactory,
-)
+from minipaged.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerFactory
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.step import (
     StepRecord,

@@ -27,9 +27,9 @@ from minipaged import llm as llm_module
 from minipaged.dense import generate_dense
 from minipaged.engine import LLMEngine
 from minipaged.engine_config import EngineConfig
+from minipaged.fcfs import FCFSScheduler
 from minipaged.llm import stream_text
 from minipaged.sampling import SamplingParams
-from minipaged.scheduler import FCFSScheduler
 
 QUESTION = "What is the capital of France?"
 ANSWER = "The capital of France is Paris."  # float32 greedy, chat template

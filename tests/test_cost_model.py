@@ -11,10 +11,11 @@ from tiny_models import tiny_engine, tiny_llama_parts
 
 from minipaged import engine as engine_module
 from minipaged.cost_model import OPT_13B_A100, CostModel, StepShape
+from minipaged.fcfs import FCFSScheduler
 from minipaged.kv_cache import KVCacheManager
 from minipaged.profiling import measure_engine_steps, profile_engine
 from minipaged.sampling import SamplingParams
-from minipaged.scheduler import FCFSScheduler, SchedulerConfig
+from minipaged.scheduler import SchedulerConfig
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.step import step_shape
 

@@ -18,15 +18,11 @@ from tiny_models import assert_engine_drained, dense_last_logits, tiny_engine, t
 from minipaged.dense import generate_dense
 from minipaged.engine import LLMEngine
 from minipaged.engine_config import EngineConfig
+from minipaged.fcfs import FCFSScheduler
 from minipaged.kv_cache import KVCacheManager
 from minipaged.llm import LLM
 from minipaged.sampling import SamplingParams
-from minipaged.scheduler import (
-    FCFSScheduler,
-    RequestRejectedError,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from minipaged.scheduler import RequestRejectedError, SchedulerConfig, SchedulerOutput
 from minipaged.step import StepRecord
 
 VOCAB = 96

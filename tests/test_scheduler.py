@@ -14,10 +14,10 @@ from hypothesis.stateful import (
     rule,
 )
 
+from minipaged.fcfs import FCFSScheduler
 from minipaged.kv_cache import KVCacheManager
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import (
-    FCFSScheduler,
     PreemptionMode,
     RequestRejectedError,
     SchedulerConfig,

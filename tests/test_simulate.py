@@ -13,11 +13,12 @@ from hypothesis import strategies as st
 from tiny_models import tiny_engine, tiny_llama_parts
 
 from minipaged.cost_model import CostModel, StepShape
+from minipaged.fcfs import FCFSScheduler
 from minipaged.kv_cache import KVCacheManager
 from minipaged.mlfq import MLFQ_VARIANTS, MLFQConfig, SkipJoinMLFQScheduler, mlfq_factory
 from minipaged.profiling import profile_engine, replay_on_engine
 from minipaged.sampling import SamplingParams
-from minipaged.scheduler import FCFSScheduler, SchedulerConfig
+from minipaged.scheduler import SchedulerConfig
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.simulate import FORKED_SEQ_IDS, fork_parallel_samples, simulate, step_duration
 from minipaged.traces import (
