@@ -56,7 +56,10 @@ def advance_beams(
         hypothesis = beams[cand.parent].fork(next(seq_ids))  # no blocks: it is done
         alternatives = _alternatives(next_logprobs, cand, params.logprobs)
         hypothesis.append_token(cand.token_id, cand.logprob, alternatives)
-        hypothesis.finish(StopDecision(SequenceStatus.FINISHED_STOPPED, cand.token_id))
+        text_without_stop = len(hypothesis.output_text) - hypothesis.new_char_count
+        hypothesis.finish(
+            StopDecision(SequenceStatus.FINISHED_STOPPED, cand.token_id, text_without_stop)
+        )
         group.add(hypothesis)
     for index, beam in enumerate(beams):
         if index not in used:

@@ -198,6 +198,28 @@ def test_closing_stream_text_aborts_its_request(tiny_tokenizer, tiny_parts) -> N
     assert engine.get_sampling_params(request_id) is None and drained(engine)
 
 
+def test_a_beam_ending_on_a_stop_token_drops_its_text_as_sampling_does(
+    tiny_tokenizer, tiny_parts
+) -> None:
+    """Every token stops these requests at once: the stop token's text is cut from the output
+    of a finished beam exactly as from a sampled sequence's (found by the thorough profile)."""
+    engine = LLMEngine(*tiny_parts, tiny_tokenizer, EngineConfig(num_gpu_blocks=32))
+    stops = list(range(1, tiny_tokenizer.vocab_size))
+    beam = SamplingParams(
+        use_beam_search=True, beam_width=2, n=2, temperature=0.0, max_tokens=4,
+        stop_token_ids=stops,
+    )
+    engine.add_request("beam", "the cat", beam)
+    engine.add_request("greedy", "the cat", SamplingParams(temperature=0.0, max_tokens=4,
+                                                           stop_token_ids=stops))
+    finals = run_bounded(engine)
+    assert sorted(finals) == ["beam", "greedy"] and drained(engine)
+    for output in finals.values():
+        for completion in output.outputs:
+            assert completion.finish_reason == "stop" and len(completion.token_ids) == 1
+            assert completion.text == ""
+
+
 def test_engine_chosen_ids_never_collide_with_callers(small) -> None:
     engine = tiny_engine(small, num_gpu_blocks=32)
     engine.add_request("0", [1, 2])
