@@ -3,6 +3,7 @@ processes with the asked-for statistics, and agreement with the real engine on t
 
 from __future__ import annotations
 
+import gc
 import time
 
 import numpy as np
@@ -247,8 +248,20 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def no_gc_pauses():
+    """Objects left by earlier tests in the same worker make a full garbage collection take up
+    to hundreds of milliseconds, counted in whichever step it lands on (in the profile or in the
+    replay): freeze them out of the collector while the steps are timed, as
+    benchmarks/fastserve.py does."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "mlfq"])
-def test_the_simulator_agrees_with_the_real_engine(tiny, one_thread, policy):
+def test_the_simulator_agrees_with_the_real_engine(tiny, one_thread, no_gc_pauses, policy):
     """Same trace, same scheduler settings, a cost model profiled just before on this machine:
     simulated mean JCT within 20% of the measured one.
 
