@@ -257,3 +257,19 @@ def test_without_chunked_prefill_a_whole_prefill_must_fit_the_budget():
         for item in out.scheduled:  # prefills are never split
             assert item.start == 0 or item.num_new_tokens == 1
     assert all(g.seqs[0].get_output_len() == 2 for g in groups)
+
+
+# -- the step budget on its own (minipaged.scheduler_types) -------------------------------------
+
+
+def test_step_budget_chunks_only_with_chunked_prefill() -> None:
+    from minipaged.scheduler_types import StepBudget
+    from minipaged.sequence import Sequence
+
+    prompt = Sequence(0, list(range(10)))
+    chunked, whole = StepBudget(tokens=4, seqs=2), StepBudget(4, 2, chunked_prefill=False)
+    assert chunked.fits([prompt]) and chunked.chunk(10) == 4
+    assert not whole.fits([prompt]) and whole.chunk(10) == 10
+    chunked.take(4)
+    assert chunked.exhausted and not chunked.fits([prompt])
+    assert not StepBudget(tokens=8, seqs=1).fits([prompt, Sequence(1, [1])])

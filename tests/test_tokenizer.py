@@ -1027,3 +1027,23 @@ def test_tokenizer_config_errors(trained_json, tmp_path):
         Tokenizer.from_tokenizer_json(path, {"eos_token": "<nope>"})
     with pytest.raises(TokenizerError, match="split_special_tokens"):
         Tokenizer.from_tokenizer_json(path, {"split_special_tokens": True})
+
+
+# -- the added-token splitter on its own (minipaged.tokenizer_added) ----------------------------
+
+
+@given(st.lists(st.sampled_from(["<a>", "<ab>", "x", " ", "<", "b>", "é"]), max_size=12))
+def test_added_tokens_split_is_longest_first_and_loses_nothing(pieces) -> None:
+    from minipaged.tokenizer_added import AddedToken, AddedTokens
+
+    added = AddedTokens([AddedToken("<a>", 1), AddedToken("<a>b", 2, special=False)])
+    text = "".join(pieces)
+    segments = added.split(text, normalized=False)
+    assert "".join(s for s, _ in segments) == text
+    for segment, token in segments:
+        if token is None:
+            assert segment and "<a>" not in segment
+        else:
+            assert token.content == segment
+    assert [t.id for _, t in added.split("<a>b<a>", normalized=False)] == [2, 1]  # longest first
+    assert added.special_ids == {1}
