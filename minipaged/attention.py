@@ -203,9 +203,9 @@ def _attend_chunk(q: Tensor, k_cache: Tensor, v_cache: Tensor, chunk: AttentionC
     return out.transpose(1, 2).reshape(num_tokens, num_heads, head_dim).to(q.dtype)
 
 
-def gather_context(k_cache: Tensor, v_cache: Tensor,
-                   chunk: AttentionChunk) -> tuple[Tensor, Tensor]:
-    """Keys and values `[B, L_pad, H_kv, D]` (float32) of a chunk's sequences: each sequence's
+def gather_context(k_cache: Tensor, v_cache: Tensor, chunk: AttentionChunk,
+                   dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """Keys and values `[B, L_pad, H_kv, D]` (in `dtype`) of a chunk's sequences: each sequence's
     tokens in order, as a contiguous cache would hold them, every slot past its end zeroed.
 
     A block is one contiguous run of memory, so the gather is one `index_select` of whole blocks
@@ -214,8 +214,8 @@ def gather_context(k_cache: Tensor, v_cache: Tensor,
     """
     numel = chunk.block_ids.numel() * k_cache[0].numel()
     buffer = _gather_buffer(2 * numel, k_cache.dtype, k_cache.device)
-    keys = _gather_blocks(k_cache, chunk.block_ids, buffer[:numel]).float()
-    values = _gather_blocks(v_cache, chunk.block_ids, buffer[numel:]).float()
+    keys = _gather_blocks(k_cache, chunk.block_ids, buffer[:numel]).to(dtype)
+    values = _gather_blocks(v_cache, chunk.block_ids, buffer[numel:]).to(dtype)
     if chunk.tail[0].numel():
         keys[chunk.tail] = 0.0
         values[chunk.tail] = 0.0
