@@ -16,7 +16,10 @@ stores the same K/V in shuffled blocks of a paged cache and calls
 `minipaged.attention_cpu.cpu_paged_attention` (the same plan and gather in the cache's dtype, query
 heads packed onto their KV head). The ratio paged / dense is the price of reading K/V through
 block tables in plain PyTorch (the paper's CUDA kernel paid 20-26%, Kwon et al. section 7.1).
-`--dtype` sets the dtype of the cache, the queries and the dense side.
+`--dtype` sets the dtype of the cache, the queries and the dense side. `--compiled` adds an
+attention that reads the blocks in place, never copying them out: the decode written as indexed
+loads, a softmax and two reductions, compiled by `torch.compile` (Inductor's C++ backend) with
+dynamic shapes -- the candidate the CPU path was measured against.
 
 With `--layers N` each timed step attends N layers, each with its own K/V, as a decode step of
 the model does: then no layer's K/V is still in the CPU's cache when it is read again, on either
@@ -96,6 +99,24 @@ def paged_decode(x: dict, validate: bool, fn=paged_attention) -> torch.Tensor:
     )
 
 
+def in_place_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Decode attention reading K/V through the block table in place (for `torch.compile`,
+    which fuses the indexed loads into the reductions instead of materialising a gather)."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    pos = torch.arange(block_tables.shape[1] * block_size, device=q.device)
+    blocks, offsets = block_tables[:, pos // block_size].long(), pos % block_size
+    keys = k_cache[blocks, offsets].permute(0, 2, 1, 3)  # [B, H_kv, L, D]: fused, not copied
+    values = v_cache[blocks, offsets].permute(0, 2, 1, 3)
+    grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+    scores = (grouped[:, :, :, None, :] * keys[:, :, None].float()).sum(-1) * scale
+    scores = scores.masked_fill((pos[None] >= seq_lens[:, None])[:, None, None, :], float("-inf"))
+    out = (scores.softmax(-1)[..., None] * values[:, :, None].float()).sum(-2)
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
 def gather_only(x: dict) -> None:
     """The part of `paged_decode` that dense attention does not do: planning the chunks of
     sequences and copying K and V out of their blocks, chunk by chunk, as the reference does."""
@@ -105,7 +126,7 @@ def gather_only(x: dict) -> None:
 
 
 def bench(batch: int, context: int, block_size: int, repeats: int, layers: int,
-          dtype: torch.dtype = torch.float32) -> dict:
+          dtype: torch.dtype = torch.float32, compiled=None) -> dict:
     """Times of one decode step's attention over `layers` layers, each with its own K/V."""
     xs = [make_inputs(batch, context, block_size, layer, dtype) for layer in range(layers)]
     for x in xs:
@@ -128,6 +149,14 @@ def bench(batch: int, context: int, block_size: int, repeats: int, layers: int,
         "gather": every_layer(gather_only),
         "cpu": every_layer(lambda x: paged_decode(x, False, cpu_paged_attention)),
     }
+    if compiled is not None:
+        def run_compiled(x: dict) -> torch.Tensor:
+            return compiled(x["q"], x["k_cache"], x["v_cache"], x["block_tables"],
+                            x["seq_lens"], x["scale"])
+
+        torch.testing.assert_close(run_compiled(xs[0]).float(), dense_decode(
+            {**xs[0], **{n: xs[0][n].float() for n in ("q", "k", "v")}}), **tolerance(dtype))
+        fns["compiled_in_place"] = every_layer(run_compiled)
     for fn in fns.values():  # warm up
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -154,6 +183,7 @@ def bench(batch: int, context: int, block_size: int, repeats: int, layers: int,
         "dense_ms": ms["dense"], "paged_ms": ms["paged"],
         "paged_validated_ms": ms["paged_validated"], "gather_ms": ms["gather"],
         "cpu_ms": ms["cpu"], "ratio_cpu_over_paged": ratio_cpu,
+        **({"compiled_in_place_ms": ms["compiled_in_place"]} if compiled is not None else {}),
         "ratio_paged_over_dense": ratio, "ratio_validated_over_dense": ratio_validated,
         "dense_min_ms": min(times["dense"]) * 1e3, "paged_min_ms": min(times["paged"]) * 1e3,
         "kv_megabytes": kv_bytes / 1e6,
@@ -174,14 +204,18 @@ def main() -> None:
                         help="torch CPU threads (default: torch's choice); 1 is steadier on a "
                              "machine shared with other jobs")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time the in-place attention compiled by torch.compile")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
     dtype = DTYPES[args.dtype]
-    rows = [bench(args.batch, c, args.block_size, args.repeats, args.layers, dtype)
-            for c in args.contexts]
+    compiled = torch.compile(in_place_decode, dynamic=True) if args.compiled else None
+    with torch.inference_mode():
+        rows = [bench(args.batch, c, args.block_size, args.repeats, args.layers, dtype, compiled)
+                for c in args.contexts]
     print(f"\npaged decode (torch reference) vs dense SDPA decode, batch {args.batch}, "
           f"{NUM_HEADS} heads / {NUM_KV_HEADS} KV heads / dim {HEAD_DIM}, "
           f"block size {args.block_size}, {torch.get_num_threads()} threads, {args.dtype}, "
@@ -196,7 +230,9 @@ def main() -> None:
               f"{r['paged_ms']:>9.3f} {r['ratio_paged_over_dense']:>11.2f}x "
               f"{r['gather_ms']:>13.3f} ms "
               f"{r['paged_validated_ms']:>13.3f} {r['ratio_validated_over_dense']:>15.2f}x "
-              f"{r['cpu_ms']:>7.3f} {r['ratio_cpu_over_paged']:>9.2f}x")
+              f"{r['cpu_ms']:>7.3f} {r['ratio_cpu_over_paged']:>9.2f}x"
+              + (f"  compiled in place {r['compiled_in_place_ms']:.3f} ms"
+                 if "compiled_in_place_ms" in r else ""))
 
     result = {
         **report_header(**cpu_features()),

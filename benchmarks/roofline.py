@@ -19,7 +19,9 @@ that overlaps them perfectly could run at the larger of the two terms, which the
 
 `cpu_features` records what decides the fast path on a CPU: its AMX / AVX-512 flags.
 
-Run on its own: .venv/bin/python benchmarks/roofline.py --threads 1   (~30 s)
+Run on its own (the rates, and a profiled decode step of 48 sequences at 230 tokens of context
+per dtype and attention backend, self CPU time by op kind next to the step's floor):
+    .venv/bin/python benchmarks/roofline.py --threads 1   (~2 minutes)
 Writes benchmarks/results/roofline.json; `benchmarks/throughput.py` measures it in its own run.
 """
 
@@ -150,12 +152,62 @@ def step_floor(config: ModelConfig, roof: Roofline, shape: StepShape,
             "overlapped_floor_s": max(compute, memory)}
 
 
+# -- where a decode step's time goes ----------------------------------------------------------
+
+# torch profiler op names -> the part of the roofline they are.
+OP_KINDS = {
+    "GEMM (projections, head)": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
+    "attention kernel": ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                         "aten::_scaled_dot_product_attention_math", "aten::bmm"),
+    "K/V gather (block copies)": ("aten::index_select",),
+    "dtype conversions": ("aten::copy_",),
+    "KV write, tail zeroing": ("aten::index_copy_", "aten::_index_put_impl_"),
+}
+
+
+def profile_decode_step(dtype: torch.dtype, batch: int, context: int, backend: str,
+                        steps: int = 3) -> dict[str, object]:
+    """Self CPU time per op kind of a decode step of the bundled model: `batch` sequences of
+    `context` tokens in shuffled 16-token blocks, `backend` attention, under torch's profiler."""
+    import random
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from minipaged.model import load_model
+    from minipaged.runner import BatchEntry, ModelRunner
+
+    model, config = load_model(dtype=dtype, progress=False)
+    block_size, blocks_each = 16, -(-(context + 1) // 16)
+    runner = ModelRunner(model, config, block_size=block_size, attention_backend=backend,
+                         num_gpu_blocks=batch * blocks_each, dtype=dtype)
+    blocks = list(range(batch * blocks_each))
+    random.Random(0).shuffle(blocks)
+    entries = [BatchEntry([100 + i], context, blocks[i * blocks_each:(i + 1) * blocks_each])
+               for i in range(batch)]
+    for _ in range(2):
+        runner.execute(entries)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            runner.execute(entries)
+    self_ms = {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages()}
+    total = sum(self_ms.values())
+    kinds = {kind: sum(self_ms.get(op, 0.0) for op in ops) for kind, ops in OP_KINDS.items()}
+    kinds["everything else"] = total - sum(kinds.values())
+    return {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": context,
+            "attention_backend": backend, "step_ms": round(total, 1),
+            "ms_by_kind": {k: round(v, 1) for k, v in kinds.items()},
+            "share_by_kind": {k: round(v / total, 3) for k, v in kinds.items()}}
+
+
 def main() -> None:
     from minipaged.checkpoint import default_model_path
     from minipaged.checkpoint_gguf import gguf_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--profile", type=int, nargs=2, default=[48, 230],
+                        metavar=("BATCH", "CONTEXT"),
+                        help="profile a decode step of this shape per dtype and backend")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -164,12 +216,27 @@ def main() -> None:
     for roof in roofs:
         print(f"{roof.dtype}: copy {roof.bandwidth_gbs} GB/s; GEMM GFLOP/s at rows "
               + ", ".join(f"{n}: {r}" for n, r in zip(roof.rows, roof.gemm_gflops, strict=True)))
+    profiles = []
+    for dtype in (torch.float32, torch.bfloat16):
+        roof = roofs[0] if dtype == torch.float32 else roofs[1]
+        for backend in ("torch", "cpu"):
+            prof = profile_decode_step(dtype, *args.profile, backend)
+            batch, context = args.profile
+            shape = StepShape(batch, batch, batch * (context + 1), batch * (context + 1))
+            floor = step_floor(config, roof, shape, torch.tensor([], dtype=dtype).element_size())
+            prof["floor_ms"] = round(floor["floor_s"] * 1e3, 1)
+            prof["ratio"] = round(prof["step_ms"] / prof["floor_ms"], 2)
+            profiles.append(prof)
+            print(f"{prof['dtype']} {backend}: {prof['step_ms']} ms (floor {prof['floor_ms']}): "
+                  + ", ".join(f"{k} {v}" for k, v in prof["ms_by_kind"].items()))
     save_report(args.out, {
         "benchmark": "roofline",
         "what": "GFLOP/s of model_layers.linear over SmolLM2-135M's projection shapes (weights "
-                "hot) at each row count, and GB/s of a 256 MiB copy (read + write)",
+                "hot) at each row count, GB/s of a 256 MiB copy (read + write), and a profiled "
+                "decode step (self CPU time by op kind) next to its floor",
         **report_header(**cpu_features()),
         "rooflines": [roof.__dict__ for roof in roofs],
+        "decode_step_profiles": profiles,
     })
     print(f"wrote {args.out}")
 

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from minipaged import attention
-from minipaged.attention import AttentionChunk, gather_context, plan_attention
-from minipaged.attention_contract import AttentionOps, check_paged_attention_args
+from minipaged.attention import AttentionChunk, checked_plan, gather_context, plan_attention
+from minipaged.attention_contract import AttentionOps
 
 
 def cpu_paged_attention(
@@ -47,14 +47,9 @@ def cpu_paged_attention(
     """Causal attention of a flat varlen batch over paged K/V, as `attention.paged_attention`
     (same arguments, same plan), computed in the cache's dtype. Returns `[T, H, D]` in q's dtype.
     """
-    if validate:
-        check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                   max_query_len=max_query_len, max_seq_len=max_seq_len)
-    if plan is None:
-        plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache)
-    elif validate and (covered := sum(chunk.tokens.numel() for chunk in plan)) != q.shape[0]:
-        raise ValueError(f"plan covers {covered} queries but q has {q.shape[0]}: it was made "
-                         "for other metadata")
+    plan = checked_plan(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                        max_query_len=max_query_len, max_seq_len=max_seq_len, validate=validate,
+                        plan=plan)
     out = q.new_empty(q.shape)
     for chunk in plan:
         out[chunk.tokens] = _attend_chunk(q[chunk.tokens], k_cache, v_cache, chunk, scale)

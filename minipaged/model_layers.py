@@ -96,6 +96,8 @@ ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(
 )
 # The row counts `onednn_is_faster` times both GEMMs at: a small decode step and a large one.
 GEMM_PROBE_ROWS = (1, 16)
+# The weight copies each probe streams through: more than a server CPU's last-level cache.
+GEMM_PROBE_BYTES = 48 << 20
 # How much faster oneDNN must measure to be chosen over `F.linear`, PyTorch's default.
 ONEDNN_MARGIN = 0.1
 
@@ -137,24 +139,30 @@ def uses_onednn(x: Tensor, weight: Tensor) -> bool:
 def onednn_is_faster(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
     """Whether oneDNN's linear beats `F.linear` on this CPU for an `[out, in]` weight of `dtype`.
 
-    Measured once per process and shape: both GEMMs multiply `GEMM_PROBE_ROWS` rows by one weight
-    (hot in the cache), in turns, three times; oneDNN is chosen if its best time summed over the
-    row counts is `ONEDNN_MARGIN` lower. Taking turns, the best of three and the margin keep other
-    load on a shared machine from deciding (where the two are about as fast, `F.linear` stays).
-    Its fixed cost per call is higher, so tiny weights keep `F.linear`.
+    Measured once per process and shape, the way a step uses weights: both GEMMs multiply
+    `GEMM_PROBE_ROWS` rows by copies of the weight that together overflow the CPU's caches
+    (`GEMM_PROBE_BYTES`, so each is read from memory, as a step reads 30 layers' weights), in
+    turns, three times; oneDNN is chosen if its best time summed over the row counts is
+    `ONEDNN_MARGIN` lower. Taking turns, the best of three and the margin keep other load on a
+    shared machine from deciding (where the two are about as fast, `F.linear` stays). Its fixed
+    cost per call is higher, so tiny weights keep `F.linear`.
     """
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    element_bytes = torch.tensor([], dtype=dtype).element_size()
+    copies = max(1, min(64, GEMM_PROBE_BYTES // (out_features * in_features * element_bytes)))
+    weights = [torch.randn(out_features, in_features, generator=gen).to(dtype)
+               for _ in range(copies)]
     inputs = [torch.randn(n, in_features, generator=gen).to(dtype) for n in GEMM_PROBE_ROWS]
     best = {F.linear: float("inf"), onednn_linear: float("inf")}
     with torch.inference_mode():
         for fn in best:  # warm-up: first-call costs (packing, page faults) are not a step's
-            fn(inputs[0], weight)
+            fn(inputs[0], weights[0])
         for _ in range(3):
             for fn in best:
                 start = time.perf_counter()
                 for x in inputs:
-                    fn(x, weight)
+                    for weight in weights:
+                        fn(x, weight)
                 best[fn] = min(best[fn], time.perf_counter() - start)
     return best[onednn_linear] < (1 - ONEDNN_MARGIN) * best[F.linear]
 

@@ -322,7 +322,7 @@ BF16_LOGIT_ATOL = 1.5
 
 def test_bfloat16_runner_follows_the_float32_oracle_up_to_near_ties(bundled_model):
     """The bundled model served in bfloat16 (CPU attention, bf16 KV cache): over a prefill and
-    ten greedy decode steps its logits stay within `BF16_LOGIT_ATOL` of the float32 dense
+    six greedy decode steps its logits stay within `BF16_LOGIT_ATOL` of the float32 dense
     model's on the same context, and each greedy token is float32's choice unless float32's top
     two were within that tolerance (a near-tie that bfloat16 rounding may flip)."""
     model, config = bundled_model
@@ -330,10 +330,10 @@ def test_bfloat16_runner_follows_the_float32_oracle_up_to_near_ties(bundled_mode
     runner = ModelRunner(bf16, config, block_size=16, num_gpu_blocks=16, dtype=torch.bfloat16)
     assert runner.ops.name == "cpu" and runner.kv_caches[0].dtype == torch.bfloat16
     rng = random.Random(0)
-    tokens = [[rng.randrange(17, config.vocab_size) for _ in range(n)] for n in (23, 41, 7)]
+    tokens = [[rng.randrange(17, config.vocab_size) for _ in range(n)] for n in (41, 7)]
     tables = [list(range(i * 4, i * 4 + 4)) for i in range(len(tokens))]
     computed = [0] * len(tokens)
-    for _ in range(11):
+    for _ in range(7):
         entries = [BatchEntry(t[c:], c, table)
                    for t, c, table in zip(tokens, computed, tables, strict=True)]
         logits = runner.execute(entries)
