@@ -1,4 +1,4 @@
-"""The model's projections on CPU: `F.linear` (MKL's GEMM) vs `model_layers.linear` (oneDNN).
+"""The model's projections on CPU: `F.linear` (MKL's GEMM) vs `model_layers.linear` (its choice).
 
 A step of the bundled SmolLM2-135M multiplies the step's rows by every weight matrix once: 30
 layers of q/k/v/o and gate/up/down projections, then the 49152-token output head. Weights (540 MB
@@ -149,7 +149,8 @@ def main() -> None:
         "benchmark": "linear_cpu",
         "what": "milliseconds for one pass over 30 SmolLM2-135M layers' projections (distinct "
                 "random float32 weights, streamed from memory as in a real step) and for the "
-                "output head, F.linear (MKL) vs model_layers.linear (oneDNN), thread CPU time",
+                "output head, F.linear (MKL) vs model_layers.linear (oneDNN where it measured "
+                "faster), thread CPU time",
         **report_header(),
         "repeats": args.repeats,
         "results": rows,
