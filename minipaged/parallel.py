@@ -155,9 +155,9 @@ class Split:
         return self._joined([full.narrow(self.dim, a, b - a) for a, b in self.pieces])
 
     def read(self, tensor: PendingTensor) -> Tensor:
-        """This slice of a checkpoint's tensor, reading only its bytes where the format allows
-        (safetensors); otherwise (GGUF, whose blocks are dequantised whole) the whole tensor is
-        read, sliced and freed."""
+        """This slice of a checkpoint's tensor, reading no more of it than the format needs
+        (safetensors: only its bytes; GGUF: only its rows, or for a split of columns the whole
+        tensor dequantised, sliced and freed)."""
         if tensor.read_part is None:
             return self.take(tensor.read())
         whole = [slice(None)] * len(tensor.shape)

@@ -266,31 +266,28 @@ def test_replicated_kv_heads_then_a_killed_worker_ends_the_run():
 
 
 def test_tp3_smollm2_equals_tp1(bundled_path, bundled_model, bundled_tokenizer):
+    """Three ranks of 3 query heads and 1 KV head each, every one reading its third of the
+    GGUF: the greedy answer is TP=1's, and rank 0 holds exactly its slices."""
     model, config = bundled_model
-    # One rank's shard read from the GGUF is exactly its slices of the whole model.
-    shard, _ = CheckpointShards(str(bundled_path)).load(
-        TensorParallel(1, 3), torch.float32, torch.device("cpu")
-    )
-    whole = dict(model.named_parameters())
-    ours = dict(shard.named_parameters())
-    assert torch.equal(ours["layers.4.self_attn.q_proj.weight"],
-                       whole["layers.4.self_attn.q_proj.weight"][3 * 64 : 6 * 64])
-    assert torch.equal(ours["layers.4.self_attn.k_proj.weight"],
-                       whole["layers.4.self_attn.k_proj.weight"][64:128])
-    assert torch.equal(ours["layers.4.mlp.down_proj.weight"],
-                       whole["layers.4.mlp.down_proj.weight"][:, 512:1024])
-    assert torch.equal(ours["embed_tokens.weight"], whole["embed_tokens.weight"][16384:32768])
-    assert shard.lm_head.weight is shard.embed_tokens.weight  # tied, on the rank's rows
-    del shard, ours
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(temperature=0.0, max_tokens=8)
     settings = dict(num_gpu_blocks=64, block_size=16)
     reference = LLMEngine(model, config, bundled_tokenizer, EngineConfig(**settings))
     prompt = bundled_tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    reference.add_request("r", prompt, params)
+    reference.add_request("r", bundled_tokenizer.encode(prompt), params)
     expected = reference.run_until_done()["r"].outputs[0]
     with LLM(bundled_path, tensor_parallel_size=3, tensor_parallel_timeout=60, **settings) as llm:
         answer = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+        shard = llm.engine.runner.model
+        whole, ours = dict(model.named_parameters()), dict(shard.named_parameters())
+        for name, rows in [("self_attn.q_proj", slice(0, 192)), ("self_attn.k_proj", slice(0, 64)),
+                           ("mlp.up_proj", slice(0, 512))]:
+            key = f"layers.4.{name}.weight"
+            assert torch.equal(ours[key], whole[key][rows]), name
+        down = "layers.4.mlp.down_proj.weight"
+        assert torch.equal(ours[down], whole[down][:, :512])
+        assert torch.equal(ours["embed_tokens.weight"], whole["embed_tokens.weight"][:16384])
+        assert shard.lm_head.weight is shard.embed_tokens.weight  # tied, on the rank's rows
     assert answer.token_ids == expected.token_ids
     assert answer.text.startswith("The capital of France is Paris")
     assert not dist.is_initialized()
