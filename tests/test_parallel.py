@@ -291,3 +291,14 @@ def test_tp3_smollm2_equals_tp1(bundled_path, bundled_model, bundled_tokenizer):
     assert answer.token_ids == expected.token_ids
     assert answer.text.startswith("The capital of France is Paris")
     assert not dist.is_initialized()
+
+
+def test_command_line_flag_reaches_the_engine_and_its_checks(bundled_path, capsys):
+    from minipaged.cli import build_parser, engine_kwargs_from_args, main
+
+    args = build_parser().parse_args(["serve", "--tensor-parallel-size", "3"])
+    assert engine_kwargs_from_args(args)["tensor_parallel_size"] == 3
+    status = main(["generate", "--tensor-parallel-size", "2", "--max-tokens", "2", "Hi"])
+    assert status == 2  # SmolLM2's 9 heads cannot be split in two, said before any process
+    assert "9 attention heads do not divide among tensor_parallel_size 2" in capsys.readouterr().err
+    assert not dist.is_initialized()
