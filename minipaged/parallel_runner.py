@@ -45,8 +45,8 @@ from minipaged.parallel_worker import (
 )
 from minipaged.runner import BatchEntry, CacheOps, ModelRunner
 
-# How long `close()` waits for a worker to leave before terminating it.
-JOIN_TIMEOUT_S = 5.0
+# How long `close()` waits for a worker to leave before terminating it, then killing it.
+JOIN_TIMEOUT_S = 2.0
 NO_CACHE_OPS = CacheOps()
 
 
@@ -68,7 +68,7 @@ class TensorParallelRunner(ModelRunner):
                 "a tensor-parallel engine is already running in this process; close() it first"
             )
         context = mp.get_context("spawn")
-        self.world_size = spec.world_size
+        self.world_size, self.timeout_s = spec.world_size, spec.timeout_s
         self.closed = False
         self._procs: list[mp.Process] = []
         self._conns = []
@@ -129,7 +129,11 @@ class TensorParallelRunner(ModelRunner):
             time.sleep(0.1)  # let a dying worker's exit be seen
             self._check_workers()
             self.close()
-            raise WorkerDiedError(f"a tensor-parallel collective failed: {exc}") from exc
+            raise WorkerDiedError(
+                f"a tensor-parallel collective failed or waited more than {self.timeout_s} s "
+                f"for worker ranks 1..{self.world_size - 1}, which are alive but did not answer "
+                f"(stopped or wedged?): {exc}"
+            ) from exc
 
     def _check_workers(self) -> None:
         """Raise `WorkerDiedError` naming the first worker that is no longer alive."""
@@ -168,6 +172,9 @@ def stop_workers(procs: list[mp.Process], conns: list) -> None:
         if proc.is_alive():
             proc.terminate()
             proc.join(JOIN_TIMEOUT_S)
+        if proc.is_alive():  # a stopped or wedged process ignores SIGTERM
+            proc.kill()
+            proc.join()
 
 
 # -- choosing the runner --------------------------------------------------------------------------

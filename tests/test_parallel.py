@@ -107,6 +107,11 @@ def test_unshardable_models_and_settings_raise_clearly():
     model, config = minipaged_parts(random_llama(**six_heads))
     with pytest.raises(TensorParallelError, match="6 attention heads .* 4 ranks"):
         LLMEngine(model, config, config=EngineConfig(tensor_parallel_size=4))
+    if not torch.cuda.is_available():  # no NCCL or no CUDA device here: said at once
+        with pytest.raises(TensorParallelError, match="nccl backend|2 CUDA devices"):
+            LLMEngine(model, config, config=EngineConfig(
+                tensor_parallel_size=2, device="cuda", num_gpu_blocks=4, num_cpu_blocks=0
+            ))
     assert not dist.is_initialized()
 
 
@@ -211,9 +216,11 @@ def prefill_logits(engine: LLMEngine, prompts: list[list[int]]) -> torch.Tensor:
 ENGINE = dict(block_size=4, num_gpu_blocks=20, num_cpu_blocks=32, max_num_seqs=6)
 
 
-def assert_engine_matches_tp1(parts, vocab: int, world: int, **engine_kwargs) -> LLMEngine:
-    """A TP engine's logits and greedy outputs (with preemption, then with prefix caching)
-    equal a TP=1 engine's; returns the TP engine, still open."""
+def assert_engine_matches_tp1(
+    parts, vocab: int, world: int, runs: bool = True, **engine_kwargs
+) -> LLMEngine:
+    """A TP engine's logits and (with `runs`) greedy outputs, with preemption and then with
+    prefix caching, equal a TP=1 engine's; returns the TP engine, still open."""
     model, config = parts
     settings = ENGINE | engine_kwargs
     reference = LLMEngine(model, config, config=EngineConfig(**settings))
@@ -226,6 +233,8 @@ def assert_engine_matches_tp1(parts, vocab: int, world: int, **engine_kwargs) ->
             prefill_logits(engine, prompts), prefill_logits(reference, prompts),
             rtol=1e-5, atol=1e-5,
         )
+        if not runs:
+            return engine
         crowded = random_prompts(8, vocab, seed=1)  # 20 blocks of 4 cannot hold them all
         assert greedy(engine, crowded, 10) == greedy(reference, crowded, 10)
         assert engine.scheduler.num_preemptions > 0
@@ -252,7 +261,7 @@ def test_tp2_gpt2_equals_tp1():
 
 def test_replicated_kv_heads_then_a_killed_worker_ends_the_run():
     mqa = SMALL_LLAMA | dict(num_key_value_heads=1)  # one KV head, replicated on both ranks
-    engine = assert_engine_matches_tp1(minipaged_parts(random_llama(**mqa)), 64, 2)
+    engine = assert_engine_matches_tp1(minipaged_parts(random_llama(**mqa)), 64, 2, runs=False)
     worker = engine.runner.worker_pids[0]
     os.kill(worker, signal.SIGKILL)
     began = time.monotonic()
