@@ -111,18 +111,32 @@ class TensorParallelRunner(ModelRunner):
 
     def execute(self, entries: Sequence[BatchEntry], cache_ops: CacheOps = NO_CACHE_OPS) -> Tensor:
         """Send the step's plan to every worker, run rank 0's share, return the logits."""
+        self.apply_cache_ops(cache_ops)
+        plan = [
+            BatchEntry(tuple(e.token_ids), e.start_position, tuple(e.block_table), e.needs_logits)
+            for e in entries
+        ]
+        return self._everywhere(plan, NO_CACHE_OPS)
+
+    def apply_cache_ops(self, cache_ops: CacheOps) -> None:
+        """Move blocks on every rank's shard of the KV cache (also outside a step: profilers
+        time swaps this way)."""
+        if cache_ops.swap_in or cache_ops.swap_out or cache_ops.copy:
+            ops = CacheOps(tuple(cache_ops.swap_in), tuple(cache_ops.swap_out),
+                           tuple(cache_ops.copy))
+            self._everywhere([], ops)
+
+    def _everywhere(self, entries: list[BatchEntry], cache_ops: CacheOps) -> Tensor:
+        """`ModelRunner.execute` on every rank: send the plan, run rank 0's share."""
         if self.closed:
             raise WorkerDiedError("the tensor-parallel runner is closed")
         self._check_workers()
-        plan = (
-            [BatchEntry(tuple(e.token_ids), e.start_position, tuple(e.block_table),
-                        e.needs_logits) for e in entries],
-            CacheOps(tuple(cache_ops.swap_in), tuple(cache_ops.swap_out), tuple(cache_ops.copy)),
-        )
         try:
             for conn in self._conns:
-                conn.send(plan)
-            return super().execute(*plan)
+                conn.send((entries, cache_ops))
+            if not entries:
+                super().apply_cache_ops(cache_ops)
+            return super().execute(entries)
         except ValueError:
             raise  # a plan every rank rejects alike, before any collective
         except Exception as exc:
