@@ -35,12 +35,15 @@ from minipaged.parallel import (
 )
 from minipaged.parallel_worker import (
     READY,
+    PlanBroadcast,
     RankSpec,
     ShardSource,
     StateDictShards,
     free_port,
     join_group,
     load_shard,
+    torchrun_rank,
+    torchrun_worker,
     worker_main,
 )
 from minipaged.runner import BatchEntry, CacheOps, ModelRunner
@@ -60,9 +63,12 @@ class TensorParallelRunner(ModelRunner):
     One tensor-parallel runner per process at a time: the ranks use the default process group.
     """
 
-    def __init__(self, spec: RankSpec, start_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, spec: RankSpec, start_timeout_s: float = 600.0, launched: bool = False
+    ) -> None:
         """Start `spec.world_size - 1` workers from `spec` (rank 0's), load rank 0's shard and
-        wait until every worker has loaded its own (at most `start_timeout_s`)."""
+        wait until every worker has loaded its own (at most `start_timeout_s`). `launched`:
+        `torchrun` started the other ranks (`torchrun_worker`); plans go out as broadcasts."""
         if dist.is_initialized():
             raise RuntimeError(
                 "a tensor-parallel engine is already running in this process; close() it first"
@@ -72,7 +78,8 @@ class TensorParallelRunner(ModelRunner):
         self.closed = False
         self._procs: list[mp.Process] = []
         self._conns = []
-        for rank in range(1, spec.world_size):
+        self._broadcast: PlanBroadcast | None = None
+        for rank in range(1, 1 if launched else spec.world_size):
             parent_end, child_end = context.Pipe()
             worker_spec = RankSpec(**{**vars(spec), "rank": rank})
             proc = context.Process(target=worker_main, args=(worker_spec, child_end), daemon=True)
@@ -86,6 +93,8 @@ class TensorParallelRunner(ModelRunner):
             super().__init__(model, config, **runner_args)
             self._wait_ready(start_timeout_s)
             join_group(spec)
+            if launched:
+                self._broadcast = PlanBroadcast()
         except BaseException:
             self.close()
             raise
@@ -132,6 +141,8 @@ class TensorParallelRunner(ModelRunner):
             raise WorkerDiedError("the tensor-parallel runner is closed")
         self._check_workers()
         try:
+            if self._broadcast is not None:
+                self._broadcast.send((entries, cache_ops))
             for conn in self._conns:
                 conn.send((entries, cache_ops))
             if not entries:
@@ -141,6 +152,7 @@ class TensorParallelRunner(ModelRunner):
             raise  # a plan every rank rejects alike, before any collective
         except Exception as exc:
             time.sleep(0.1)  # let a dying worker's exit be seen
+            self._broadcast = None  # its group is broken too: nothing more goes through it
             self._check_workers()
             self.close()
             raise WorkerDiedError(
@@ -166,6 +178,8 @@ class TensorParallelRunner(ModelRunner):
 
     def close(self) -> None:
         """Stop every worker and leave the process group; idempotent."""
+        if self._broadcast is not None and not self.closed:
+            self._broadcast.send(None)  # the `torchrun` workers' loop ends
         self.closed = True
         self._finalizer()
         if dist.is_initialized():
@@ -205,7 +219,11 @@ def build_runner(
 ) -> ModelRunner:
     """The engine's runner: a `ModelRunner` over `model`, or with `tensor_parallel_size` > 1 a
     `TensorParallelRunner` whose ranks take their shards of it (a model in memory is sliced;
-    a `CheckpointShards` is read slice by slice on every rank)."""
+    a `CheckpointShards` is read slice by slice on every rank).
+
+    Under `torchrun`, every rank runs the same program: rank 0 gets the runner, and on any
+    other rank this call serves rank 0's plans until rank 0 closes, then exits the process
+    (`SystemExit(0)`), so that the program's own code runs on rank 0 only."""
     device, dtype = config.torch_device, config.torch_dtype
     size = config.tensor_parallel_size
     if size == 1:
@@ -221,14 +239,24 @@ def build_runner(
     check_backend(device, size)
     if isinstance(model, nn.Module):
         model = StateDictShards(model_config, checkpoint_state_dict(model_config, model))
+    launched = torchrun_rank()
+    if launched is not None and launched.world_size != size:
+        raise TensorParallelError(
+            f"tensor_parallel_size {size} but torchrun started {launched.world_size} ranks"
+        )
     spec = RankSpec(
-        rank=0, world_size=size, source=model, init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0 if launched is None else launched.rank, world_size=size, source=model,
+        init_method=f"tcp://127.0.0.1:{free_port()}" if launched is None else "env://",
         timeout_s=config.tensor_parallel_timeout, device=device.type, dtype=dtype,
         block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
         attention_backend=config.attention_backend,
         num_threads=1 if device.type == "cpu" else None,
+        local_rank=None if launched is None else launched.local_rank,
     )
-    return TensorParallelRunner(spec)
+    if launched is not None and launched.rank != 0:
+        torchrun_worker(spec)
+        raise SystemExit(0)
+    return TensorParallelRunner(spec, launched=launched is not None)
 
 
 def check_backend(device: torch.device, size: int) -> None:

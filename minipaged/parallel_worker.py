@@ -9,6 +9,11 @@ the same `execute` (whose collectives meet rank 0's), and drops the logits: only
 
 A worker never outlives its parent: the pipe's end-of-file, a parent that is no longer alive,
 or a collective that fails (a dead peer) or times out all end its loop and its process.
+
+Under `torchrun` (several machines, or one) the launcher starts every rank: the plans then go
+out as a broadcast over a gloo group of their own (`PlanBroadcast`), whose long timeout lets a
+worker wait for the next step however long the engine is idle, while the model's collectives
+keep their short one.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import socket
 import traceback
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -38,6 +45,10 @@ logger = logging.getLogger(__name__)
 # How often an idle worker checks that its parent is still alive.
 PARENT_CHECK_S = 1.0
 READY = "ready"
+# How long a `torchrun` worker waits for rank 0's next plan (an idle engine sends none).
+IDLE_TIMEOUT = timedelta(days=30)
+
+Plan = tuple[list[BatchEntry], CacheOps]  # one step's work for every rank
 
 
 class ShardSource(Protocol):
@@ -90,6 +101,7 @@ class RankSpec:
     num_cpu_blocks: int
     attention_backend: str | None
     num_threads: int | None  # torch threads of a worker process (None: torch's default)
+    local_rank: int | None = None  # the rank's CUDA device on its machine (None: `rank`)
 
     @property
     def backend(self) -> str:
@@ -97,7 +109,44 @@ class RankSpec:
 
     @property
     def torch_device(self) -> torch.device:
-        return torch.device(f"cuda:{self.rank}" if self.device == "cuda" else "cpu")
+        index = self.rank if self.local_rank is None else self.local_rank
+        return torch.device(f"cuda:{index}" if self.device == "cuda" else "cpu")
+
+
+@dataclass(frozen=True)
+class TorchrunRank:
+    """This process's place when `torchrun` started it (its environment variables)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def torchrun_rank() -> TorchrunRank | None:
+    """This process's `torchrun` rank, or None when `torchrun` did not start it."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    env = os.environ
+    return TorchrunRank(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]))
+
+
+class PlanBroadcast:
+    """Rank 0's plans to every rank as broadcasts over a gloo group with a long timeout (one
+    group of every rank; created by each rank after `join_group`, in the same order)."""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+    def send(self, plan: Plan | None) -> None:
+        dist.broadcast_object_list([plan], src=0, group=self.group)
+
+    def __iter__(self) -> Iterator[Plan]:
+        while True:
+            box: list[Plan | None] = [None]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            if box[0] is None:
+                return
+            yield box[0]
 
 
 def free_port() -> int:
@@ -152,13 +201,24 @@ def worker_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> 
     conn.send(READY)
     join_group(spec)
     try:
-        serve_plans(runner, conn)
+        serve_plans(runner, pipe_plans(conn))
     finally:
         dist.destroy_process_group()
 
 
-def serve_plans(runner: ModelRunner, conn: multiprocessing.connection.Connection) -> None:
-    """Run each plan rank 0 sends, until `None`, end of file or a parent that died."""
+def torchrun_worker(spec: RankSpec) -> None:
+    """A rank `torchrun` started, other than 0: load, join, run rank 0's broadcast plans."""
+    model, config, runner_args = load_shard(spec)
+    runner = ModelRunner(model, config, **runner_args)
+    join_group(spec)
+    try:
+        serve_plans(runner, PlanBroadcast())
+    finally:
+        dist.destroy_process_group()
+
+
+def pipe_plans(conn: multiprocessing.connection.Connection) -> Iterator[Plan]:
+    """The plans rank 0 sends over the pipe, until `None`, end of file or a dead parent."""
     parent = multiprocessing.parent_process()
     while True:
         try:
@@ -166,11 +226,17 @@ def serve_plans(runner: ModelRunner, conn: multiprocessing.connection.Connection
                 if parent is not None and not parent.is_alive():
                     return
                 continue
-            plan: tuple[list[BatchEntry], CacheOps] | None = conn.recv()
+            plan: Plan | None = conn.recv()
         except (EOFError, OSError):  # rank 0 is gone
             return
         if plan is None:
             return
+        yield plan
+
+
+def serve_plans(runner: ModelRunner, plans: Iterable[Plan]) -> None:
+    """Run each plan on this rank's shard; the logits are dropped (rank 0 has them)."""
+    for plan in plans:
         try:
             runner.execute(*plan)
         except ValueError:

@@ -311,3 +311,48 @@ def test_command_line_flag_reaches_the_engine_and_its_checks(bundled_path, capsy
     assert status == 2  # SmolLM2's 9 heads cannot be split in two, said before any process
     assert "9 attention heads do not divide among tensor_parallel_size 2" in capsys.readouterr().err
     assert not dist.is_initialized()
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from minipaged.checkpoint import checkpoint_config
+from minipaged.engine import LLMEngine
+from minipaged.engine_config import EngineConfig
+from minipaged.parallel_worker import CheckpointShards
+from minipaged.sampling import SamplingParams
+
+path, size, prompts = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+config = EngineConfig(block_size=4, num_gpu_blocks=32, num_cpu_blocks=0,
+                      tensor_parallel_size=size, tensor_parallel_timeout=30)
+engine = LLMEngine(CheckpointShards(path), checkpoint_config(path), None, config)
+params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+ids = [engine.add_request(None, p, params) for p in prompts]  # rank 0 only gets here
+finals = engine.run_until_done()
+print("TOKENS", json.dumps([finals[i].outputs[0].token_ids for i in ids]))
+engine.close()
+"""
+
+
+def test_torchrun_ranks_serve_rank_0s_plans(tmp_path):
+    """Launched by `torchrun`, both ranks run the same program; rank 0's engine gives TP=1's
+    greedy tokens and rank 1 exits once rank 0 closes."""
+    import json
+    import subprocess
+    import sys
+
+    random_llama(**SMALL_LLAMA).save_pretrained(tmp_path / "model")
+    script = tmp_path / "generate.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    prompts = random_prompts(3, 64, seed=5)
+    model, config = minipaged_parts(random_llama(**SMALL_LLAMA))
+    reference = LLMEngine(model, config, config=EngineConfig(**ENGINE))
+    expected = greedy(reference, prompts, 6)
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script), str(tmp_path / "model"), "2", json.dumps(prompts)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert len(lines) == 1  # printed by rank 0 alone
+    assert json.loads(lines[0].removeprefix("TOKENS ")) == expected
