@@ -14,6 +14,11 @@ collectives (the two all-reduces per layer, the embedding's all-reduce, the logi
 that time includes waiting for the other rank, so it is the cost of synchronising, not only of
 moving bytes.
 
+How rank 0 sends each step's plan is measured on its own: a decode plan of `B` entries over a
+pipe (how spawned workers get it) against `broadcast_object_list` over gloo (how `torchrun`
+workers get it), each followed by a one-number all-reduce so that rank 0 waits for the worker;
+the all-reduce's own time is measured alone and subtracted.
+
 The "on paper" section counts the bytes the same sharding moves per layer and per token, and
 what a ring all-reduce of those bytes costs at published link bandwidths (NVLink 4 on H100
 SXM; PCIe 4.0 and 5.0 x16), for this model and for a Llama-3-8B-shaped one.
@@ -30,15 +35,18 @@ import pickle
 import statistics
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from machine import report_header, save_report
 
 from minipaged.engine import LLMEngine
 from minipaged.engine_config import EngineConfig
-from minipaged.parallel_worker import CheckpointShards
-from minipaged.runner import BatchEntry, ModelRunner
+from minipaged.parallel_worker import CheckpointShards, free_port
+from minipaged.runner import BatchEntry, CacheOps, ModelRunner
 
 RESULTS = Path(__file__).parent / "results" / "tensor_parallel.json"
 HF_CONFIG = dict(
@@ -116,6 +124,71 @@ def engine_runner(path: Path, tp: int, blocks: int) -> LLMEngine:
     return LLMEngine(source, model_config, None, config)
 
 
+def decode_plan(batch: int, context: int) -> tuple[list[BatchEntry], CacheOps]:
+    """What rank 0 sends for a decode step of `batch` sequences at `context` tokens."""
+    n = -(-(context + 1) // 16)
+    entries = [
+        BatchEntry((5 + i,), context, tuple(range(i * n, (i + 1) * n))) for i in range(batch)
+    ]
+    return entries, CacheOps()
+
+
+def channel_peer(init_method: str, conn, batches: list[int], rounds: int) -> None:
+    """Rank 1 of `plan_channel_costs`: receive each plan, then meet rank 0 in an all-reduce."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=1, world_size=2,
+                            timeout=timedelta(seconds=60))
+    ack = torch.zeros(1)
+    for _ in batches:
+        for _ in range(rounds):
+            dist.all_reduce(ack)
+        for _ in range(rounds):
+            conn.recv()
+            dist.all_reduce(ack)
+        for _ in range(rounds):
+            dist.broadcast_object_list([None], src=0)
+            dist.all_reduce(ack)
+    dist.destroy_process_group()
+
+
+def plan_channel_costs(batches: list[int], context: int, rounds: int = 200) -> dict:
+    """Microseconds to get a decode plan to one worker: over a pipe, and broadcast over gloo."""
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    context_mp = mp.get_context("spawn")
+    parent, child = context_mp.Pipe()
+    peer = context_mp.Process(target=channel_peer, args=(init_method, child, batches, rounds))
+    peer.start()
+    dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=2,
+                            timeout=timedelta(seconds=60))
+    ack = torch.zeros(1)
+
+    def per_round(send) -> float:
+        times = []
+        for _ in range(rounds):
+            began = time.perf_counter()
+            send()
+            dist.all_reduce(ack)
+            times.append(time.perf_counter() - began)
+        return statistics.median(times) * 1e6
+
+    costs = {}
+    for batch in batches:
+        plan = decode_plan(batch, context)
+        alone = per_round(lambda: None)
+        pipe = per_round(lambda plan=plan: parent.send(plan))
+        broadcast = per_round(lambda plan=plan: dist.broadcast_object_list([plan], src=0))
+        costs[str(batch)] = {
+            "pickled_bytes": len(pickle.dumps(plan)),
+            "all_reduce_alone_us": round(alone, 1),
+            "pipe_us": round(pipe - alone, 1),
+            "broadcast_object_list_us": round(broadcast - alone, 1),
+        }
+        print("plan", batch, costs[str(batch)], flush=True)
+    dist.destroy_process_group()
+    peer.join()
+    return costs
+
+
 def on_paper(hidden: int, layers: int, vocab: int, dtype_bytes: int, world: int) -> dict:
     """Bytes a Megatron split over `world` ranks moves per decode token, and the time of a
     ring all-reduce of them (each rank sends and receives 2 (N-1)/N of the buffer) per link."""
@@ -158,12 +231,12 @@ def main() -> None:
                 if tp > 1:
                     spent = collective_seconds(engine.runner, batch, args.context, args.steps)
                     row["collective_share"] = round(spent / sum(times), 3)
-                    plan = [BatchEntry([5], args.context, list(range(9)))] * batch
-                    row["plan_bytes_per_step"] = len(pickle.dumps(plan))
                 rows[str(batch)] = row
                 print(name, batch, row, flush=True)
             engine.close()
             results[name] = rows
+    torch.set_num_threads(1)
+    channels = plan_channel_costs(args.batches, args.context)
     flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0].split()
     report = report_header(
         cpu_flags=[f for f in CPU_FLAGS if f in flags],
@@ -172,6 +245,7 @@ def main() -> None:
         "context_tokens": args.context,
         "decode_steps_timed": args.steps,
         "cpu": results,
+        "plan_channel_per_step": channels,
         "tp2_speedup_over_tp1_1thread": {
             b: round(results["tp1_1thread"][b]["decode_step_ms"]
                      / results["tp2_1thread_per_rank"][b]["decode_step_ms"], 2)

@@ -3,10 +3,12 @@
 `TensorParallelRunner` keeps `ModelRunner`'s contract -- `execute(entries, cache_ops)` returns
 the logits of a step -- so the engine, the scheduler and the KV cache manager stay as they are:
 one scheduler, on rank 0, plans each step; the runner sends the plan (the batch entries and the
-block movements, a small pickled object) to every worker over its pipe, runs its own shard's
-forward pass, whose collectives meet the workers', and gets the whole logits from the
-vocabulary-parallel head (`minipaged.parallel`). The workers are spawned with
-`torch.multiprocessing` and joined over a TCP store on 127.0.0.1 (`minipaged.parallel_worker`).
+block movements, a small pickled object) to every worker, runs its own shard's forward pass,
+whose collectives meet the workers', and gets the whole logits from the vocabulary-parallel
+head (`minipaged.parallel`). On one machine the workers are spawned with
+`torch.multiprocessing`, joined over a TCP store on 127.0.0.1, and sent plans over a pipe
+each; under `torchrun` the launcher starts them and plans go out as broadcasts
+(`minipaged.parallel_worker`).
 
 A worker that dies is noticed before a step is sent (its process is gone) or by the step's
 collectives (they fail, or time out after `tensor_parallel_timeout` seconds): the runner then
