@@ -106,7 +106,7 @@ def test_unshardable_models_and_settings_raise_clearly():
     six_heads = SMALL_LLAMA | dict(hidden_size=36, num_attention_heads=6)
     model, config = minipaged_parts(random_llama(**six_heads))
     with pytest.raises(TensorParallelError, match="6 attention heads .* 4 ranks"):
-        LLMEngine(model, config, config=EngineConfig(tensor_parallel_size=4))
+        LLMEngine(model, config, config=EngineConfig(tensor_parallel_size=4, device="cpu"))
     if not torch.cuda.is_available():  # no NCCL or no CUDA device here: said at once
         with pytest.raises(TensorParallelError, match="nccl backend|2 CUDA devices"):
             LLMEngine(model, config, config=EngineConfig(
@@ -213,7 +213,8 @@ def prefill_logits(engine: LLMEngine, prompts: list[list[int]]) -> torch.Tensor:
     return engine.runner.execute(entries)
 
 
-ENGINE = dict(block_size=4, num_gpu_blocks=20, num_cpu_blocks=32, max_num_seqs=6)
+# On CPU (gloo) even where CUDA is available: these tests are about the split, not the device.
+ENGINE = dict(block_size=4, num_gpu_blocks=20, num_cpu_blocks=32, max_num_seqs=6, device="cpu")
 
 
 def assert_engine_matches_tp1(
@@ -280,7 +281,7 @@ def test_tp3_smollm2_equals_tp1(bundled_path, bundled_model, bundled_tokenizer):
     model, config = bundled_model
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(temperature=0.0, max_tokens=8)
-    settings = dict(num_gpu_blocks=64, block_size=16)
+    settings = dict(num_gpu_blocks=64, block_size=16, device="cpu")
     reference = LLMEngine(model, config, bundled_tokenizer, EngineConfig(**settings))
     prompt = bundled_tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     reference.add_request("r", bundled_tokenizer.encode(prompt), params)
@@ -307,7 +308,8 @@ def test_command_line_flag_reaches_the_engine_and_its_checks(bundled_path, capsy
 
     args = build_parser().parse_args(["serve", "--tensor-parallel-size", "3"])
     assert engine_kwargs_from_args(args)["tensor_parallel_size"] == 3
-    status = main(["generate", "--tensor-parallel-size", "2", "--max-tokens", "2", "Hi"])
+    status = main(["generate", "--tensor-parallel-size", "2", "--device", "cpu",
+                   "--max-tokens", "2", "Hi"])
     assert status == 2  # SmolLM2's 9 heads cannot be split in two, said before any process
     assert "9 attention heads do not divide among tensor_parallel_size 2" in capsys.readouterr().err
     assert not dist.is_initialized()
@@ -322,7 +324,7 @@ from minipaged.parallel_worker import CheckpointShards
 from minipaged.sampling import SamplingParams
 
 path, size, prompts = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-config = EngineConfig(block_size=4, num_gpu_blocks=32, num_cpu_blocks=0,
+config = EngineConfig(block_size=4, num_gpu_blocks=32, num_cpu_blocks=0, device="cpu",
                       tensor_parallel_size=size, tensor_parallel_timeout=30)
 engine = LLMEngine(CheckpointShards(path), checkpoint_config(path), None, config)
 params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
