@@ -358,3 +358,55 @@ def test_torchrun_ranks_serve_rank_0s_plans(tmp_path):
     lines = [line for line in run.stdout.splitlines() if line.startswith("TOKENS ")]
     assert len(lines) == 1  # printed by rank 0 alone
     assert json.loads(lines[0].removeprefix("TOKENS ")) == expected
+
+
+ORPHAN_SCRIPT = """
+import sys, time
+from minipaged.checkpoint import checkpoint_config
+from minipaged.engine import LLMEngine
+from minipaged.engine_config import EngineConfig
+from minipaged.parallel_worker import CheckpointShards
+
+if __name__ == "__main__":  # the spawned workers import this file
+    path = sys.argv[1]
+    config = EngineConfig(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0, device="cpu",
+                          tensor_parallel_size=2)
+    engine = LLMEngine(CheckpointShards(path), checkpoint_config(path), None, config)
+    print("WORKERS", *engine.runner.worker_pids, flush=True)
+    time.sleep(120)
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc")
+def test_workers_exit_when_the_parent_is_killed(tmp_path):
+    import subprocess
+    import sys
+
+    random_llama(**SMALL_LLAMA).save_pretrained(tmp_path / "model")
+    script = tmp_path / "idle.py"
+    script.write_text(ORPHAN_SCRIPT)
+    parent = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "model")],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        line = parent.stdout.readline()
+        assert line.startswith("WORKERS "), line
+        workers = [int(pid) for pid in line.split()[1:]]
+        assert workers and all(running(pid) for pid in workers)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while any(running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(running(pid) for pid in workers)  # no orphan outlives its parent
