@@ -78,6 +78,11 @@ class TensorParallelRunner(ModelRunner):
         context = mp.get_context("spawn")
         self.world_size, self.timeout_s = spec.world_size, spec.timeout_s
         self.closed = False
+        # Rank 0 runs as many torch threads as each worker (one on CPU): a rank with more
+        # threads than its share of the cores stalls every collective; restored by `close()`.
+        self._threads_before = torch.get_num_threads()
+        if spec.num_threads is not None:
+            torch.set_num_threads(spec.num_threads)
         self._procs: list[mp.Process] = []
         self._conns = []
         self._broadcast: PlanBroadcast | None = None
@@ -182,6 +187,8 @@ class TensorParallelRunner(ModelRunner):
         """Stop every worker and leave the process group; idempotent."""
         if self._broadcast is not None and not self.closed:
             self._broadcast.send(None)  # the `torchrun` workers' loop ends
+        if not self.closed:
+            torch.set_num_threads(self._threads_before)
         self.closed = True
         self._finalizer()
         if dist.is_initialized():

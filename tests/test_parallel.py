@@ -282,12 +282,13 @@ def test_tp3_smollm2_equals_tp1(bundled_path, bundled_model, bundled_tokenizer):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(temperature=0.0, max_tokens=8)
     settings = dict(num_gpu_blocks=64, block_size=16, device="cpu")
-    reference = LLMEngine(model, config, bundled_tokenizer, EngineConfig(**settings))
-    prompt = bundled_tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    reference.add_request("r", bundled_tokenizer.encode(prompt), params)
-    expected = reference.run_until_done()["r"].outputs[0]
     with LLM(bundled_path, tensor_parallel_size=3, tensor_parallel_timeout=60, **settings) as llm:
         answer = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+        # TP=1 here, on the one thread the TP engine gives this process while it runs.
+        reference = LLMEngine(model, config, bundled_tokenizer, EngineConfig(**settings))
+        prompt = bundled_tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        reference.add_request("r", bundled_tokenizer.encode(prompt), params)
+        expected = reference.run_until_done()["r"].outputs[0]
         shard = llm.engine.runner.model
         whole, ours = dict(model.named_parameters()), dict(shard.named_parameters())
         for name, rows in [("self_attn.q_proj", slice(0, 192)), ("self_attn.k_proj", slice(0, 64)),
