@@ -50,6 +50,15 @@ def config_of(heads: int, kv: int, inner: int = 64, vocab: int = 64) -> ModelCon
     )
 
 
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def tiny_gpt2(n_layer: int):
     """A GPT-2 of 4 heads whose 67-token vocabulary does not split evenly over 2 ranks."""
     return random_gpt2(
@@ -275,6 +284,22 @@ def test_replicated_kv_heads_then_a_killed_worker_ends_the_run():
     engine.close()  # idempotent
 
 
+def test_a_stopped_worker_ends_the_run_after_the_collective_timeout():
+    """A worker that is alive but never answers (SIGSTOP): the step's collective times out,
+    the run ends with `WorkerDiedError`, and the stopped process is killed, not left behind."""
+    model, config = minipaged_parts(random_llama(**SMALL_LLAMA))
+    engine = LLMEngine(model, config, config=EngineConfig(
+        **ENGINE, tensor_parallel_size=2, tensor_parallel_timeout=1.0
+    ))
+    worker = engine.runner.worker_pids[0]
+    os.kill(worker, signal.SIGSTOP)
+    began = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="waited more than 1.0 s"):
+        greedy(engine, random_prompts(1, 64, seed=6), 2)
+    assert time.monotonic() - began < 15  # the timeout, then SIGTERM's and SIGKILL's waits
+    assert not running(worker) and not dist.is_initialized()
+
+
 def test_tp3_smollm2_equals_tp1(bundled_path, bundled_model, bundled_tokenizer):
     """Three ranks of 3 query heads and 1 KV head each, every one reading its third of the
     GGUF: the greedy answer is TP=1's, and rank 0 holds exactly its slices."""
@@ -376,15 +401,6 @@ if __name__ == "__main__":  # the spawned workers import this file
     print("WORKERS", *engine.runner.worker_pids, flush=True)
     time.sleep(120)
 """
-
-
-def running(pid: int) -> bool:
-    """Whether process `pid` exists and has not exited (a zombie has exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc")
