@@ -17,12 +17,13 @@ problem raises `CheckpointError`, whose message names the file and what is wrong
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from minipaged.checkpoint_gguf import GGUF_MAGIC, config_from_gguf, gguf_checkpoint
+from minipaged.checkpoint_gguf import GGUF_MAGIC, config_from_gguf, gguf_checkpoint, open_gguf
 from minipaged.checkpoint_safetensors import (
     read_config_json,
     safetensors_folder,
@@ -59,14 +60,23 @@ def default_model_path() -> Path:
     return path
 
 
+# How to read one checked tensor: (config, Hugging Face name, the tensor) -> its data.
+TensorReader = Callable[[ModelConfig, str, PendingTensor], torch.Tensor]
+
+
 def load_checkpoint(
-    path: str | Path | None = None, dtype: torch.dtype = torch.float32, progress: bool = True
+    path: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+    read: TensorReader | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load a model's config and its weights under Hugging Face parameter names.
 
     `path` is a Hugging Face folder (config.json + safetensors), a `.safetensors` file next to a
     config.json, or a `.gguf` file; None means the bundled default model. Tensors are cast to
     `dtype` (GGUF weights are dequantised to float32 first). `progress` shows a tqdm bar.
+    `read` reads each tensor once the whole file is checked (a tensor-parallel rank reads only
+    its slices); by default every tensor is read whole.
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
@@ -78,7 +88,7 @@ def load_checkpoint(
         config_file, files = safetensors_folder(path)
     elif sniff(path) == "gguf":
         config, pending = gguf_checkpoint(path)
-        return config, _checked_and_read(config, pending, dtype, progress, path)
+        return config, _checked_and_read(config, pending, dtype, progress, path, read)
     else:
         config_file, files = path.parent / "config.json", [path]
         if not config_file.is_file():
@@ -92,7 +102,19 @@ def load_checkpoint(
         if sniff(file) != "safetensors":
             raise CheckpointError(f"{file}: not a safetensors file (it is a GGUF file)")
         pending |= safetensors_tensors(file, config)
-    return config, _checked_and_read(config, pending, dtype, progress, path)
+    return config, _checked_and_read(config, pending, dtype, progress, path, read)
+
+
+def checkpoint_config(path: str | Path | None = None) -> ModelConfig:
+    """The `ModelConfig` of a checkpoint, without reading its tensors (GGUF: its header)."""
+    path = default_model_path() if path is None else Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path} missing: no such file or directory")
+    if path.is_dir():
+        return read_config_json(safetensors_folder(path)[0])
+    if sniff(path) == "gguf":
+        return config_from_gguf(open_gguf(path))
+    return read_config_json(path.parent / "config.json")
 
 
 def sniff(file: Path) -> str:
@@ -120,9 +142,10 @@ def _checked_and_read(
     dtype: torch.dtype,
     progress: bool,
     file: Path,
+    read: TensorReader | None,
 ) -> dict[str, torch.Tensor]:
-    """Check every tensor against the family's table, then read each (in the file's order) and
-    cast it to `dtype`."""
+    """Check every tensor against the family's table, then read each (in the file's order, with
+    `read` when given) and cast it to `dtype`."""
     check_tensors(
         config,
         {name: t.shape for name, t in pending.items()},
@@ -136,4 +159,7 @@ def _checked_and_read(
         unit="tensor",
         disable=not progress,
     )
-    return {name: item.read().to(dtype).contiguous() for name, item in bar}
+    return {
+        name: (item.read() if read is None else read(config, name, item)).to(dtype).contiguous()
+        for name, item in bar
+    }

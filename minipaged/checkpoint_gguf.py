@@ -202,7 +202,8 @@ def gguf_checkpoint(file: Path) -> tuple[ModelConfig, dict[str, PendingTensor]]:
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # numpy order: (out, in)
         if is_conv1d(config, name):
             shape = shape[::-1]
-        pending[name] = PendingTensor(shape, _reader_fn(tensor, name, config, file), tensor.name)
+        read, read_part = _reader_fn(tensor, name, config, file)
+        pending[name] = PendingTensor(shape, read, tensor.name, read_part)
     return config, pending
 
 
@@ -223,31 +224,40 @@ def _hf_names(config: ModelConfig, reader: Any) -> dict[str, str]:
 
 def _reader_fn(
     tensor: Any, name: str, config: ModelConfig, file: Path
-) -> Callable[[], torch.Tensor]:
-    """A function that dequantises one GGUF tensor into its Hugging Face form."""
+) -> tuple[Callable[[], torch.Tensor], Callable[[tuple[slice, ...]], torch.Tensor]]:
+    """Functions that dequantise one GGUF tensor into its Hugging Face form: all of it, and a
+    part of it (`PendingTensor.read_part`). A part made of whole rows dequantises only those
+    rows (quantisation blocks run along a row); any other part is cut from the whole tensor."""
 
-    def read() -> torch.Tensor:
+    def rows(which: slice) -> torch.Tensor:
         from gguf.quants import dequantize
 
         try:
-            array = dequantize(tensor.data, tensor.tensor_type)
+            array = dequantize(tensor.data[which], tensor.tensor_type)
         except NotImplementedError as exc:
             raise CheckpointError(
                 f"{file}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the "
                 f"gguf package cannot dequantise ({exc})"
             ) from exc
         array = np.asarray(array, dtype=np.float32)
-        if config.architecture in PERMUTED_QK and ".self_attn.q_proj." in name:
-            array = unpermute_qk(array, config.num_heads)
-        elif config.architecture in PERMUTED_QK and ".self_attn.k_proj." in name:
-            array = unpermute_qk(array, config.num_kv_heads)
+        permuted = config.architecture in PERMUTED_QK
+        if permuted and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+            array = unpermute_qk(array, array.shape[0] // config.head_dim)  # whole heads
         elif is_conv1d(config, name):
             array = array.T
         if not array.flags.writeable or not array.flags.c_contiguous:
             array = np.array(array, order="C")  # own the memory: the file is memory-mapped
         return torch.from_numpy(array)
 
-    return read
+    def read() -> torch.Tensor:
+        return rows(slice(None))
+
+    def read_part(index: tuple[slice, ...]) -> torch.Tensor:
+        if is_conv1d(config, name) or any(s != slice(None) for s in index[1:]):
+            return read()[index]
+        return rows(index[0])
+
+    return read, read_part
 
 
 def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:

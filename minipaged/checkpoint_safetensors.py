@@ -83,7 +83,10 @@ def safetensors_tensors(file: Path, config: ModelConfig) -> dict[str, PendingTen
         def read(stored: str = stored) -> torch.Tensor:
             return handle.get_tensor(stored)
 
-        pending[name] = PendingTensor(tuple(info["shape"]), read, stored)
+        def read_part(index: tuple[slice, ...], stored: str = stored) -> torch.Tensor:
+            return handle.get_slice(stored)[index]  # only these bytes leave the mapped file
+
+        pending[name] = PendingTensor(tuple(info["shape"]), read, stored, read_part)
     return pending
 
 

@@ -125,6 +125,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--attention-backend", default=None, choices=list(BACKENDS),
                         help="default: triton on CUDA, torch elsewhere")
     engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="split the model over N worker processes (torch.distributed)")
     engine.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice); 1 is often faster "
                              "on a CPU shared with other work")
@@ -204,6 +206,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         preemption_mode=args.preemption_mode,
         attention_backend=args.attention_backend,
         enable_prefix_caching=not args.no_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

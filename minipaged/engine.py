@@ -29,12 +29,13 @@ from minipaged.config import ModelConfig
 from minipaged.cost_model import CostModel
 from minipaged.engine_config import EngineConfig
 from minipaged.outputs import RequestOutput
+from minipaged.parallel_runner import WorkerDiedError, build_runner
+from minipaged.parallel_worker import CheckpointShards, ShardSource
 from minipaged.request_io import RequestStream, check_params, prompt_token_ids
 from minipaged.runner import (
     BatchEntry,
     CacheOps,
     GiB,
-    ModelRunner,
     blocks_that_fit,
     num_blocks_for_memory,
 )
@@ -60,12 +61,13 @@ class LLMEngine:
 
     The scheduler is `config.scheduler` by name, or `scheduler`, ready-made with its own KV
     manager (a baseline's, say): the KV pools then take its sizes and `config.scheduler` is
-    not used.
+    not used. With `config.tensor_parallel_size` > 1 the runner is a `TensorParallelRunner`
+    (`model` a module to slice, or a `CheckpointShards` each rank reads): `close()` it.
     """
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | ShardSource,
         model_config: ModelConfig,
         tokenizer: Any | None = None,
         config: EngineConfig | None = None,
@@ -93,15 +95,13 @@ class LLMEngine:
                 num_cpu_blocks = num_blocks_for_memory(
                     model_config, config.block_size, dtype, config.swap_space * GiB
                 )
-        self.runner = ModelRunner(
-            model.to(device=device, dtype=dtype).eval(),
+        self.runner = build_runner(
+            model,
             model_config,
+            config,
             block_size=config.block_size if scheduler is None else scheduler.kv_cache.block_size,
             num_gpu_blocks=num_gpu_blocks,
             num_cpu_blocks=num_cpu_blocks,
-            device=device,
-            dtype=dtype,
-            attention_backend=config.attention_backend,
         )
         if scheduler is None:
             # Skip-join MLFQ predicts prefill times (FastServe §4.1): measured before it is built.
@@ -141,14 +141,27 @@ class LLMEngine:
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, **kwargs: Any) -> LLMEngine:
         """Load a model folder or GGUF file (default: the bundled SmolLM2) with its tokenizer."""
-        from minipaged.checkpoint import default_model_path
+        from minipaged.checkpoint import checkpoint_config, default_model_path
         from minipaged.model import load_model
         from minipaged.tokenizer import Tokenizer
 
         config = EngineConfig(**kwargs)
         path = Path(model) if model is not None else default_model_path()
+        if config.tensor_parallel_size > 1:  # every rank reads its own slices
+            source, model_config = CheckpointShards(str(path)), checkpoint_config(path)
+            return cls(source, model_config, Tokenizer.from_pretrained(path), config)
         nn_model, model_config = load_model(path, dtype=config.torch_dtype, device="cpu")
         return cls(nn_model, model_config, Tokenizer.from_pretrained(path), config)
+
+    def close(self) -> None:
+        """Stop the runner's worker processes, if it has any (tensor parallelism)."""
+        self.runner.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def _startup_cost_model(self) -> CostModel:
         """The cost model given, or the one saved in `cost_model_file`, or a profile of this
@@ -272,6 +285,8 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 max_model_len=self.max_model_len,
             )
+        except WorkerDiedError:  # no step can run any more
+            raise
         except Exception:  # the step's requests end with "error"; the others go on
             logger.exception("step %d failed; its requests finish with 'error'", self._num_steps)
             return self._fail_step(out)

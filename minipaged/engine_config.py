@@ -88,6 +88,10 @@ class EngineConfig:
     preemption_mode: str | None = None  # None: recompute single sequences, swap groups
     attention_backend: str | None = None  # None: Triton on CUDA, "cpu" on a CPU
     seed: int = 0  # the engine's generator, for requests without a seed of their own
+    # Tensor parallelism: ranks (worker processes) the model is split over, and how long a
+    # collective waits for a rank before the run is declared dead (`minipaged.parallel_runner`).
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -120,6 +124,16 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len must be None or >= 2 (a prompt token and one to generate), "
                 f"got {self.max_model_len}"
+            )
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(
+            self.tensor_parallel_size, int
+        ) or self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}"
+            )
+        if not self.tensor_parallel_timeout > 0:
+            raise ValueError(
+                f"tensor_parallel_timeout must be > 0 seconds, got {self.tensor_parallel_timeout}"
             )
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")

@@ -18,7 +18,11 @@ from minipaged.sampling import SamplingParams
 
 
 class LLM:
-    """vLLM's offline entry point: `LLM().generate(prompts, params)` and `LLM().chat(messages)`."""
+    """vLLM's offline entry point: `LLM().generate(prompts, params)` and `LLM().chat(messages)`.
+
+    `LLM(tensor_parallel_size=N)` splits the model over N processes; `close()` (or a `with`
+    block) stops them, as does the end of the program.
+    """
 
     def __init__(self, model: str | Path | None = None, **engine_kwargs: Any) -> None:
         known = {f.name for f in fields(EngineConfig)}
@@ -27,6 +31,16 @@ class LLM:
             raise TypeError(f"LLM() got unknown arguments {unknown}; known: {sorted(known)}")
         self.engine = LLMEngine.from_pretrained(model, **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); nothing else to release."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def generate(
         self,

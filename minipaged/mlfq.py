@@ -27,9 +27,8 @@ multi-level feedback queue (MLFQ), which favours short jobs without knowing job 
   any of them; a *new* job only jobs of strictly lower queues (no preemption among peers of a
   first-come-first-served queue); a job that already ran and was preempted comes back only when
   its blocks fit (or ahead of time, below), never by evicting others.
-  Without this rule jobs swap each other out and in every time a demotion reorders them: in the
-  simulator (OPT-13B costs, 64 sequences per step) that churn moved ~90 blocks per request over
-  PCIe and made MLFQ 1.2-1.4x *slower* than FCFS; with it MLFQ is ahead at high load.
+  Without this rule jobs would swap each other out and in every time a demotion reorders them,
+  and on a full cache that churn costs more than the reordering gains (CHANGELOG.md).
 * **Proactive swapping** (§4.2): after choosing the batch, keep at least `reserve_blocks` free
   device blocks (default: `max_num_seqs`, one new block per sequence of a full batch next step)
   by swapping out the jobs expected to run last, and swap in ahead of time the swapped jobs

@@ -12,6 +12,7 @@ through an `AttentionBackend`, which owns the KV cache; the model never sees it.
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -21,6 +22,13 @@ from minipaged.config import ModelConfig
 from minipaged.model_gpt2 import GPT2ForCausalLM
 from minipaged.model_layers import AttentionBackend, CausalLM, ModelInputError, check_flat_batch
 from minipaged.model_llama import LlamaForCausalLM
+from minipaged.parallel import (
+    SINGLE_RANK,
+    TensorParallel,
+    check_shardable,
+    read_shard,
+    shard_shapes,
+)
 from minipaged.weights import (
     CheckpointError,
     expected_shapes,
@@ -60,25 +68,30 @@ def build_model(
     state_dict: dict[str, Tensor],
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    tp: TensorParallel | None = None,
 ) -> CausalLM:
     """The model of `config.architecture` holding the weights of `state_dict`, in eval mode.
 
     `state_dict` uses Hugging Face's names, with or without the `model.` / `transformer.` prefix.
     A tied head (`tie_word_embeddings`) shares the embedding's tensor. Raises
-    `CheckpointMismatchError` naming any missing, unexpected or mis-shaped tensor.
+    `CheckpointMismatchError` naming any missing, unexpected or mis-shaped tensor. With `tp`,
+    the model is one tensor-parallel rank's shard and `state_dict` holds that rank's slices
+    (`minipaged.parallel.shard_state_dict`, or `load_model(..., tp=...)`).
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+    tp = tp or SINGLE_RANK
+    check_shardable(config, tp.world_size)
     expected = expected_shapes(config)
     weights = {}
     for stored, tensor in state_dict.items():
         name = full_name(config, stored, expected)
         if not is_ignored(config, name):
             weights[name] = tensor
-    _check_weights(config, weights)
+    _check_weights(config, weights, expected if tp.world_size == 1 else shard_shapes(config, tp))
     # Build on the meta device (no memory, no random init), then adopt the checkpoint's tensors.
     with torch.device("meta"):
-        model = MODEL_CLASSES[config.architecture](config)
+        model = MODEL_CLASSES[config.architecture](config, tp)
     loaded = model.load_state_dict(
         {
             to_module_name(config, name): (w.t() if is_conv1d(config, name) else w).to(
@@ -102,17 +115,21 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    tp: TensorParallel | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
-    """Load a checkpoint (HF folder, safetensors or GGUF; default: the bundled SmolLM2)."""
-    config, state_dict = load_checkpoint(path, dtype=torch.float32, progress=progress)
-    return build_model(config, state_dict, dtype=dtype, device=device), config
+    """Load a checkpoint (HF folder, safetensors or GGUF; default: the bundled SmolLM2). With
+    `tp`, load one tensor-parallel rank's shard, reading only its slices (`read_shard`)."""
+    read = None if tp is None or tp.world_size == 1 else partial(read_shard, tp=tp)
+    config, state_dict = load_checkpoint(path, dtype=torch.float32, progress=progress, read=read)
+    return build_model(config, state_dict, dtype=dtype, device=device, tp=tp), config
 
 
-def _check_weights(config: ModelConfig, weights: dict[str, Tensor]) -> None:
+def _check_weights(
+    config: ModelConfig, weights: dict[str, Tensor], expected: dict[str, tuple[int, ...]]
+) -> None:
     missing, wrong, unexpected = mismatches(
-        config, {name: w.shape for name, w in weights.items()}
+        config, {name: w.shape for name, w in weights.items()}, expected
     )
-    expected = expected_shapes(config)
     problems = []
     if missing:
         problems.append(f"missing {_abbrev(missing)}")

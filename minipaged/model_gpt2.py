@@ -14,18 +14,28 @@ from torch import Tensor, nn
 
 from minipaged.config import ModelConfig
 from minipaged.model_layers import AttentionBackend, CausalLM, Linear, check_flat_batch
+from minipaged.parallel import (
+    SINGLE_RANK,
+    TensorParallel,
+    lm_head,
+    q_heads,
+    row_parallel_linear,
+    token_embedding,
+)
 
 
 class GPT2Attention(nn.Module):
-    """Multi-head attention with one fused q/k/v projection (`c_attn`)."""
+    """Multi-head attention with one fused q/k/v projection (`c_attn`); under tensor
+    parallelism its rank's heads of each of q, k and v, and `c_proj` split by rows."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        self.num_heads, self.head_dim = len(q_heads(config, tp)), config.head_dim
         self.scale = config.head_dim**-0.5
-        self.c_attn = Linear(config.hidden_size, 3 * config.hidden_size)
-        self.c_proj = Linear(config.hidden_size, config.hidden_size)
+        width = self.num_heads * self.head_dim
+        self.c_attn = Linear(config.hidden_size, 3 * width)
+        self.c_proj = row_parallel_linear(width, config.hidden_size, True, tp)
 
     def forward(self, x: Tensor, attn: AttentionBackend) -> Tensor:
         t = x.shape[0]
@@ -35,12 +45,14 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
-    """c_proj(gelu_tanh(c_fc(x)))."""
+    """c_proj(gelu_tanh(c_fc(x))); c_fc split by columns and c_proj by rows under tensor
+    parallelism."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.c_fc = Linear(config.hidden_size, config.intermediate_size)
-        self.c_proj = Linear(config.intermediate_size, config.hidden_size)
+        inner = config.intermediate_size // tp.world_size
+        self.c_fc = Linear(config.hidden_size, inner)
+        self.c_proj = row_parallel_linear(inner, config.hidden_size, True, tp)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
@@ -49,12 +61,12 @@ class GPT2MLP(nn.Module):
 class GPT2Block(nn.Module):
     """Pre-norm block: x += attn(ln_1(x)); x += mlp(ln_2(x))."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
-        self.attn = GPT2Attention(config, layer_idx)
+        self.attn = GPT2Attention(config, layer_idx, tp)
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
-        self.mlp = GPT2MLP(config)
+        self.mlp = GPT2MLP(config, tp)
 
     def forward(self, x: Tensor, attn: AttentionBackend) -> Tensor:
         x = x + self.attn(self.ln_1(x), attn)
@@ -62,16 +74,17 @@ class GPT2Block(nn.Module):
 
 
 class GPT2ForCausalLM(CausalLM):
-    """GPT-2's causal language model; its head is tied to `wte` unless the config unties it."""
+    """GPT-2's causal language model; its head is tied to `wte` unless the config unties it.
+    With `tp`, one rank's shard of it."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE_RANK):
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wte = token_embedding(config, tp)
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_layers))
+        self.h = nn.ModuleList(GPT2Block(config, i, tp) for i in range(config.num_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = lm_head(config, tp)
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         """Hidden states `[T, hidden_size]` (final norm applied) of a flat token batch."""

@@ -28,22 +28,35 @@ from minipaged.model_layers import (
     apply_rotary,
     check_flat_batch,
 )
+from minipaged.parallel import (
+    SINGLE_RANK,
+    TensorParallel,
+    kv_heads,
+    lm_head,
+    q_heads,
+    row_parallel_linear,
+    token_embedding,
+)
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query attention: `num_heads` query heads share `num_kv_heads` key/value heads."""
+    """Grouped-query attention: `num_heads` query heads share `num_kv_heads` key/value heads.
 
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    Under tensor parallelism (`tp`) the layer holds its rank's query heads and the KV heads
+    they read (`minipaged.parallel`): q/k/v split by columns, o by rows and all-reduced.
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.num_heads, self.num_kv_heads = len(q_heads(config, tp)), len(kv_heads(config, tp))
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
-        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        q_size, kv_size = self.num_heads * config.head_dim, self.num_kv_heads * config.head_dim
         self.q_proj = Linear(config.hidden_size, q_size, bias=config.qkv_bias)
         self.k_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.v_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = row_parallel_linear(q_size, config.hidden_size, config.o_bias, tp)
         # Qwen3: each head's queries and keys normalised on their own (over head_dim).
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
@@ -61,13 +74,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+    """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x)); gate/up split by columns and down
+    by rows under tensor parallelism."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        inner = config.intermediate_size // tp.world_size
+        self.gate_proj = Linear(config.hidden_size, inner, bias=False)
+        self.up_proj = Linear(config.hidden_size, inner, bias=False)
+        self.down_proj = row_parallel_linear(inner, config.hidden_size, False, tp)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -76,12 +91,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x += attn(norm(x)); x += mlp(norm(x))."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx)
+        self.self_attn = LlamaAttention(config, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(self, x: Tensor, rotation: tuple[Tensor, Tensor], attn: AttentionBackend) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rotation, attn)
@@ -89,15 +104,18 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    """The LLaMA family's causal language model (see the module docstring for its members)."""
+    """The LLaMA family's causal language model (see the module docstring for its members);
+    with `tp`, one rank's shard of it."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE_RANK):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.embed_tokens = token_embedding(config, tp)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, tp) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = lm_head(config, tp)
         self.rotary = RotaryEmbedding(config)
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:

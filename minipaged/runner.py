@@ -103,7 +103,10 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         attention_backend: str | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> None:
+        """`heads`: (query heads, KV heads) of this runner's model when it is one
+        tensor-parallel rank's shard; by default the config's."""
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -117,7 +120,8 @@ class ModelRunner:
             paged_attention=partial(self.ops.paged_attention, validate=False),
             reshape_and_cache=partial(self.ops.reshape_and_cache, validate=False),
         )
-        layer = (block_size, config.num_kv_heads, config.head_dim)
+        self.num_heads, self.num_kv_heads = heads or (config.num_heads, config.num_kv_heads)
+        layer = (block_size, self.num_kv_heads, config.head_dim)
         self.kv_caches = allocate_kv_caches(
             config.num_layers, num_gpu_blocks, *layer, dtype=dtype, device=self.device
         )
@@ -125,6 +129,10 @@ class ModelRunner:
             config.num_layers, num_cpu_blocks, *layer, dtype=dtype,
             pin_memory=self.device.type == "cuda",
         )
+
+    def close(self) -> None:
+        """Release what outlives the runner's memory: nothing here (a tensor-parallel runner
+        stops its worker processes)."""
 
     # -- block movements ----------------------------------------------------------------------
 
@@ -186,8 +194,8 @@ class ModelRunner:
         problem), with the attention backends' own checks, once instead of once per layer."""
         cfg, cache = self.config, self.kv_caches[0]
         like = dict(dtype=self.dtype, device=self.device)
-        q = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, **like)
-        kv = torch.empty(num_tokens, cfg.num_kv_heads, cfg.head_dim, **like)
+        q = torch.empty(num_tokens, self.num_heads, cfg.head_dim, **like)
+        kv = torch.empty(num_tokens, self.num_kv_heads, cfg.head_dim, **like)
         check_paged_attention_args(
             q, cache[0], cache[1], metadata.block_tables, metadata.seq_lens,
             metadata.query_start_loc, max_query_len=metadata.max_query_len,

@@ -38,6 +38,13 @@ class PendingTensor:
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]
     origin: str  # the tensor's name inside the file, for error messages
+    # Reads only `index` (one slice per dimension) of the tensor, where the format can (a
+    # tensor-parallel rank's share); None: read the whole tensor and slice it.
+    read_part: Callable[[tuple[slice, ...]], torch.Tensor] | None = None
+
+    def part(self, index: tuple[slice, ...]) -> torch.Tensor:
+        """The elements `index` of the tensor, reading no more than the format requires."""
+        return self.read_part(index) if self.read_part is not None else self.read()[index]
 
 
 # Buffers older Hugging Face checkpoints saved alongside the parameters; the models recompute
@@ -149,11 +156,14 @@ def to_module_name(config: ModelConfig, name: str) -> str:
 
 
 def mismatches(
-    config: ModelConfig, found: Mapping[str, Iterable[int]]
+    config: ModelConfig,
+    found: Mapping[str, Iterable[int]],
+    expected: Mapping[str, tuple[int, ...]] | None = None,
 ) -> tuple[list[str], list[str], list[str]]:
-    """The names of `found` (Hugging Face names -> shapes) that do not fit the family's table:
-    (missing, mis-shaped, unexpected), each in the table's or `found`'s order."""
-    expected = expected_shapes(config)
+    """The names of `found` (Hugging Face names -> shapes) that do not fit the family's table
+    (or `expected`, one tensor-parallel rank's shapes): (missing, mis-shaped, unexpected), each
+    in the table's or `found`'s order."""
+    expected = expected_shapes(config) if expected is None else expected
     missing = [name for name in expected if name not in found]
     wrong = [n for n in expected if n in found and tuple(found[n]) != expected[n]]
     unexpected = [name for name in found if name not in expected]

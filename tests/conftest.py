@@ -34,6 +34,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 BUNDLED_GROUP = "bundled"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that use a bundled-model fixture run on one xdist worker (`--dist loadgroup`)."""
     for item in items:

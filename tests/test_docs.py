@@ -2,7 +2,8 @@
 
 The site builds with `mkdocs build --strict`; every internal link and `#anchor` of the built
 HTML leads to a page and an element that exist (parsed with the stdlib's `html.parser`), and no
-page loads anything from another host (the site works offline). Every notebook fits the rendered
+page loads anything from another host (the site works offline). Every repository file the prose
+names (README, changelog, docs pages, notebooks) exists. Every notebook fits the rendered
 page: code lines of at most 88 characters, figures at most ~9 in wide at ~110 dpi (read from the
 PNG outputs' headers), no warnings or local file paths in its outputs. A failure lists every
 offending cell, counted from 0 as in the file's "cells" list.
@@ -166,6 +167,56 @@ def test_broken_links_and_anchors_are_found(tmp_path):
     assert "no element" in broken(tmp_path, pages, source, "#gone")
     assert "no such file" in broken(tmp_path, pages, source, "../b/")
     assert "outside" in broken(tmp_path, pages, source, "../../x/")
+
+
+# -- the files the pages name ---------------------------------------------------------------------
+
+# A repository path a page names in backticks: under a top-level folder (`minipaged/mlfq.py`,
+# `benchmarks/results/fastserve*.json`), or a top-level document (`CHANGELOG.md`). Bare file
+# names (`config.json`, `mlfq.py` in a table of modules) and other projects' paths are not read.
+NAMED_PATH = re.compile(r"`([\w./*-]+\.(?:md|py|json|ipynb|svg|toml|yml))`")
+TOP_LEVEL_DOCUMENT = re.compile(r"[A-Z][A-Z_]*\.md")
+
+
+def named_paths(text: str, top_level: set[str]) -> set[str]:
+    """The repository paths `text` names (see NAMED_PATH), given the repository's top level."""
+    return {
+        name
+        for name in NAMED_PATH.findall(text)
+        if ("/" in name and name.split("/")[0] in top_level) or TOP_LEVEL_DOCUMENT.fullmatch(name)
+    }
+
+
+def page_texts() -> list[tuple[str, str]]:
+    """(where, text) of the README, the changelog, every docs page and every notebook's prose."""
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+    texts = [(str(page.relative_to(ROOT)), page.read_text(encoding="utf-8")) for page in pages]
+    for notebook in NOTEBOOKS:
+        prose = [text_of(c["source"]) for c in cells(notebook) if c["cell_type"] == "markdown"]
+        texts.append((str(notebook.relative_to(ROOT)), "\n".join(prose)))
+    return texts
+
+
+def test_every_file_a_page_names_exists():
+    """A design document, a module, a benchmark's JSON: what the prose names is in the repository
+    (the project's design document is docs/architecture.md, not one outside it)."""
+    top_level = {entry.name for entry in ROOT.iterdir()}
+    missing = [
+        f"{where}: {name}"
+        for where, text in page_texts()
+        for name in sorted(named_paths(text, top_level))
+        if not any(ROOT.glob(name))
+    ]
+    assert not missing, "\n".join(missing)
+
+
+def test_named_paths_reads_repository_paths_only():
+    text = "`DESIGN.md`, `minipaged/mlfq.py`, `results/*.json`, `other/x.py`, `config.json`"
+    assert named_paths(text, {"minipaged", "results"}) == {
+        "DESIGN.md",
+        "minipaged/mlfq.py",
+        "results/*.json",
+    }
 
 
 # -- the notebooks --------------------------------------------------------------------------------

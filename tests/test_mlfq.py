@@ -204,6 +204,33 @@ def test_one_iteration_longer_than_several_quanta_demotes_several_levels(
     assert level_of(skip_join, same) == expected_level  # the level skip-join gives it up front
 
 
+def test_skip_join_runs_short_jobs_before_a_long_prefill_that_naive_mlfq_runs_first():
+    """Notebook 07's toy, by hand: one job per step, a step of 1 ms plus 0.25 ms per prompt
+    token, quanta 2, 4, 8, 16 ms. Skip-join puts the 40-token prompt (an 11 ms prefill) in Q4:
+    the short jobs' prefills (2 ms, Q1) run first, job 1 then uses Q2's 4 ms and finishes in
+    Q3, and the long job runs last (13-26). Naive MLFQ runs the long prefill first (0-11) and
+    demotes that job straight to Q4, where skip-join put it; the rest follows 11 ms later."""
+    cost = CostModel(
+        base=1 * MS, per_prefill_token=0.25 * MS, per_decode_seq=0.0, per_context_token=0.0
+    )
+    for skip_join, levels, finish_ms in [
+        (True, [3, 0, 0, 0], [26, 13, 11, 12]),
+        (False, [0, 0, 0, 0], [26, 24, 22, 23]),
+    ]:
+        mlfq = MLFQConfig(
+            num_levels=4, base_quantum=2 * MS, starvation_bound=None, skip_join=skip_join
+        )
+        scheduler = make_scheduler(mlfq, cost=cost, max_num_seqs=1, enable_chunked_prefill=False)
+        jobs = [make_group(40, 3), make_group(4, 6), make_group(4, 2), make_group(4, 2)]
+        for job in jobs:
+            scheduler.add(job)
+        assert [level_of(scheduler, job) for job in jobs] == levels
+        driver = Driver(scheduler, cost)
+        driver.run()
+        last = {g.request_id: end for _, end, out in driver.steps for g in scheduled_groups(out)}
+        assert [last[job.request_id] / MS for job in jobs] == finish_ms, skip_join
+
+
 def test_a_starving_job_is_promoted_to_the_front_of_q1():
     bound = 30 * MS
     mlfq = MLFQConfig(base_quantum=2 * MS, starvation_bound=bound, num_levels=4)
