@@ -1,6 +1,8 @@
-"""Paged decode (the PyTorch reference) vs dense SDPA decode on CPU, on the same contexts.
+"""Paged decode (the PyTorch reference and its CPU arrangement) vs dense SDPA decode on CPU.
 
     .venv/bin/python benchmarks/attention_cpu.py            # batch 32, contexts 128/512/1024
+    .venv/bin/python benchmarks/attention_cpu.py --dtype bfloat16 --layers 30 \
+        --out benchmarks/results/attention_cpu_bf16_30_layers.json
     .venv/bin/python benchmarks/attention_cpu.py --contexts 512 --repeats 200
     .venv/bin/python benchmarks/attention_cpu.py --layers 30 \
         --out benchmarks/results/attention_cpu_30_layers.json
@@ -10,8 +12,14 @@ the bundled model's head shapes (SmolLM2-135M: 9 query heads, 3 KV heads, head d
 baseline keeps each sequence's K/V contiguous (`[B, H_kv, L, D]`, what a reserve-max cache
 holds) and calls `torch.nn.functional.scaled_dot_product_attention` with GQA. The paged side
 stores the same K/V in shuffled blocks of a paged cache and calls
-`minipaged.attention.paged_attention`. The ratio paged / dense is the price of reading K/V through
+`minipaged.attention.paged_attention` (the reference, in float32) and
+`minipaged.attention_cpu.cpu_paged_attention` (the same plan and gather in the cache's dtype, query
+heads packed onto their KV head). The ratio paged / dense is the price of reading K/V through
 block tables in plain PyTorch (the paper's CUDA kernel paid 20-26%, Kwon et al. section 7.1).
+`--dtype` sets the dtype of the cache, the queries and the dense side. `--compiled` adds an
+attention that reads the blocks in place, never copying them out: the decode written as indexed
+loads, a softmax and two reductions, compiled by `torch.compile` (Inductor's C++ backend) with
+dynamic shapes -- the candidate the CPU path was measured against.
 
 With `--layers N` each timed step attends N layers, each with its own K/V, as a decode step of
 the model does: then no layer's K/V is still in the CPU's cache when it is read again, on either
@@ -34,21 +42,26 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from machine import report_header, save_report
+from roofline import cpu_features
 from tqdm import tqdm
 
 from minipaged.attention import gather_context, paged_attention, plan_attention
+from minipaged.attention_cpu import cpu_paged_attention
+from minipaged.engine_config import DTYPES
+from minipaged.paged_examples import tolerance
 
 # SmolLM2-135M-Instruct's attention shape.
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 RESULTS = Path(__file__).parent / "results" / "attention_cpu.json"
 
 
-def make_inputs(batch: int, context: int, block_size: int, seed: int = 0) -> dict:
+def make_inputs(batch: int, context: int, block_size: int, seed: int = 0,
+                dtype: torch.dtype = torch.float32) -> dict:
     """Contiguous K/V for the dense side and the same K/V scattered into shuffled blocks."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen)
-    k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, generator=gen)
-    v = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, generator=gen)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, generator=gen).to(dtype)
 
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq + 8  # a few spare blocks, as in a real pool
@@ -57,7 +70,7 @@ def make_inputs(batch: int, context: int, block_size: int, seed: int = 0) -> dic
     padded = blocks_per_seq * block_size
 
     def to_cache(x: torch.Tensor) -> torch.Tensor:
-        cache = torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+        cache = torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
         x = F.pad(x.transpose(1, 2), (0, 0, 0, 0, 0, padded - context))  # [B, L_pad, H_kv, D]
         cache[block_tables.long()] = x.reshape(batch, blocks_per_seq, block_size, NUM_KV_HEADS,
                                                HEAD_DIM)
@@ -78,12 +91,30 @@ def dense_decode(x: dict) -> torch.Tensor:
     return out[:, :, 0]
 
 
-def paged_decode(x: dict, validate: bool) -> torch.Tensor:
-    return paged_attention(
+def paged_decode(x: dict, validate: bool, fn=paged_attention) -> torch.Tensor:
+    return fn(
         x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"],
         x["query_start_loc"], x["scale"],
         max_query_len=1, max_seq_len=int(x["seq_lens"].max()), validate=validate,
     )
+
+
+def in_place_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Decode attention reading K/V through the block table in place (for `torch.compile`,
+    which fuses the indexed loads into the reductions instead of materialising a gather)."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    pos = torch.arange(block_tables.shape[1] * block_size, device=q.device)
+    blocks, offsets = block_tables[:, pos // block_size].long(), pos % block_size
+    keys = k_cache[blocks, offsets].permute(0, 2, 1, 3)  # [B, H_kv, L, D]: fused, not copied
+    values = v_cache[blocks, offsets].permute(0, 2, 1, 3)
+    grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+    scores = (grouped[:, :, :, None, :] * keys[:, :, None].float()).sum(-1) * scale
+    scores = scores.masked_fill((pos[None] >= seq_lens[:, None])[:, None, None, :], float("-inf"))
+    out = (scores.softmax(-1)[..., None] * values[:, :, None].float()).sum(-2)
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
 def gather_only(x: dict) -> None:
@@ -94,11 +125,15 @@ def gather_only(x: dict) -> None:
         gather_context(x["k_cache"], x["v_cache"], chunk)
 
 
-def bench(batch: int, context: int, block_size: int, repeats: int, layers: int) -> dict:
+def bench(batch: int, context: int, block_size: int, repeats: int, layers: int,
+          dtype: torch.dtype = torch.float32, compiled=None) -> dict:
     """Times of one decode step's attention over `layers` layers, each with its own K/V."""
-    xs = [make_inputs(batch, context, block_size, seed=layer) for layer in range(layers)]
+    xs = [make_inputs(batch, context, block_size, layer, dtype) for layer in range(layers)]
     for x in xs:
-        torch.testing.assert_close(paged_decode(x, True), dense_decode(x), rtol=1e-5, atol=1e-5)
+        expected = dense_decode({**x, **{n: x[n].float() for n in ("q", "k", "v")}})
+        for fn in (paged_attention, cpu_paged_attention):
+            torch.testing.assert_close(paged_decode(x, True, fn).float(), expected,
+                                       **tolerance(dtype))
 
     def every_layer(fn: Callable[[dict], object]) -> Callable[[], None]:
         def step() -> None:
@@ -112,7 +147,16 @@ def bench(batch: int, context: int, block_size: int, repeats: int, layers: int) 
         "paged": every_layer(lambda x: paged_decode(x, False)),
         "paged_validated": every_layer(lambda x: paged_decode(x, True)),
         "gather": every_layer(gather_only),
+        "cpu": every_layer(lambda x: paged_decode(x, False, cpu_paged_attention)),
     }
+    if compiled is not None:
+        def run_compiled(x: dict) -> torch.Tensor:
+            return compiled(x["q"], x["k_cache"], x["v_cache"], x["block_tables"],
+                            x["seq_lens"], x["scale"])
+
+        torch.testing.assert_close(run_compiled(xs[0]).float(), dense_decode(
+            {**xs[0], **{n: xs[0][n].float() for n in ("q", "k", "v")}}), **tolerance(dtype))
+        fns["compiled_in_place"] = every_layer(run_compiled)
     for fn in fns.values():  # warm up
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -131,11 +175,15 @@ def bench(batch: int, context: int, block_size: int, repeats: int, layers: int) 
     ratio_validated = statistics.median(
         p / d for p, d in zip(times["paged_validated"], times["dense"], strict=True)
     )
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 4
+    ratio_cpu = statistics.median(c / p for c, p in zip(times["cpu"], times["paged"],
+                                                         strict=True))
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
     return {
         "batch": batch, "context": context, "block_size": block_size, "layers": layers,
         "dense_ms": ms["dense"], "paged_ms": ms["paged"],
         "paged_validated_ms": ms["paged_validated"], "gather_ms": ms["gather"],
+        "cpu_ms": ms["cpu"], "ratio_cpu_over_paged": ratio_cpu,
+        **({"compiled_in_place_ms": ms["compiled_in_place"]} if compiled is not None else {}),
         "ratio_paged_over_dense": ratio, "ratio_validated_over_dense": ratio_validated,
         "dense_min_ms": min(times["dense"]) * 1e3, "paged_min_ms": min(times["paged"]) * 1e3,
         "kv_megabytes": kv_bytes / 1e6,
@@ -155,31 +203,41 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice); 1 is steadier on a "
                              "machine shared with other jobs")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time the in-place attention compiled by torch.compile")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    rows = [bench(args.batch, c, args.block_size, args.repeats, args.layers)
-            for c in args.contexts]
+    dtype = DTYPES[args.dtype]
+    compiled = torch.compile(in_place_decode, dynamic=True) if args.compiled else None
+    with torch.inference_mode():
+        rows = [bench(args.batch, c, args.block_size, args.repeats, args.layers, dtype, compiled)
+                for c in args.contexts]
     print(f"\npaged decode (torch reference) vs dense SDPA decode, batch {args.batch}, "
           f"{NUM_HEADS} heads / {NUM_KV_HEADS} KV heads / dim {HEAD_DIM}, "
-          f"block size {args.block_size}, {torch.get_num_threads()} threads, float32, "
+          f"block size {args.block_size}, {torch.get_num_threads()} threads, {args.dtype}, "
           f"{args.layers} layer(s) per step, ms per layer")
     header = (f"{'context':>8} {'KV MB':>7} {'dense ms':>9} {'paged ms':>9} {'paged/dense':>12} "
-              f"{'of which gather':>16} {'validated ms':>13} {'validated/dense':>16}")
+              f"{'of which gather':>16} {'validated ms':>13} {'validated/dense':>16} "
+              f"{'cpu ms':>7} {'cpu/paged':>10}")
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['context']:>8} {r['kv_megabytes']:>7.1f} {r['dense_ms']:>9.3f} "
               f"{r['paged_ms']:>9.3f} {r['ratio_paged_over_dense']:>11.2f}x "
               f"{r['gather_ms']:>13.3f} ms "
-              f"{r['paged_validated_ms']:>13.3f} {r['ratio_validated_over_dense']:>15.2f}x")
+              f"{r['paged_validated_ms']:>13.3f} {r['ratio_validated_over_dense']:>15.2f}x "
+              f"{r['cpu_ms']:>7.3f} {r['ratio_cpu_over_paged']:>9.2f}x"
+              + (f"  compiled in place {r['compiled_in_place_ms']:.3f} ms"
+                 if "compiled_in_place_ms" in r else ""))
 
     result = {
-        **report_header(),
+        **report_header(**cpu_features()),
         "shapes": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-                   "dtype": "float32"},
+                   "dtype": args.dtype},
         "method": "this thread's CPU time per layer, medians over alternating calls; "
                   "ratio = median of per-pair ratios",
         "results": rows,

@@ -1,4 +1,4 @@
-"""The model's projections on CPU: `F.linear` (MKL's GEMM) vs `model_layers.linear` (oneDNN).
+"""The model's projections on CPU: `F.linear` (MKL's GEMM) vs `model_layers.linear` (its choice).
 
 A step of the bundled SmolLM2-135M multiplies the step's rows by every weight matrix once: 30
 layers of q/k/v/o and gate/up/down projections, then the 49152-token output head. Weights (540 MB
@@ -10,8 +10,8 @@ median of `--repeats` passes. The outputs of the two paths are checked equal up 
 
 A second table times one weight shape at a time, from a tiny test model's 128 x 64 to SmolLM2's
 1536 x 576 (30 MB of copies of each, so that every call reads from memory), calling oneDNN's op
-directly: it shows where oneDNN's fixed cost per call stops paying, which is where `linear`
-switches (`ONEDNN_MIN_WEIGHT_ELEMENTS`).
+directly: it shows where oneDNN's fixed cost per call stops paying, next to the choice `linear`
+makes for that shape on this machine (`onednn_is_faster`, timed at start-up).
 
 Run: .venv/bin/python benchmarks/linear_cpu.py --threads 1     (~1-2 minutes)
 Writes benchmarks/results/linear_cpu.json.
@@ -31,8 +31,8 @@ from machine import report_header, save_report
 
 from minipaged.model_layers import (
     ONEDNN_AVAILABLE,
-    ONEDNN_MIN_WEIGHT_ELEMENTS,
     linear,
+    onednn_is_faster,
     onednn_linear,
 )
 
@@ -65,7 +65,7 @@ def per_shape(repeats: int) -> list[dict]:
     for out, inp in SINGLE_SHAPES:
         copies = [torch.randn(out, inp) for _ in range(max(1, COPIES_BYTES // (4 * out * inp)))]
         row: dict = {"weight": [out, inp], "elements": out * inp,
-                     "linear_uses_onednn": out * inp >= ONEDNN_MIN_WEIGHT_ELEMENTS}
+                     "linear_uses_onednn": onednn_is_faster(out, inp, torch.float32)}
         for n in SINGLE_ROWS:
             x = torch.randn(n, inp)
             us = {
@@ -149,10 +149,10 @@ def main() -> None:
         "benchmark": "linear_cpu",
         "what": "milliseconds for one pass over 30 SmolLM2-135M layers' projections (distinct "
                 "random float32 weights, streamed from memory as in a real step) and for the "
-                "output head, F.linear (MKL) vs model_layers.linear (oneDNN), thread CPU time",
+                "output head, F.linear (MKL) vs model_layers.linear (oneDNN where it measured "
+                "faster), thread CPU time",
         **report_header(),
         "repeats": args.repeats,
-        "onednn_min_weight_elements": ONEDNN_MIN_WEIGHT_ELEMENTS,
         "results": rows,
         "per_shape": shapes,
     }

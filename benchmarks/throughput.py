@@ -1,4 +1,4 @@
-"""Offline throughput: minipaged's engine vs `transformers` `generate` with static batches.
+"""Offline throughput: minipaged's engine vs `transformers`, and every step against its roofline.
 
 Shaped like vLLM's `benchmarks/benchmark_throughput.py`: every request is handed to the engine at
 once and the clock stops when the last one finishes; requests/s and tokens/s are reported.
@@ -8,21 +8,29 @@ once and the clock stops when the last one finishes; requests/s and tokens/s are
   16-512 tokens, outputs halved and clipped to 16-256, generated with `ignore_eos` so each
   request produces exactly its output length. Prompts are random token ids (the model does not
   care what they say, only how long they are).
-* Baseline: `transformers` (the reference implementation, loading the same GGUF) with static
-  batching, the way one would batch `generate` by hand: requests in order, `B` at a time,
-  left-padded, each batch running until its longest output is done. It is run at every batch
-  size of `--hf-batch-sizes`; the best is the baseline. Only requested tokens count.
-* Correctness: both are greedy; the token ids of every request are compared. Where they differ,
-  the dense model's logits at the first differing position show whether it is a near-tie
-  (float32 sums taken in another order can flip a choice between two almost equal logits).
-* Engine anatomy, from the same run (the engine's step records, `LLMEngine.add_step_observer`):
-  the share of step time spent in the scheduler and the KV bookkeeping (`schedule`,
-  `mark_computed`, `finish_step`), and the model FLOP rate of decode steps next to this
-  machine's `torch.matmul` rate (2048 x 2048, float32) measured alongside.
+* minipaged, once per attention backend of `--attention-backends` ("torch": the readable
+  reference; "cpu": its CPU arrangement, the engine's default on a CPU), in `--dtype`.
+* Peers, `transformers` (the reference implementation, loading the same GGUF) in the same dtype:
+  its *continuous batching* (`init_continuous_batching`, paged attention, at each
+  `--cb-max-batch-tokens`; the best is the peer), and *static batching* with `generate`, the way
+  one would batch by hand: requests in order, `B` at a time (`--hf-batch-sizes`), left-padded,
+  each batch running until its longest output is done. Only requested tokens count.
+* Correctness: all are greedy; the token ids of every request are compared with transformers'
+  static batches. Where they differ, the engine's model's logits at the first differing position
+  show whether it is a near-tie (sums taken in another order can flip a choice between two almost
+  equal logits).
+* The roofline, measured in the same run (`roofline.py`): `linear`'s GEMM rate in this dtype at
+  the row counts steps use and the memory bandwidth of a large copy; for every decode and mixed
+  step, its time next to its floor (matrix FLOPs at that rate + weight and K/V bytes at that
+  bandwidth) and the ratio. The CPU model and its AMX / AVX-512 flags are in the JSON.
+* Engine anatomy, from the same run (`LLMEngine.add_step_observer`): the share of step time spent
+  in the scheduler and the KV bookkeeping (`schedule`, `mark_computed`, `finish_step`).
 
-Run: .venv/bin/python benchmarks/throughput.py           (full: several minutes on 2 CPU cores)
-     .venv/bin/python benchmarks/throughput.py --quick   (a small run, about a minute)
-Writes benchmarks/results/throughput.json (or throughput_quick.json).
+Run: .venv/bin/python benchmarks/throughput.py             (float32; ~20 minutes on a busy CPU)
+     .venv/bin/python benchmarks/throughput.py --dtype bfloat16
+     .venv/bin/python benchmarks/throughput.py --quick     (a small run, a few minutes)
+Writes benchmarks/results/throughput.json (bfloat16: throughput_bfloat16.json; --quick:
+throughput_quick.json).
 """
 
 from __future__ import annotations
@@ -36,12 +44,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from machine import report_header, save_report
+from roofline import Roofline, StepShape, cpu_features, measure, step_floor
 from tqdm import tqdm
 
 from minipaged.checkpoint import default_model_path
-from minipaged.config import ModelConfig
 from minipaged.dense import DenseAttentionBackend, DenseKVCache
 from minipaged.engine import LLMEngine
+from minipaged.engine_config import DTYPES
 from minipaged.sampling import SamplingParams
 from minipaged.step import StepRecord
 from minipaged.traces import sharegpt_like
@@ -85,7 +94,10 @@ class StepLog:
     execute_s: list[float] = field(default_factory=list)  # runner: swaps, batch, forward
     tokens: list[int] = field(default_factory=list)  # tokens computed in the step
     decode_only: list[bool] = field(default_factory=list)
-    context_tokens: list[int] = field(default_factory=list)  # sum of seq_lens (attention FLOPs)
+    num_seqs: list[int] = field(default_factory=list)
+    logits_rows: list[int] = field(default_factory=list)  # sequences that sampled
+    context_tokens: list[int] = field(default_factory=list)  # sum of seq_lens: K/V read
+    attended_pairs: list[int] = field(default_factory=list)  # (query, key) pairs scored
 
     def __call__(self, record: StepRecord) -> None:
         timings = record.timings
@@ -96,13 +108,26 @@ class StepLog:
         work = record.scheduled
         self.tokens.append(record.num_batched_tokens)
         self.decode_only.append(bool(work) and all(w.num_new_tokens == 1 for w in work))
+        self.num_seqs.append(len(work))
+        self.logits_rows.append(sum(w.samples for w in work))
         self.context_tokens.append(sum(w.start + w.num_new_tokens for w in work))
+        self.attended_pairs.append(sum(  # query r of a chunk sees start + r + 1 keys
+            w.num_new_tokens * w.start + w.num_new_tokens * (w.num_new_tokens + 1) // 2
+            for w in work))
+
+    def shape(self, i: int) -> StepShape:
+        return StepShape(self.tokens[i], self.logits_rows[i], self.context_tokens[i],
+                         self.attended_pairs[i])
 
 
 def run_minipaged(
     engine: LLMEngine, requests: list[Request], log: StepLog
 ) -> tuple[float, list[list[int]]]:
-    """All requests at once, stepped to completion (vLLM's offline throughput set-up)."""
+    """All requests at once, stepped to completion (vLLM's offline throughput set-up), after one
+    small untimed request (first calls: the GEMM choice of each weight shape, oneDNN's packing)."""
+    engine.add_request(None, requests[0].prompt[:8], SamplingParams(temperature=0.0, max_tokens=2,
+                                                                     ignore_eos=True))
+    engine.run_until_done()
     engine.add_step_observer(log)
     start = time.perf_counter()
     ids = [
@@ -143,6 +168,41 @@ def run_transformers(hf_model, requests: list[Request], batch_size: int, pad: in
     return time.perf_counter() - start, outputs
 
 
+# -- transformers, continuous batching ------------------------------------------------------------
+
+
+def run_transformers_cb(hf_model, requests: list[Request], max_batch_tokens: int,
+                        num_blocks: int):
+    """transformers' continuous batching (its paged attention and scheduler) over all requests at
+    once, `max_batch_tokens` per step; returns (seconds, each request's tokens)."""
+    from transformers.generation import ContinuousBatchingConfig, GenerationConfig
+
+    manager = hf_model.init_continuous_batching(
+        generation_config=GenerationConfig(
+            do_sample=False, eos_token_id=-1,  # -1: never stop early, like ignore_eos
+            max_new_tokens=max(r.output_len for r in requests)),
+        continuous_batching_config=ContinuousBatchingConfig(
+            num_blocks=num_blocks, max_batch_tokens=max_batch_tokens, use_cuda_graph=False,
+            use_async_batching=False),
+    )
+    manager.start()
+    try:
+        start = time.perf_counter()
+        ids = [manager.add_request(r.prompt, request_id=f"r{i}", max_new_tokens=r.output_len,
+                                   eos_token_id=-1) for i, r in enumerate(requests)]
+        done: dict[str, list[int]] = {}
+        with tqdm(total=len(ids), desc=f"transformers CB {max_batch_tokens}", leave=False) as bar:
+            while len(done) < len(ids):
+                result = manager.get_result(timeout=60)
+                if result is not None and result.is_finished():
+                    done[result.request_id] = list(result.generated_tokens)
+                    bar.update()
+        seconds = time.perf_counter() - start
+    finally:
+        manager.stop(block=True)
+    return seconds, [done[i] for i in ids]
+
+
 # -- checks and machine numbers -------------------------------------------------------------------
 
 
@@ -162,30 +222,52 @@ def logit_gap(model, context: list[int], a: int, b: int) -> float:
     return abs(float(logits[a] - logits[b]))
 
 
-def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """This machine's float32 `torch.matmul` rate (best of `repeats`)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.matmul(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best / 1e9
+def token_differences(model, requests: list[Request], ours: list[list[int]],
+                      theirs: list[list[int]]) -> list[dict]:
+    """Where `ours` and `theirs` first differ, per request, and the logit gap there."""
+    differences = []
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        at = first_difference(a, b)
+        if at is not None:
+            gap = logit_gap(model, requests[i].prompt + a[:at], a[at], b[at])
+            differences.append({"request": i, "position": at, "logit_gap": round(gap, 6)})
+    return differences
 
 
-def linear_flops_per_token(config: ModelConfig) -> int:
-    """Multiply-adds x 2 of every weight matrix a token goes through (the layers and the head)."""
-    h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
-    q = config.num_heads * config.head_dim
-    attention = h * q + 2 * h * kv + q * h
-    mlp = 3 * h * config.intermediate_size  # gate, up, down (SwiGLU)
-    return 2 * (config.num_layers * (attention + mlp) + h * config.vocab_size)
+def roofline_summary(config, roof: Roofline, log: StepLog, element_size: int) -> dict:
+    """Every decode and mixed step's time next to its floor, and the medians by kind."""
+    steps, by_kind = [], {"decode_32_plus": [], "decode": [], "mixed": []}
+    for i in range(len(log.step_s)):
+        floor = step_floor(config, roof, log.shape(i), element_size)
+        kind = "decode" if log.decode_only[i] else "mixed"
+        ratio = log.step_s[i] / floor["floor_s"]
+        steps.append([kind, log.num_seqs[i], log.tokens[i], log.context_tokens[i],
+                      round(log.step_s[i] * 1e3, 2), round(floor["floor_s"] * 1e3, 2),
+                      round(ratio, 3)])
+        by_kind[kind].append((log.step_s[i], floor, log.execute_s[i]))
+        if kind == "decode" and log.num_seqs[i] >= 32:
+            by_kind["decode_32_plus"].append((log.step_s[i], floor, log.execute_s[i]))
 
+    def summary(rows: list) -> dict:
+        if not rows:
+            return {"steps": 0}
+        return {
+            "steps": len(rows),
+            "median_step_ms": round(1e3 * float(np.median([r[0] for r in rows])), 2),
+            "median_floor_ms": round(1e3 * float(np.median([r[1]["floor_s"] for r in rows])), 2),
+            "median_ratio": round(float(np.median([r[0] / r[1]["floor_s"] for r in rows])), 3),
+            "median_ratio_runner_execute": round(
+                float(np.median([r[2] / r[1]["floor_s"] for r in rows])), 3),
+            "median_ratio_to_overlapped_floor": round(
+                float(np.median([r[0] / r[1]["overlapped_floor_s"] for r in rows])), 3),
+            "compute_share_of_floor": round(
+                sum(r[1]["compute_s"] for r in rows) / sum(r[1]["floor_s"] for r in rows), 3),
+        }
 
-def attention_flops(config: ModelConfig, context_tokens: int) -> int:
-    """QK^T and PV of one query over `context_tokens` keys, every head and layer."""
-    return 4 * context_tokens * config.num_heads * config.head_dim * config.num_layers
+    return {**{kind: summary(rows) for kind, rows in by_kind.items()},
+            "step_columns": ["kind", "seqs", "tokens", "context_tokens", "step_ms", "floor_ms",
+                             "ratio"],
+            "steps": steps}
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -193,30 +275,35 @@ def attention_flops(config: ModelConfig, context_tokens: int) -> int:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt-range", type=int, nargs=2, default=[16, 512])
     parser.add_argument("--output-range", type=int, nargs=2, default=[16, 256])
     parser.add_argument("--output-scale", type=float, default=0.5,
                         help="ShareGPT output lengths are multiplied by this before clipping")
-    parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--attention-backends", nargs="+", default=["torch", "cpu"])
+    parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[16])
+    parser.add_argument("--cb-max-batch-tokens", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--cb-num-blocks", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads for both systems; 1 (default) avoids OpenMP "
+                        help="torch CPU threads for every system; 1 (default) avoids OpenMP "
                              "stalls on a CPU shared with other work")
     parser.add_argument("--quick", action="store_true",
-                        help="16 requests, prompts 16-128, outputs 16-64, batch sizes 4 and 8")
+                        help="12 requests, prompts 16-128, outputs 16-64, batch size 4")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.quick:
-        args.num_requests = 16
+        args.num_requests = 12
         args.prompt_range, args.output_range = [16, 128], [16, 64]
-        args.hf_batch_sizes = [4, 8]
+        args.hf_batch_sizes = [4]
     if args.out is None:
-        args.out = RESULTS / ("throughput_quick.json" if args.quick else "throughput.json")
+        name = "throughput" + ("" if args.dtype == "float32" else f"_{args.dtype}")
+        args.out = RESULTS / (name + ("_quick" if args.quick else "") + ".json")
     return args
 
 
@@ -226,12 +313,17 @@ def main() -> None:
     load_before = os.getloadavg()
     import transformers  # the reference only; not a dependency of minipaged
 
+    dtype = DTYPES[args.dtype]
     path = default_model_path()
-    engine = LLMEngine.from_pretrained(
-        path, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        num_cpu_blocks=0,
-    )
+
+    def engine_with(backend: str) -> LLMEngine:
+        return LLMEngine.from_pretrained(
+            path, dtype=args.dtype, attention_backend=backend, block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, num_cpu_blocks=0,
+        )
+
+    engine = engine_with(args.attention_backends[0])
     config = engine.model_config
     requests = make_requests(args.num_requests, args.seed, tuple(args.prompt_range),
                              tuple(args.output_range), args.output_scale, config.vocab_size)
@@ -242,79 +334,107 @@ def main() -> None:
           f"{max(len(r.prompt) for r in requests)}, outputs "
           f"{min(r.output_len for r in requests)}-{max(r.output_len for r in requests)})")
 
-    peak = matmul_gflops()
-    log = StepLog()
-    mp_seconds, mp_tokens = run_minipaged(engine, requests, log)
-    assert [len(t) for t in mp_tokens] == [r.output_len for r in requests]
+    roofs = [measure(config, dtype)]
+    minipaged_runs: dict[str, dict] = {}
+    for backend in tqdm(args.attention_backends, desc="minipaged attention backends"):
+        if engine is None:
+            engine = engine_with(backend)
+        log = StepLog()
+        seconds, tokens = run_minipaged(engine, requests, log)
+        assert [len(t) for t in tokens] == [r.output_len for r in requests]
+        minipaged_runs[backend] = {"seconds": seconds, "tokens": tokens, "log": log,
+                                   "model": engine.runner.model, "engine": engine}
+        engine = None
 
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
+        path.parent, gguf_file=path.name, dtype=dtype
     ).eval()
     # `generate` fills an unset eos_token_id from the model's own generation config, and would
     # then pad a row after its EOS: clear it there too, so every row runs to its length.
     hf_model.generation_config.eos_token_id = None
-    hf_runs = {}
-    hf_tokens_at: dict[int, list[list[int]]] = {}
-    for batch_size in tqdm(args.hf_batch_sizes, desc="transformers batch sizes"):
-        seconds, tokens = run_transformers(hf_model, requests, batch_size, pad=0)
+    static_runs: dict[int, tuple[float, list[list[int]]]] = {}
+    for batch_size in tqdm(args.hf_batch_sizes, desc="transformers static batch sizes"):
+        static_runs[batch_size] = run_transformers(hf_model, requests, batch_size, pad=0)
+    cb_runs: dict[int, tuple[float, list[list[int]]]] = {}
+    for max_batch_tokens in tqdm(args.cb_max_batch_tokens, desc="transformers CB settings"):
+        cb_runs[max_batch_tokens] = run_transformers_cb(hf_model, requests, max_batch_tokens,
+                                                        args.cb_num_blocks)
+    for _, tokens in [*static_runs.values(), *cb_runs.values()]:
         assert [len(t) for t in tokens] == [r.output_len for r in requests]
-        hf_runs[batch_size], hf_tokens_at[batch_size] = seconds, tokens
-    peak = max(peak, matmul_gflops())  # measured before and after: the better of the two
-    best_batch = min(hf_runs, key=hf_runs.get)
-    hf_seconds = hf_runs[best_batch]
+    roofs.append(measure(config, dtype))  # before and after: the better of the two
+    roof = Roofline(roofs[0].dtype, roofs[0].rows,
+                    tuple(max(a, b) for a, b in zip(roofs[0].gemm_gflops, roofs[1].gemm_gflops,
+                                                    strict=True)),
+                    max(roofs[0].bandwidth_gbs, roofs[1].bandwidth_gbs))
 
-    # Same greedy tokens? Where not, how close were the two candidates?
-    differences = []
-    for i, (ours, theirs) in enumerate(zip(mp_tokens, hf_tokens_at[best_batch], strict=True)):
-        at = first_difference(ours, theirs)
-        if at is not None:
-            context = requests[i].prompt + ours[:at]
-            gap = logit_gap(engine.runner.model, context, ours[at], theirs[at])
-            differences.append({"request": i, "position": at, "logit_gap": round(gap, 6)})
-    identical = len(requests) - len(differences)
+    best_static = min(static_runs, key=lambda b: static_runs[b][0])
+    best_cb = min(cb_runs, key=lambda b: cb_runs[b][0])
+    static_tokens, cb_tokens = static_runs[best_static][1], cb_runs[best_cb][1]
+    cb_tps = output_tokens / cb_runs[best_cb][0]
+    static_tps = output_tokens / static_runs[best_static][0]
+    element_size = torch.tensor([], dtype=dtype).element_size()
 
-    # Anatomy of the engine's steps.
-    step_total = sum(log.step_s)
-    bookkeeping_share = sum(log.bookkeeping_s) / step_total
-    execute_share = sum(log.execute_s) / step_total
-    per_token = linear_flops_per_token(config)
-    decode = [i for i, d in enumerate(log.decode_only) if d]
-    decode_flops = sum(per_token * log.tokens[i] + attention_flops(config, log.context_tokens[i])
-                       for i in decode)
-    decode_step_s = sum(log.step_s[i] for i in decode)
-    decode_execute_s = sum(log.execute_s[i] for i in decode)
-    decode_gflops_step = decode_flops / decode_step_s / 1e9
-    decode_gflops_model = decode_flops / decode_execute_s / 1e9
+    results = {}
+    for backend, run in minipaged_runs.items():
+        log = run["log"]
+        step_total = sum(log.step_s)
+        differences = token_differences(run["model"], requests, run["tokens"], static_tokens)
+        tps = output_tokens / run["seconds"]
+        results[backend] = {
+            "seconds": round(run["seconds"], 2),
+            "output_tokens_per_s": round(tps, 2),
+            "requests_per_s": round(len(requests) / run["seconds"], 4),
+            "ratio_to_transformers_cb": round(tps / cb_tps, 3),
+            "ratio_to_transformers_static": round(tps / static_tps, 3),
+            "greedy_tokens_identical_to_static": f"{len(requests) - len(differences)}/"
+                                                 f"{len(requests)}",
+            "token_differences_to_static": differences,
+            "preemptions": run["engine"].scheduler.num_preemptions,
+            "step_anatomy": {
+                "steps": len(log.step_s),
+                "bookkeeping_share": round(sum(log.bookkeeping_s) / step_total, 5),
+                "runner_execute_share": round(sum(log.execute_s) / step_total, 4),
+                "decode_steps": sum(log.decode_only),
+            },
+            "roofline": roofline_summary(config, roof, log, element_size),
+        }
+    cb_differences = token_differences(minipaged_runs[args.attention_backends[-1]]["model"],
+                                       requests, cb_tokens, static_tokens)
 
-    mp_tps, hf_tps = output_tokens / mp_seconds, output_tokens / hf_seconds
-    rows = [("minipaged", mp_seconds, mp_tps)] + [
-        (f"transformers static B={b}", s, output_tokens / s) for b, s in hf_runs.items()
-    ]
-    print(f"\n{'system':<28} {'seconds':>8} {'req/s':>7} {'output tok/s':>13} "
-          f"{'total tok/s':>12}")
+    print(f"\n{'system':<34} {'seconds':>8} {'req/s':>7} {'output tok/s':>13}")
+    rows = [(f"minipaged, attention {b}", r["seconds"], r["output_tokens_per_s"])
+            for b, r in results.items()]
+    rows += [(f"transformers CB max_batch_tokens={m}", s, output_tokens / s)
+             for m, (s, _) in cb_runs.items()]
+    rows += [(f"transformers static B={b}", s, output_tokens / s)
+             for b, (s, _) in static_runs.items()]
     for name, seconds, tps in rows:
-        print(f"{name:<28} {seconds:>8.1f} {len(requests) / seconds:>7.3f} {tps:>13.1f} "
-              f"{(prompt_tokens + output_tokens) / seconds:>12.1f}")
-    print(f"\nratio (output tok/s, minipaged / best transformers B={best_batch}): "
-          f"{mp_tps / hf_tps:.2f}x")
-    print(f"greedy tokens identical for {identical}/{len(requests)} requests"
-          + (f"; first differences at logit gaps {[d['logit_gap'] for d in differences]}"
-             if differences else ""))
-    print(f"scheduler + KV bookkeeping: {100 * bookkeeping_share:.2f}% of step time "
-          f"(runner.execute {100 * execute_share:.1f}%, sampling and the rest "
-          f"{100 * (1 - bookkeeping_share - execute_share):.1f}%) over {len(log.step_s)} steps")
-    print(f"decode steps ({len(decode)}, mean batch {np.mean([log.tokens[i] for i in decode]):.1f}"
-          f"): {decode_gflops_step:.1f} GFLOP/s per step, {decode_gflops_model:.1f} GFLOP/s in "
-          f"the runner; torch.matmul 2048^2: {peak:.1f} GFLOP/s "
-          f"({100 * decode_gflops_step / peak:.0f}% / {100 * decode_gflops_model / peak:.0f}%)")
+        print(f"{name:<34} {seconds:>8.1f} {len(requests) / seconds:>7.3f} {tps:>13.1f}")
+    for backend, r in results.items():
+        d32 = r["roofline"]["decode_32_plus"]
+        print(f"{backend}: {r['ratio_to_transformers_cb']:.2f}x transformers CB, "
+              f"{r['ratio_to_transformers_static']:.2f}x static; tokens identical to static "
+              f"{r['greedy_tokens_identical_to_static']}"
+              + (f" (gaps {[d['logit_gap'] for d in r['token_differences_to_static']]})"
+                 if r["token_differences_to_static"] else "")
+              + f"; decode steps of >= 32 seqs: {d32.get('steps', 0)}, median "
+              f"{d32.get('median_step_ms')} ms vs floor {d32.get('median_floor_ms')} ms, "
+              f"ratio {d32.get('median_ratio')}")
+    print(f"transformers CB vs static tokens: {len(requests) - len(cb_differences)}/"
+          f"{len(requests)} identical")
+    print(f"roofline ({roof.dtype}): copy {roof.bandwidth_gbs} GB/s, GEMM GFLOP/s "
+          + ", ".join(f"{n}: {g}" for n, g in zip(roof.rows, roof.gemm_gflops, strict=True)))
 
     report = {
         "benchmark": "throughput",
         "what": "offline throughput (all requests at once), greedy, ignore_eos; minipaged's "
-                "engine vs transformers generate with static batches at its best batch size; "
-                "bundled SmolLM2-135M-Instruct float32 CPU",
+                "engine (per attention backend) vs transformers' continuous batching (best "
+                "max_batch_tokens) and static generate batches, same dtype; bundled "
+                f"SmolLM2-135M-Instruct {args.dtype} CPU; every step against the same-run "
+                "roofline",
         **report_header(transformers=transformers.__version__,
-                        load_average_1min_before=round(load_before[0], 2)),
+                        load_average_1min_before=round(load_before[0], 2), **cpu_features()),
+        "dtype": args.dtype,
         "workload": {
             "num_requests": len(requests),
             "prompt_tokens": prompt_tokens,
@@ -326,34 +446,27 @@ def main() -> None:
         },
         "engine": {
             "block_size": args.block_size,
-            "num_gpu_blocks": engine.kv_cache.num_blocks,
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
-            "preemptions": engine.scheduler.num_preemptions,
         },
-        "minipaged": {"seconds": round(mp_seconds, 2), "output_tokens_per_s": round(mp_tps, 2),
-                      "requests_per_s": round(len(requests) / mp_seconds, 4)},
+        "roofline": {**roof.__dict__, "runs": [r.__dict__ for r in roofs],
+                     "floor": "matrix FLOPs / GEMM rate at the step's rows + (weight + K/V "
+                              "bytes) / copy bandwidth; rates: the better of before and after"},
+        "minipaged": results,
+        "transformers_cb": {
+            str(m): {"seconds": round(s, 2), "output_tokens_per_s": round(output_tokens / s, 2)}
+            for m, (s, _) in cb_runs.items()
+        },
+        "transformers_cb_settings": {"num_blocks": args.cb_num_blocks, "use_cuda_graph": False,
+                                     "use_async_batching": False},
+        "best_transformers_cb_max_batch_tokens": best_cb,
+        "transformers_cb_tokens_identical_to_static": f"{len(requests) - len(cb_differences)}/"
+                                                      f"{len(requests)}",
         "transformers_static": {
             str(b): {"seconds": round(s, 2), "output_tokens_per_s": round(output_tokens / s, 2)}
-            for b, s in hf_runs.items()
+            for b, (s, _) in static_runs.items()
         },
-        "best_transformers_batch_size": best_batch,
-        "ratio_output_tokens_per_s": round(mp_tps / hf_tps, 3),
-        "greedy_tokens_identical": f"{identical}/{len(requests)}",
-        "token_differences": differences,
-        "step_anatomy": {
-            "steps": len(log.step_s),
-            "bookkeeping_share": round(bookkeeping_share, 5),
-            "runner_execute_share": round(execute_share, 4),
-            "decode_steps": len(decode),
-        },
-        "decode_flops": {
-            "gflop_per_token_linear": round(per_token / 1e9, 4),
-            "gflops_per_decode_step": round(decode_gflops_step, 2),
-            "gflops_in_runner_execute": round(decode_gflops_model, 2),
-            "matmul_2048_gflops": round(peak, 2),
-            "fraction_of_matmul": round(decode_gflops_step / peak, 3),
-        },
+        "best_transformers_static_batch_size": best_static,
     }
     save_report(args.out, report)
     print(f"wrote {args.out}")

@@ -7,7 +7,8 @@ engine runs on CPU:
 * `paged_attention`: causal attention with K/V read through block tables (Kwon et al., SOSP'23,
   section 4.1): gather a chunk of sequences' blocks, then one batched, masked attention;
 * `plan_attention` and `AttentionChunk`: how a batch is cut into those chunks, decided once per
-  step and shared by every layer; `gather_context`: one chunk's gather;
+  step and shared by every layer (`checked_plan`: the checks and the plan a call starts with);
+  `gather_context`: one chunk's gather;
 * `reshape_and_cache`: write the step's new K/V into their slots;
 * `copy_blocks`: the step's copy-on-write block copies (section 4.4), in every layer;
 * `swap_blocks`: move blocks between the device cache and a host pool (section 4.5).
@@ -176,18 +177,39 @@ def paged_attention(
     padding blocks) may hold anything, NaN included: they are zeroed after the gather and masked
     in the attention.
     """
-    if validate:
-        check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                   max_query_len=max_query_len, max_seq_len=max_seq_len)
-    if plan is None:
-        plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache)
-    elif validate and (covered := sum(chunk.tokens.numel() for chunk in plan)) != q.shape[0]:
-        raise ValueError(f"plan covers {covered} queries but q has {q.shape[0]}: it was made "
-                         "for other metadata")
+    plan = checked_plan(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                        max_query_len=max_query_len, max_seq_len=max_seq_len, validate=validate,
+                        plan=plan)
     out = torch.empty_like(q)
     for chunk in plan:
         out[chunk.tokens] = _attend_chunk(q[chunk.tokens], k_cache, v_cache, chunk, scale)
     return out
+
+
+def checked_plan(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    *,
+    max_query_len: int | None,
+    max_seq_len: int | None,
+    validate: bool,
+    plan: list[AttentionChunk] | None,
+) -> list[AttentionChunk]:
+    """What a chunked paged attention starts with: the contract's checks (unless `validate` is
+    False), then the step's `plan` (checked to cover every query) or a plan made now."""
+    if validate:
+        check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                   max_query_len=max_query_len, max_seq_len=max_seq_len)
+    if plan is None:
+        return plan_attention(block_tables, seq_lens, query_start_loc, k_cache)
+    if validate and (covered := sum(chunk.tokens.numel() for chunk in plan)) != q.shape[0]:
+        raise ValueError(f"plan covers {covered} queries but q has {q.shape[0]}: it was made "
+                         "for other metadata")
+    return plan
 
 
 def _attend_chunk(q: Tensor, k_cache: Tensor, v_cache: Tensor, chunk: AttentionChunk,
@@ -203,9 +225,9 @@ def _attend_chunk(q: Tensor, k_cache: Tensor, v_cache: Tensor, chunk: AttentionC
     return out.transpose(1, 2).reshape(num_tokens, num_heads, head_dim).to(q.dtype)
 
 
-def gather_context(k_cache: Tensor, v_cache: Tensor,
-                   chunk: AttentionChunk) -> tuple[Tensor, Tensor]:
-    """Keys and values `[B, L_pad, H_kv, D]` (float32) of a chunk's sequences: each sequence's
+def gather_context(k_cache: Tensor, v_cache: Tensor, chunk: AttentionChunk,
+                   dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """Keys and values `[B, L_pad, H_kv, D]` (in `dtype`) of a chunk's sequences: each sequence's
     tokens in order, as a contiguous cache would hold them, every slot past its end zeroed.
 
     A block is one contiguous run of memory, so the gather is one `index_select` of whole blocks
@@ -214,8 +236,8 @@ def gather_context(k_cache: Tensor, v_cache: Tensor,
     """
     numel = chunk.block_ids.numel() * k_cache[0].numel()
     buffer = _gather_buffer(2 * numel, k_cache.dtype, k_cache.device)
-    keys = _gather_blocks(k_cache, chunk.block_ids, buffer[:numel]).float()
-    values = _gather_blocks(v_cache, chunk.block_ids, buffer[numel:]).float()
+    keys = _gather_blocks(k_cache, chunk.block_ids, buffer[:numel]).to(dtype)
+    values = _gather_blocks(v_cache, chunk.block_ids, buffer[numel:]).to(dtype)
     if chunk.tail[0].numel():
         keys[chunk.tail] = 0.0
         values[chunk.tail] = 0.0

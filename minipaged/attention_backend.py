@@ -1,7 +1,8 @@
 """Attention backends for the model: choose one, allocate its KV caches, attend layer by layer.
 
-* `get_attention_ops`: the PyTorch reference (`minipaged.attention`) or the Triton kernels
-  (`minipaged.kernels`, imported only when chosen), as one `AttentionOps`;
+* `get_attention_ops`: the PyTorch reference (`minipaged.attention`), its CPU arrangement
+  (`minipaged.attention_cpu`) or the Triton kernels (`minipaged.kernels`, imported only when
+  chosen), as one `AttentionOps`;
 * `allocate_kv_caches`: one `[2, num_blocks, block_size, H_kv, D]` cache per layer;
 * `PagedAttentionBackend`: the model's `AttentionBackend` (`minipaged.model`) over those caches.
 """
@@ -16,8 +17,9 @@ from torch import Tensor
 
 from minipaged import attention
 from minipaged.attention_contract import AttentionMetadata, AttentionOps, check_layer_cache
+from minipaged.attention_cpu import CPU_OPS
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "cpu", "triton")
 
 TORCH_OPS = AttentionOps(
     name="torch",
@@ -32,17 +34,20 @@ TORCH_OPS = AttentionOps(
 def get_attention_ops(
     backend: str | None = None, device: str | torch.device | None = None
 ) -> AttentionOps:
-    """The paged-attention operations of `backend`: "torch" (`minipaged.attention`), "triton"
-    (`minipaged.kernels`, imported only now) or None / "auto": Triton on a CUDA device, torch
-    otherwise. `device` defaults to torch's default device.
+    """The paged-attention operations of `backend`: "torch" (the reference, `minipaged.attention`),
+    "cpu" (the reference arranged for a CPU, `minipaged.attention_cpu`), "triton"
+    (`minipaged.kernels`, imported only now) or None / "auto": Triton on a CUDA device, "cpu" on
+    a CPU, the reference elsewhere. `device` defaults to torch's default device.
 
-    Swapping is a plain copy between devices, so both backends share `attention.swap_blocks`.
+    Swapping is a plain copy between devices, so every backend shares `attention.swap_blocks`.
     """
     if backend is None or backend == "auto":
         device = torch.device(device) if device is not None else torch.get_default_device()
-        backend = "triton" if device.type == "cuda" else "torch"
+        backend = {"cuda": "triton", "cpu": "cpu"}.get(device.type, "torch")
     if backend == "torch":
         return TORCH_OPS
+    if backend == "cpu":
+        return CPU_OPS
     if backend == "triton":
         kernels = importlib.import_module("minipaged.kernels")
         return AttentionOps(

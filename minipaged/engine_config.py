@@ -1,11 +1,20 @@
 """`EngineConfig`: everything an engine is built from besides the model, checked at once.
 
 `SCHEDULERS` names the schedulers `EngineConfig.scheduler` may choose ("fcfs", "mlfq" and the
-MLFQ ablations); `DTYPES` the model dtypes. The engine itself is `minipaged.engine`.
+MLFQ ablations); `DTYPES` the model dtypes, which `DTYPE_CHOICES` extends by "auto" (bfloat16
+where the device multiplies it natively, `native_bfloat16`; float32 elsewhere). The engine itself
+is `minipaged.engine`.
+
+The default is exact float32. What bfloat16 changes: weights, activations and the KV cache are
+stored with an 8-bit mantissa (about 3 significant digits), so logits move by about 1e-2 and a
+greedy choice between two tokens whose logits are that close can flip; from there on the
+continuations differ. The norms, the softmax of the attention and the logits are still computed
+in float32 (docs/benchmarks.md, "CPU performance", measures the speed and the token agreement).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +25,34 @@ from minipaged.mlfq import MLFQConfig
 from minipaged.scheduler_registry import SCHEDULERS, needs_cost_model
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = (*DTYPES, "auto")
+
+
+# The x86 CPU flags (Linux's /proc/cpuinfo names) of instructions that multiply bfloat16.
+BFLOAT16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
+
+
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether `device` multiplies bfloat16 in hardware: a CUDA GPU that supports it, or a CPU
+    with AMX-BF16 or AVX-512 BF16 (elsewhere bfloat16 is emulated and slower than float32). The
+    CPU's flags are read from /proc/cpuinfo; without one (not Linux) the answer is no."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and bool(cpu_flags() & BFLOAT16_CPU_FLAGS)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
 
 # -- configuration --------------------------------------------------------------------------------
 
@@ -28,7 +65,7 @@ class EngineConfig:
     blocks (`KVCacheManager`'s `num_blocks` and `num_host_blocks`).
     """
 
-    dtype: str = "float32"
+    dtype: str = "float32"  # or "bfloat16", "float16", "auto" (bfloat16 where native)
     device: str | None = None  # None: "cuda" when available, else "cpu"
     block_size: int = 16
     num_gpu_blocks: int | None = None  # None: from kv_cache_memory / gpu_memory_utilization
@@ -49,7 +86,7 @@ class EngineConfig:
     cost_model: CostModel | None = None
     cost_model_file: str | Path | None = None
     preemption_mode: str | None = None  # None: recompute single sequences, swap groups
-    attention_backend: str | None = None  # None: Triton on CUDA, PyTorch elsewhere
+    attention_backend: str | None = None  # None: Triton on CUDA, "cpu" on a CPU
     seed: int = 0  # the engine's generator, for requests without a seed of their own
     # Tensor parallelism: ranks (worker processes) the model is split over, and how long a
     # collective waits for a rank before the run is declared dead (`minipaged.parallel_runner`).
@@ -57,8 +94,8 @@ class EngineConfig:
     tensor_parallel_timeout: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.scheduler not in SCHEDULERS:
             raise ValueError(
                 f"scheduler must be one of {sorted(SCHEDULERS)}, got {self.scheduler!r}"
@@ -103,6 +140,9 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The model's dtype; "auto" resolved for `torch_device`."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if native_bfloat16(self.torch_device) else torch.float32
         return DTYPES[self.dtype]
 
     @property

@@ -6,13 +6,15 @@ Nothing in a model knows where past keys and values live: each layer hands its n
 and values to an `AttentionBackend`, which owns the KV cache (the dense oracle's in
 `minipaged.dense`, the paged one in `minipaged.attention`, Kwon et al., SOSP'23, section 4.1).
 
-The blocks: `Linear` (every projection, on oneDNN's matmul where that pays), `RMSNorm`, and
+The blocks: `Linear` (every projection, on the GEMM that is faster on this CPU), `RMSNorm`, and
 rotary position embeddings (`RotaryEmbedding`, `apply_rotary`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import time
 from typing import Protocol
 
 import torch
@@ -92,20 +94,24 @@ def check_flat_batch(config: ModelConfig, input_ids: Tensor, positions: Tensor) 
 ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_linear_pointwise"
 )
-# oneDNN's fixed cost per call is higher than MKL's: below 2^16 weights (256 x 256) it outweighs
-# what oneDNN saves at decode row counts (`benchmarks/linear_cpu.py` times each shape).
-ONEDNN_MIN_WEIGHT_ELEMENTS = 1 << 16
+# The row counts `onednn_is_faster` times both GEMMs at: a small decode step and a large one.
+GEMM_PROBE_ROWS = (1, 16)
+# The weight copies each probe streams through: more than a server CPU's last-level cache.
+GEMM_PROBE_BYTES = 48 << 20
+# How much faster oneDNN must measure to be chosen over `F.linear`, PyTorch's default.
+ONEDNN_MARGIN = 0.1
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`x @ weight.T + bias`, as `F.linear`; in float32 on CPU, through oneDNN's matmul.
+    """`x @ weight.T + bias`, as `F.linear`, on whichever of PyTorch's two CPU GEMMs is faster.
 
-    PyTorch's CPU build sends `F.linear` to MKL's GEMM, which on some CPUs is slow at the few
-    rows of a decode step and at odd row counts; oneDNN, the other GEMM inside PyTorch, is not
-    (`benchmarks/linear_cpu.py` measures both on the machine at hand). Small weights (tiny test
-    models) stay with `F.linear`: oneDNN's fixed cost per call outweighs its gain. The sums are
-    the same, in another order: outputs differ from `F.linear` by float rounding. The oneDNN op
-    has no backward, so anything that needs gradients takes `F.linear`.
+    PyTorch's CPU build sends `F.linear` to MKL's GEMM (oneDNN's for bfloat16 where the CPU has
+    it); oneDNN's own linear op is the other. Which is faster depends on the CPU (MKL is slow at
+    the few rows of a decode step on some, not on others) and on the weight's shape, so
+    `onednn_is_faster` times both on this machine, once per weight shape and dtype
+    (`benchmarks/linear_cpu.py` compares them at every row count). The sums are the same, in
+    another order: outputs differ from `F.linear` by float rounding. The oneDNN op has no
+    backward, so anything that needs gradients takes `F.linear`.
     """
     if uses_onednn(x, weight):
         return onednn_linear(x, weight, bias)
@@ -121,11 +127,44 @@ def uses_onednn(x: Tensor, weight: Tensor) -> bool:
     """Whether `linear(x, weight)` runs on oneDNN (see `linear`)."""
     return (
         ONEDNN_AVAILABLE
-        and weight.numel() >= ONEDNN_MIN_WEIGHT_ELEMENTS
         and x.device.type == "cpu"
-        and x.dtype == weight.dtype == torch.float32
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.float32, torch.bfloat16)
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and onednn_is_faster(weight.shape[0], weight.shape[1], weight.dtype)
     )
+
+
+@functools.cache
+def onednn_is_faster(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
+    """Whether oneDNN's linear beats `F.linear` on this CPU for an `[out, in]` weight of `dtype`.
+
+    Measured once per process and shape, the way a step uses weights: both GEMMs multiply
+    `GEMM_PROBE_ROWS` rows by copies of the weight that together overflow the CPU's caches
+    (`GEMM_PROBE_BYTES`, so each is read from memory, as a step reads 30 layers' weights), in
+    turns, three times; oneDNN is chosen if its best time summed over the row counts is
+    `ONEDNN_MARGIN` lower. Taking turns, the best of three and the margin keep other load on a
+    shared machine from deciding (where the two are about as fast, `F.linear` stays). Its fixed
+    cost per call is higher, so tiny weights keep `F.linear`.
+    """
+    gen = torch.Generator().manual_seed(0)
+    element_bytes = torch.tensor([], dtype=dtype).element_size()
+    copies = max(1, min(64, GEMM_PROBE_BYTES // (out_features * in_features * element_bytes)))
+    weights = [torch.randn(out_features, in_features, generator=gen).to(dtype)
+               for _ in range(copies)]
+    inputs = [torch.randn(n, in_features, generator=gen).to(dtype) for n in GEMM_PROBE_ROWS]
+    best = {F.linear: float("inf"), onednn_linear: float("inf")}
+    with torch.inference_mode():
+        for fn in best:  # warm-up: first-call costs (packing, page faults) are not a step's
+            fn(inputs[0], weights[0])
+        for _ in range(3):
+            for fn in best:
+                start = time.perf_counter()
+                for x in inputs:
+                    for weight in weights:
+                        fn(x, weight)
+                best[fn] = min(best[fn], time.perf_counter() - start)
+    return best[onednn_linear] < (1 - ONEDNN_MARGIN) * best[F.linear]
 
 
 class Linear(nn.Linear):

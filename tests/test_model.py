@@ -45,6 +45,7 @@ from minipaged.model_layers import (  # noqa: E402
     ONEDNN_AVAILABLE,
     ModelInputError,
     linear,
+    onednn_is_faster,
     uses_onednn,
 )
 from minipaged.sampling import SamplingParams  # noqa: E402
@@ -400,17 +401,19 @@ def test_linear_equals_f_linear(lead, rows, sizes, bias, seed):
     torch.testing.assert_close(ours, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-def test_linear_takes_onednn_only_where_it_pays_and_applies():
+def test_linear_takes_onednn_where_it_measured_faster_and_applies():
     big = torch.randn(256, 256)
     x = torch.randn(3, 256)
+    faster = ONEDNN_AVAILABLE and onednn_is_faster(256, 256, torch.float32)
     with torch.inference_mode():
-        assert uses_onednn(x, big) == ONEDNN_AVAILABLE
-        assert not uses_onednn(x[:, :64], torch.randn(64, 64))  # too small to pay
-        assert not uses_onednn(x.bfloat16(), big.bfloat16())  # float32 only
+        assert uses_onednn(x, big) == faster
+        assert not uses_onednn(x.half(), big.half())  # float32 and bfloat16 only
+        assert not uses_onednn(x, big.bfloat16())  # mixed dtypes: F.linear's error
+    assert onednn_is_faster(256, 256, torch.float32) == faster  # measured once per shape
     trainable = big.clone().requires_grad_()
     assert not uses_onednn(x, trainable)  # autograd needs F.linear: oneDNN has no backward
     with torch.no_grad():
-        assert uses_onednn(x, trainable) == ONEDNN_AVAILABLE
+        assert uses_onednn(x, trainable) == faster
 
 
 def test_linear_keeps_gradients():

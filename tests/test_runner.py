@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -310,3 +311,37 @@ def test_execute_with_nothing_scheduled_still_moves_blocks():
     assert logits.shape == (0, VOCAB)
     for device, host in zip(runner.kv_caches, runner.host_caches, strict=True):
         assert torch.equal(host[:, 0], device[:, 2])
+
+
+# -- bfloat16 against the float32 oracle -------------------------------------------------------
+
+# bfloat16 keeps 8 bits of mantissa: through SmolLM2's 30 layers its logits (magnitude ~30) stay
+# within 0.85 of float32's on these prompts; the bound leaves headroom for other prompts.
+BF16_LOGIT_ATOL = 1.5
+
+
+def test_bfloat16_runner_follows_the_float32_oracle_up_to_near_ties(bundled_model):
+    """The bundled model served in bfloat16 (CPU attention, bf16 KV cache): over a prefill and
+    six greedy decode steps its logits stay within `BF16_LOGIT_ATOL` of the float32 dense
+    model's on the same context, and each greedy token is float32's choice unless float32's top
+    two were within that tolerance (a near-tie that bfloat16 rounding may flip)."""
+    model, config = bundled_model
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    runner = ModelRunner(bf16, config, block_size=16, num_gpu_blocks=16, dtype=torch.bfloat16)
+    assert runner.ops.name == "cpu" and runner.kv_caches[0].dtype == torch.bfloat16
+    rng = random.Random(0)
+    tokens = [[rng.randrange(17, config.vocab_size) for _ in range(n)] for n in (41, 7)]
+    tables = [list(range(i * 4, i * 4 + 4)) for i in range(len(tokens))]
+    computed = [0] * len(tokens)
+    for _ in range(7):
+        entries = [BatchEntry(t[c:], c, table)
+                   for t, c, table in zip(tokens, computed, tables, strict=True)]
+        logits = runner.execute(entries)
+        assert logits.dtype == torch.float32
+        for i, row in enumerate(logits):
+            oracle = dense_last_logits(model, tokens[i])
+            torch.testing.assert_close(row, oracle, rtol=0, atol=BF16_LOGIT_ATOL)
+            ours, best = int(row.argmax()), int(oracle.argmax())
+            assert ours == best or oracle[best] - oracle[ours] < BF16_LOGIT_ATOL
+            computed[i] = len(tokens[i])
+            tokens[i].append(ours)
