@@ -105,12 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     from minipaged.attention_backend import BACKENDS
-    from minipaged.engine_config import DTYPES
+    from minipaged.engine_config import DTYPE_CHOICES
     from minipaged.scheduler_registry import SCHEDULERS
 
     engine = parser.add_argument_group("engine (see EngineConfig)")
     engine.add_argument("--model", help="HF folder or .gguf file (default: bundled SmolLM2)")
-    engine.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    engine.add_argument("--dtype", default="float32", choices=sorted(DTYPE_CHOICES))
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     engine.add_argument("--num-gpu-blocks", type=int, default=None,
