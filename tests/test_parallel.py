@@ -324,6 +324,12 @@ def test_tp3_smollm2_equals_tp1(bundled_path, bundled_model, bundled_tokenizer):
         assert torch.equal(ours[down], whole[down][:, :512])
         assert torch.equal(ours["embed_tokens.weight"], whole["embed_tokens.weight"][:16384])
         assert shard.lm_head.weight is shard.embed_tokens.weight  # tied, on the rank's rows
+        # The logits of one prefill step (the requests above are done: every block is free).
+        prompt_ids = [bundled_tokenizer.encode(prompt)]
+        tp_logits, tp1_logits = prefill_logits(llm.engine, prompt_ids), prefill_logits(
+            reference, prompt_ids
+        )
+        torch.testing.assert_close(tp_logits, tp1_logits, rtol=1e-4, atol=1e-4)
     assert answer.token_ids == expected.token_ids
     assert answer.text.startswith("The capital of France is Paris")
     assert not dist.is_initialized()
