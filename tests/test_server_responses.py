@@ -9,6 +9,7 @@ OpenAI does (a byte fragment becomes U+FFFD), and usage counts that add up.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -17,6 +18,7 @@ from minipaged.server.responses import (
     ChoiceStream,
     chat_response,
     chat_role_chunk,
+    completion_logprobs,
     completion_response,
     usage_chunk,
 )
@@ -188,3 +190,14 @@ def test_a_chat_stream_opens_every_choice_and_ends_with_usage_only(num_choices, 
     last = usage_chunk("c", 1, "m", "chat.completion.chunk", outputs)
     assert last["choices"] == []
     assert_usage_adds_up(last["usage"], outputs)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="completion_logprobs: when two alternatives decode to the same text (byte fragments "
+    "both become U+FFFD), the less likely one's log-probability overwrites the more likely one's",
+)
+def test_alternatives_sharing_a_text_keep_the_more_likely_logprob() -> None:
+    alternatives = {0: -0.1, 1: -0.5, 3: -3.0}  # tokens 1 and 3 are both lone lead bytes
+    body = completion_logprobs(ByteTokenizer(), [0], [alternatives], 0)
+    assert body["top_logprobs"] == [{reference_text(0): -0.1, "\ufffd": -0.5}]
