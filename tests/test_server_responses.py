@@ -9,7 +9,6 @@ OpenAI does (a byte fragment becomes U+FFFD), and usage counts that add up.
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -192,11 +191,6 @@ def test_a_chat_stream_opens_every_choice_and_ends_with_usage_only(num_choices, 
     assert_usage_adds_up(last["usage"], outputs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="completion_logprobs: when two alternatives decode to the same text (byte fragments "
-    "both become U+FFFD), the less likely one's log-probability overwrites the more likely one's",
-)
 def test_alternatives_sharing_a_text_keep_the_more_likely_logprob() -> None:
     alternatives = {0: -0.1, 1: -0.5, 3: -3.0}  # tokens 1 and 3 are both lone lead bytes
     body = completion_logprobs(ByteTokenizer(), [0], [alternatives], 0)

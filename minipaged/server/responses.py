@@ -113,7 +113,10 @@ def completion_logprobs(
         text = token_text(tokenizer, token_id)
         tokens.append(text)
         token_logprobs.append(alternatives[token_id])
-        top.append({token_text(tokenizer, t): lp for t, lp in _ranked(alternatives)})
+        ranked: dict[str, float] = {}  # keyed by text: two byte fragments both read U+FFFD
+        for t, lp in _ranked(alternatives):
+            ranked.setdefault(token_text(tokenizer, t), lp)  # the more likely one's stays
+        top.append(ranked)
         offsets.append(offset)
         offset += len(text)
     return {
