@@ -86,7 +86,7 @@ class EngineConfig:
     cost_model: CostModel | None = None
     cost_model_file: str | Path | None = None
     preemption_mode: str | None = None  # None: recompute single sequences, swap groups
-    attention_backend: str | None = None  # None: Triton on CUDA, "cpu" on a CPU
+    attention_backend: str | None = None  # None: Triton on CUDA; on a CPU "cpu" for 16 bits
     seed: int = 0  # the engine's generator, for requests without a seed of their own
     # Tensor parallelism: ranks (worker processes) the model is split over, and how long a
     # collective waits for a rank before the run is declared dead (`minipaged.parallel_runner`).

@@ -97,9 +97,12 @@ def test_bad_metadata_gets_the_contracts_error():
         cpu_paged_attention(q, k_cache, v_cache, tables, seq_lens[:1], starts, scale)
 
 
-def test_is_the_cpu_backend_and_the_default_on_a_cpu():
+def test_is_the_cpu_backend_and_the_default_for_16_bit_caches_on_a_cpu():
     assert get_attention_ops("cpu") is CPU_OPS
-    assert get_attention_ops(device="cpu") is CPU_OPS
+    for dtype in (torch.bfloat16, torch.float16):
+        assert get_attention_ops(device="cpu", dtype=dtype) is CPU_OPS
+    assert get_attention_ops(device="cpu").name == "torch"  # float32: the reference
+    assert get_attention_ops("cpu", dtype=torch.float32) is CPU_OPS  # named, always
     assert CPU_OPS.plan is attention.plan_attention  # the reference's plan, KV writes, copies
     assert CPU_OPS.reshape_and_cache is attention.reshape_and_cache
     assert get_attention_ops("torch").paged_attention is attention.paged_attention
