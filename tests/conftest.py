@@ -36,8 +36,12 @@ BUNDLED_GROUP = "bundled"
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that use a bundled-model fixture run on one xdist worker (`--dist loadgroup`)."""
+    """Tests that use a bundled-model fixture run on one xdist worker (`--dist loadgroup`),
+    except those that already name a group of their own (they keep it: a test of two groups
+    would form a third, which runs anywhere)."""
     for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
         if any(name.startswith("bundled_") for name in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group(BUNDLED_GROUP))
 

@@ -260,6 +260,9 @@ def no_gc_pauses():
     gc.unfreeze()
 
 
+# Never beside the tensor-parallel tests: their worker processes would share this test's two
+# cores while it times steps against a profile taken moments before.
+@pytest.mark.xdist_group("tensor_parallel")
 @pytest.mark.parametrize("policy", ["fcfs", "mlfq"])
 def test_the_simulator_agrees_with_the_real_engine(tiny, one_thread, no_gc_pauses, policy):
     """Same trace, same scheduler settings, a cost model profiled just before on this machine:
