@@ -1,0 +1,64 @@
+"""`minipaged.kernels.launch`: launches as data and the tile-size rules every launcher uses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from minipaged.kernels import launch
+from minipaged.kernels.launch import (
+    MIN_DOT_SIZE,
+    KernelLaunch,
+    check_power_of_two,
+    default_key_tile,
+    pow2_at_least,
+)
+
+
+def is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+@given(n=st.integers(-4, 5000), minimum=st.sampled_from([1, 2, 16, 64]))
+def test_pow2_at_least_is_the_smallest_power_of_two_not_below_n_and_minimum(n, minimum):
+    got = pow2_at_least(n, minimum)
+    assert is_power_of_two(got) and got >= max(n, minimum)
+    assert got == minimum or got // 2 < max(n, 1)  # no smaller power of two would do
+
+
+@given(value=st.integers(-8, 1100), minimum=st.sampled_from([1, 16]))
+def test_check_power_of_two_rejects_exactly_the_others(value, minimum):
+    if is_power_of_two(value) and value >= minimum:
+        check_power_of_two("tile", value, minimum)
+    else:
+        with pytest.raises(ValueError, match=f"tile must be a power of two >= {minimum}"):
+            check_power_of_two("tile", value, minimum)
+
+
+@pytest.mark.parametrize("interpret", ["1", "0"])
+@given(block_size=st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128, 256]),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+def test_a_key_tile_is_whole_blocks_and_big_enough_for_a_dot(interpret, block_size, dtype):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", interpret)
+        assert launch.interpreting() == (interpret == "1")
+        tile = default_key_tile(block_size, dtype)
+    assert tile % block_size == 0 and tile >= MIN_DOT_SIZE and is_power_of_two(tile)
+    if interpret == "1":
+        assert tile == max(128, block_size)  # the interpreter: as large as allowed
+    else:  # float32 tiles are half as long: twice the bytes, and three TF32 products
+        assert tile == max(32 if dtype == torch.float32 else 64, block_size)
+
+
+def test_a_launch_runs_its_kernel_on_its_grid_with_its_arguments():
+    calls = []
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs)) or "compiled"
+
+    plan = KernelLaunch("k", FakeKernel(), (3, 2), (1, 2.0), {"BLOCK": 16}, num_warps=8)
+    assert plan() == "compiled"
+    assert calls == [((3, 2), (1, 2.0), {"BLOCK": 16, "num_warps": 8})]
