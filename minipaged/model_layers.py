@@ -126,13 +126,28 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
 def uses_onednn(x: Tensor, weight: Tensor) -> bool:
     """Whether `linear(x, weight)` runs on oneDNN (see `linear`)."""
     return (
-        ONEDNN_AVAILABLE
-        and x.device.type == "cpu"
-        and x.dtype == weight.dtype
-        and x.dtype in (torch.float32, torch.bfloat16)
+        x.dtype == weight.dtype
+        and may_use_onednn(weight)
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and onednn_is_faster(weight.shape[0], weight.shape[1], weight.dtype)
     )
+
+
+def may_use_onednn(weight: Tensor) -> bool:
+    """Whether oneDNN's linear can take `weight` at all: a CPU weight of float32 or bfloat16."""
+    return (
+        ONEDNN_AVAILABLE
+        and weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+    )
+
+
+def choose_gemms(model: nn.Module) -> None:
+    """Make `linear`'s choice (`onednn_is_faster`) for every `Linear` weight of `model` now, at
+    start-up, so that no step, and no profile of one, pays for the measurement."""
+    for module in model.modules():
+        if isinstance(module, Linear) and may_use_onednn(module.weight):
+            onednn_is_faster(module.weight.shape[0], module.weight.shape[1], module.weight.dtype)
 
 
 @functools.cache

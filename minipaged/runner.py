@@ -28,6 +28,7 @@ from minipaged.attention_contract import (
     check_reshape_and_cache_args,
 )
 from minipaged.config import ModelConfig
+from minipaged.model_layers import choose_gemms
 
 GiB = 1 << 30
 
@@ -108,6 +109,7 @@ class ModelRunner:
         """`heads`: (query heads, KV heads) of this runner's model when it is one
         tensor-parallel rank's shard; by default the config's."""
         self.model = model
+        choose_gemms(model)  # times the two CPU GEMMs per weight shape: once, before any step
         self.config = config
         self.block_size = block_size
         self.device = torch.device(device)

@@ -345,3 +345,18 @@ def test_bfloat16_runner_follows_the_float32_oracle_up_to_near_ties(bundled_mode
             assert ours == best or oracle[best] - oracle[ours] < BF16_LOGIT_ATOL
             computed[i] = len(tokens[i])
             tokens[i].append(ours)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+def test_the_gemm_choice_is_made_when_the_runner_starts_not_in_a_step(architecture):
+    from minipaged.model_layers import Linear, onednn_is_faster
+
+    onednn_is_faster.cache_clear()  # earlier tests' choices must not stand in for this one's
+    model = tiny_model(architecture, seed=5)
+    runner = make_runner(model)
+    measured = onednn_is_faster.cache_info().misses
+    for module in model.modules():  # every weight shape's choice is already made
+        if isinstance(module, Linear):
+            onednn_is_faster(*module.weight.shape, module.weight.dtype)
+    runner.execute([BatchEntry([1, 2, 3], 0, [0])])
+    assert onednn_is_faster.cache_info().misses == measured  # no step measured anything
