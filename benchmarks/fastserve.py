@@ -19,8 +19,9 @@ and the highest rate each meets a latency target (mean and p95 normalized latenc
 2. **Simulator with chunked prefill** (second table): the same with vLLM's chunked prefill, for
    the scheduling systems only.
 3. **Real engine on CPU**: a tiny random LLaMA on a small heavy-tailed trace at three request
-   rates, measured in thread CPU time (`time.thread_time`, torch on one thread: a shared
-   machine's neighbours stay out), beside the simulator's prediction from a cost model profiled
+   rates, measured in thread CPU time (`LLMEngine(clock=time.thread_time)`, torch on one
+   thread: a shared machine's neighbours stay out; MLFQ charges its quanta on that clock too),
+   beside the simulator's prediction from a cost model profiled
    once just before (and handed to every engine: `EngineConfig(cost_model=...)`).
 
 Paper ratios (FastServe §6): skip-join MLFQ up to 8.9x lower average JCT than FCFS (vLLM) and
@@ -293,7 +294,7 @@ def real_engine(num_requests: int, loads: list[float], seed: int) -> dict:
             runs = sorted(
                 (
                     replay_on_engine(
-                        LLMEngine(model, model_config, None, config), trace, clock=time.thread_time
+                        LLMEngine(model, model_config, None, config, clock=time.thread_time), trace
                     )
                     for _ in range(REAL_ENGINE_REPEATS)
                 ),

@@ -32,13 +32,7 @@ from minipaged.outputs import RequestOutput
 from minipaged.parallel_runner import WorkerDiedError, build_runner
 from minipaged.parallel_worker import CheckpointShards, ShardSource
 from minipaged.request_io import RequestStream, check_params, prompt_token_ids
-from minipaged.runner import (
-    BatchEntry,
-    CacheOps,
-    GiB,
-    blocks_that_fit,
-    num_blocks_for_memory,
-)
+from minipaged.runner import BatchEntry, CacheOps, GiB, blocks_that_fit, num_blocks_for_memory
 from minipaged.runner_profile import profile_runner
 from minipaged.sampler import Sampler
 from minipaged.sampling import SamplingParams
@@ -63,6 +57,8 @@ class LLMEngine:
     manager (a baseline's, say): the KV pools then take its sizes and `config.scheduler` is
     not used. With `config.tensor_parallel_size` > 1 the runner is a `TensorParallelRunner`
     (`model` a module to slice, or a `CheckpointShards` each rank reads): `close()` it.
+    `clock` stamps arrivals, steps and finishes, and is the `now` the scheduler charges steps
+    by: wall time, or a driver's own (CPU time, or a cost model's time in a replay).
     """
 
     def __init__(
@@ -72,8 +68,10 @@ class LLMEngine:
         tokenizer: Any | None = None,
         config: EngineConfig | None = None,
         scheduler: Scheduler | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config = config or EngineConfig()
+        self.clock = clock
         self.model_config = model_config
         self.tokenizer = tokenizer
         device, dtype = config.torch_device, config.torch_dtype
@@ -204,6 +202,7 @@ class LLMEngine:
         text, token_ids = prompt_token_ids(prompt, self.tokenizer, vocab)
         seq = Sequence(next(self._seq_ids), token_ids, self._detokenizer())
         prompt_text = text if text is not None else prompt_text
+        arrival_time = self.clock() if arrival_time is None else arrival_time
         group = SequenceGroup(request_id, [seq], params, arrival_time, prompt=prompt_text)
         self.scheduler.add(group)  # rejects a request that can never fit
         self._groups[request_id] = group
@@ -227,7 +226,7 @@ class LLMEngine:
         group = self.scheduler.abort(str(request_id))
         if group is None:
             return False
-        group.metrics.finished_time = time.monotonic()
+        group.metrics.finished_time = self.clock()
         self._groups.pop(group.request_id, None)
         return True
 
@@ -265,7 +264,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, compute and sample one step; return the requests that got new tokens."""
         clock = time.perf_counter
-        began, start = clock(), time.monotonic()
+        began, start = clock(), self.clock()
         out = self.scheduler.schedule(start)
         scheduled = clock()
         entries = [
@@ -284,6 +283,7 @@ class LLMEngine:
                 seq_ids=self._seq_ids,
                 eos_token_ids=self.eos_token_ids,
                 max_model_len=self.max_model_len,
+                now=self.clock(),
             )
         except WorkerDiedError:  # no step can run any more
             raise
@@ -292,7 +292,7 @@ class LLMEngine:
             return self._fail_step(out)
         sampled = clock()
         num_running = len(self.scheduler.running)
-        for group in finish_requests(self.scheduler, time.monotonic()):
+        for group in finish_requests(self.scheduler, self.clock()):
             self._groups.pop(group.request_id, None)
         freed = clock()
         outputs = self._publish([self._request_output(g) for g in touched])
@@ -307,7 +307,7 @@ class LLMEngine:
             record = record_step(
                 self._num_steps,
                 start,
-                time.monotonic(),
+                self.clock(),
                 out,
                 self.scheduler,
                 block_tables=[e.block_table for e in entries],
@@ -326,7 +326,7 @@ class LLMEngine:
         finished = []
         for group in groups.values():
             if self.scheduler.abort(group.request_id, SequenceStatus.FINISHED_ERROR):
-                group.metrics.finished_time = time.monotonic()
+                group.metrics.finished_time = self.clock()
                 self._groups.pop(group.request_id, None)
                 finished.append(group)
         self._num_steps += 1

@@ -92,28 +92,27 @@ def measure_engine_steps(
 
 
 def replay_on_engine(
-    engine: LLMEngine,
-    trace: Collection[TraceRequest],
-    seed: int = 0,
-    clock: Callable[[], float] = time.perf_counter,
+    engine: LLMEngine, trace: Collection[TraceRequest], seed: int = 0
 ) -> SimulationResult:
     """Serve `trace` on a real engine (random prompt tokens, fixed output lengths) and measure
     what `simulate` predicts, for comparison; its `steps` are the engine's step records.
 
-    Times are read from `clock`: wall time by default; `time.thread_time` counts only this
-    thread's CPU time, which keeps other processes on a shared machine out of the measurement
-    (run torch on one thread then). While nothing is in flight the replay jumps to the next
-    arrival instead of sleeping, as the simulator does.
+    Times are read from the engine's own clock (`LLMEngine(clock=...)`), the one its scheduler
+    charges steps by: wall time by default; `time.thread_time` counts only this thread's CPU
+    time, which keeps other processes on a shared machine out of the measurement (run torch on
+    one thread then). While nothing is in flight the replay jumps to the next arrival instead
+    of sleeping, as the simulator does; a request arrives on the engine's clock at its trace
+    time, shifted by the time jumped over.
     """
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     pending = sorted(enumerate(trace), key=lambda x: x[1].arrival_time)
     pending.reverse()
-    origin = clock()
+    origin = engine.clock()
     skipped = 0.0
 
     def now() -> float:
-        return clock() - origin + skipped
+        return engine.clock() - origin + skipped
 
     requests: dict[str, TraceRequest] = {}
     first_token: dict[str, float] = {}
@@ -128,7 +127,8 @@ def replay_on_engine(
                 params = SamplingParams(
                     temperature=0.0, max_tokens=request.output_len, ignore_eos=True
                 )
-                requests[engine.add_request(str(index), prompt, params)] = request
+                arrival = origin + request.arrival_time - skipped  # on the engine's clock
+                requests[engine.add_request(str(index), prompt, params, arrival)] = request
             if not engine.has_unfinished_requests():
                 skipped += pending[-1][1].arrival_time - now()
                 continue

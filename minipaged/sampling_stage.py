@@ -9,7 +9,6 @@ through the stop checks.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Collection, Iterator
 
 from torch import Tensor
@@ -31,15 +30,17 @@ def sample_tokens(
     seq_ids: Iterator[int],
     eos_token_ids: Collection[int],
     max_model_len: int,
+    now: float,
 ) -> list[SequenceGroup]:
     """Sample the next token of every item (`logits` has one row per item, in order); return
-    the requests that got tokens. Forked samples and beams take their ids from `seq_ids`."""
+    the requests that got tokens, stamping first tokens with `now`. Forked samples and beams
+    take their ids from `seq_ids`."""
     rows_of: dict[str, list[int]] = {}
     groups: dict[str, SequenceGroup] = {}
     for row, item in enumerate(items):
         rows_of.setdefault(item.group.request_id, []).append(row)
         groups[item.group.request_id] = item.group
-    mark_first_tokens(groups.values(), time.monotonic())
+    mark_first_tokens(groups.values(), now)
     plain_seqs: list[Sequence] = []
     plain_rows: list[int] = []
     for request_id, group in groups.items():

@@ -61,8 +61,10 @@ def test_one_step_gives_every_sample_its_token_and_runs_the_stop_checks(requests
         seq_ids=ids,
         eos_token_ids={EOS},
         max_model_len=MAX_MODEL_LEN,
+        now=1.5,
     )
     assert sampled == groups
+    assert all(g.metrics.first_token_time == 1.5 for g in groups)
     forks = sum(r["n"] - 1 for r in requests)
     assert next(ids) == FIRST_FORK_ID + forks  # forks took exactly the ids they needed
     seq_ids = [s.seq_id for g in groups for s in g.seqs]
