@@ -34,21 +34,18 @@ TORCH_OPS = AttentionOps(
 def get_attention_ops(
     backend: str | None = None,
     device: str | torch.device | None = None,
-    dtype: torch.dtype = torch.float32,
 ) -> AttentionOps:
     """The paged-attention operations of `backend`: "torch" (the reference, `minipaged.attention`),
-    "cpu" (the reference arranged for a CPU, `minipaged.attention_cpu`), "triton"
-    (`minipaged.kernels`, imported only now) or None / "auto": Triton on a CUDA device; on a CPU
-    "cpu" for a 16-bit KV cache (`dtype`), where it avoids the reference's float32 copies, and the
-    reference for float32, where the packing gains nothing (docs/benchmarks.md, "CPU
-    performance"); the reference elsewhere. `device` defaults to torch's default device.
+    "cpu" (arranged for a CPU: decodes read their blocks in place, `minipaged.attention_cpu`),
+    "triton" (`minipaged.kernels`, imported only now) or None / "auto": Triton on a CUDA device,
+    "cpu" on a CPU (docs/benchmarks.md, "CPU performance"), the reference elsewhere. `device`
+    defaults to torch's default device. Every backend takes float32, bfloat16 and float16.
 
     Swapping is a plain copy between devices, so every backend shares `attention.swap_blocks`.
     """
     if backend is None or backend == "auto":
         device = torch.device(device) if device is not None else torch.get_default_device()
-        cpu = "cpu" if dtype in (torch.bfloat16, torch.float16) else "torch"
-        backend = {"cuda": "triton", "cpu": cpu}.get(device.type, "torch")
+        backend = {"cuda": "triton", "cpu": "cpu"}.get(device.type, "torch")
     if backend == "torch":
         return TORCH_OPS
     if backend == "cpu":
@@ -104,9 +101,7 @@ class PagedAttentionBackend:
         for i, cache in enumerate(kv_caches):
             check_layer_cache(f"kv_caches[{i}]", cache)
         self.kv_caches = list(kv_caches)
-        self.ops = ops if ops is not None else get_attention_ops(
-            device=kv_caches[0].device, dtype=kv_caches[0].dtype
-        )
+        self.ops = ops if ops is not None else get_attention_ops(device=kv_caches[0].device)
         self.metadata = metadata
 
     @property

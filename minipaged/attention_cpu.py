@@ -10,24 +10,73 @@ measures each against the reference):
   nothing is converted to float32 per layer. `scaled_dot_product_attention` on CPU accumulates a
   bfloat16 or float16 attention in float32 inside its kernel and rounds the output once, so the
   result is the reference's within one rounding of the output (bf16 tolerances in the tests).
-* **Grouped queries packed onto their KV head** (decode chunks). The `H / H_kv` query heads that
-  share a KV head become that head's query rows, so each K/V block is read once per KV head
-  instead of once per query head, and the attention kernel multiplies several rows at a time
-  instead of one (its single-row path is slow in bfloat16).
+* **Decodes read their blocks in place.** Every decode of the step (one query per sequence) goes
+  to the native kernel (`minipaged.cpu_kernels`, C with an online softmax over the sequence's
+  blocks where they lie in the cache), in one call per layer: no gather copy, each K/V row read
+  once for all the query heads that share it. Where the kernel cannot be built (no C compiler)
+  or does not take the dtype (float16), decodes are gathered like prefills, with the grouped
+  query heads packed onto their KV head so each block is read once per KV head and the
+  attention multiplies several rows at a time (its single-row path is slow in bfloat16).
 
 `cpu_paged_attention` has the attention contract's signature (`minipaged.attention_contract`);
-`CPU_OPS` is the backend "cpu" of `minipaged.attention_backend`, the reference's KV writes, block
-copies and plan beside this attention.
+`CPU_OPS` is the backend "cpu" of `minipaged.attention_backend`: its plan (`plan_cpu_attention`,
+the reference's chunks with the decodes set apart) and attention beside the reference's KV
+writes and block copies.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from minipaged import attention
-from minipaged.attention import AttentionChunk, checked_plan, gather_context, plan_attention
-from minipaged.attention_contract import AttentionOps
+from minipaged.attention import AttentionChunk, gather_context, plan_attention
+from minipaged.attention_contract import AttentionOps, check_paged_attention_args
+from minipaged.cpu_kernels import native_decode_available, native_decode_supports, paged_decode
+
+
+@dataclass(frozen=True)
+class NativeDecodes:
+    """A step's decodes, as the native kernel takes them (int32, built once for every layer)."""
+
+    rows: Tensor  # [n]: each decode's row of the flat batch
+    seqs: Tensor  # [n]: its sequence
+    block_tables: Tensor  # [B, max_blocks]
+    seq_lens: Tensor  # [B]
+
+
+@dataclass(frozen=True)
+class CPUPlan:
+    """The reference's chunks for what the kernel does not take, and the decodes it does."""
+
+    chunks: list[AttentionChunk]
+    decodes: NativeDecodes | None
+
+    @property
+    def num_queries(self) -> int:
+        decoded = 0 if self.decodes is None else self.decodes.rows.numel()
+        return decoded + sum(chunk.tokens.numel() for chunk in self.chunks)
+
+
+def plan_cpu_attention(
+    block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, k_cache: Tensor
+) -> CPUPlan:
+    """`attention.plan_attention`'s chunks, with the decode chunks (one query per sequence) set
+    apart for the native kernel when it is built and takes `k_cache`'s dtype."""
+    chunks = plan_attention(block_tables, seq_lens, query_start_loc, k_cache)
+    decode_chunks = [c for c in chunks if c.query_len == 1]
+    if not decode_chunks or not native_decode_supports(k_cache) or not native_decode_available():
+        return CPUPlan(chunks, None)
+    decodes = NativeDecodes(
+        rows=torch.cat([c.tokens for c in decode_chunks]).to(torch.int32),
+        seqs=torch.tensor([i for c in decode_chunks for i in c.seqs], dtype=torch.int32),
+        block_tables=block_tables.to(torch.int32).contiguous(),
+        seq_lens=seq_lens.to(torch.int32).contiguous(),
+    )
+    return CPUPlan([c for c in chunks if c.query_len != 1], decodes)
 
 
 def cpu_paged_attention(
@@ -42,16 +91,25 @@ def cpu_paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     validate: bool = True,
-    plan: list[AttentionChunk] | None = None,
+    plan: CPUPlan | None = None,
 ) -> Tensor:
     """Causal attention of a flat varlen batch over paged K/V, as `attention.paged_attention`
-    (same arguments, same plan), computed in the cache's dtype. Returns `[T, H, D]` in q's dtype.
-    """
-    plan = checked_plan(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                        max_query_len=max_query_len, max_seq_len=max_seq_len, validate=validate,
-                        plan=plan)
+    (same arguments; `plan` from `plan_cpu_attention`), computed in the cache's dtype. Returns
+    `[T, H, D]` in q's dtype."""
+    if validate:
+        check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                   max_query_len=max_query_len, max_seq_len=max_seq_len)
+    if plan is None:
+        plan = plan_cpu_attention(block_tables, seq_lens, query_start_loc, k_cache)
+    elif validate and plan.num_queries != q.shape[0]:
+        raise ValueError(f"plan covers {plan.num_queries} queries but q has {q.shape[0]}: it "
+                         "was made for other metadata")
     out = q.new_empty(q.shape)
-    for chunk in plan:
+    if plan.decodes is not None:
+        d = plan.decodes
+        paged_decode(out, q.contiguous(), k_cache, v_cache, d.block_tables, d.seq_lens, d.rows,
+                     d.seqs, scale)
+    for chunk in plan.chunks:
         out[chunk.tokens] = _attend_chunk(q[chunk.tokens], k_cache, v_cache, chunk, scale)
     return out
 
@@ -84,5 +142,5 @@ CPU_OPS = AttentionOps(
     reshape_and_cache=attention.reshape_and_cache,
     copy_blocks=attention.copy_blocks,
     swap_blocks=attention.swap_blocks,
-    plan=plan_attention,
+    plan=plan_cpu_attention,
 )

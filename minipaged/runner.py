@@ -114,7 +114,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
-        self.ops = get_attention_ops(attention_backend, self.device, dtype)
+        self.ops = get_attention_ops(attention_backend, self.device)
         # A step's metadata is the same for every layer: `check_metadata` validates it once per
         # step, so the layers skip the checks (and their host syncs).
         self.layer_ops = replace(

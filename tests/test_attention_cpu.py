@@ -1,15 +1,18 @@
 """The CPU arrangement of paged attention against the dense oracle and the PyTorch reference.
 
-`cpu_paged_attention` keeps the reference's plan and gather but computes in the cache's dtype and
-packs grouped query heads onto their KV head for decodes, so it is checked on random block tables
-(hypothesis) with every GQA ratio, decode-only batches (the packed path) and mixed ones, garbage
-in every slot no sequence owns, and chunk budgets that cut a batch into many chunks. float32
-matches the oracle within 1e-5; bfloat16 and float16 within the tolerances of
-`minipaged.paged_examples.TOLERANCES` (about two units in the last place of the output).
+`cpu_paged_attention` sends decodes to the native kernel (`minipaged.cpu_kernels`) and computes
+the rest with the reference's plan and gather in the cache's dtype, packing grouped query heads
+onto their KV head for decodes the kernel does not take. Both ways (`native`: the kernel built,
+or as on a machine without a compiler) are checked on random block tables (hypothesis) with
+every GQA ratio, decode-only batches and mixed ones, garbage in every slot no sequence owns, and
+chunk budgets that cut a batch into many chunks. float32 matches the oracle within 1e-5;
+bfloat16 and float16 within the tolerances of `minipaged.paged_examples.TOLERANCES` (about two
+units in the last place of the output).
 """
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import pytest
@@ -18,13 +21,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from paged_utils import seq_and_query_lens
 
-from minipaged import attention
+from minipaged import attention, attention_cpu
 from minipaged.attention import paged_attention
 from minipaged.attention_backend import get_attention_ops
-from minipaged.attention_cpu import CPU_OPS, cpu_paged_attention
+from minipaged.attention_cpu import CPU_OPS, cpu_paged_attention, plan_cpu_attention
+from minipaged.cpu_kernels import native_decode_available
 from minipaged.paged_examples import dense_reference, make_attention_case, tolerance
 
 GQA_RATIOS = [1, 2, 3, 4, 8]  # 3: SmolLM2's 9 query heads over 3 KV heads
+
+
+BOTH_WAYS = pytest.mark.parametrize("native", [True, False], ids=["native", "gathered"])
+
+
+@contextlib.contextmanager
+def decodes(native: bool):
+    """Decodes in the native kernel, or gathered as where it cannot be built."""
+    if native:
+        assert native_decode_available()  # the machine's C compiler built it: no silent fallback
+        yield
+        return
+    with mock.patch.object(attention_cpu, "native_decode_available", lambda: False):
+        yield
 
 
 @st.composite
@@ -46,45 +64,54 @@ def cases(draw: st.DrawFn, dtype: torch.dtype, decodes_only: bool = False):
     )
 
 
-@given(case=cases(torch.float32), decodes=cases(torch.float32, decodes_only=True))
+@BOTH_WAYS
+@given(case=cases(torch.float32), decode_case=cases(torch.float32, decodes_only=True))
 @settings(max_examples=50)
-def test_equals_dense_and_the_reference_float32(case, decodes):
-    for c in (case, decodes):
-        out = cpu_paged_attention(*c.args())
+def test_equals_dense_and_the_reference_float32(native, case, decode_case):
+    for c in (case, decode_case):
+        with decodes(native):
+            out = cpu_paged_attention(*c.args())
         assert out.dtype == torch.float32 and out.shape == c.q.shape
         torch.testing.assert_close(out, dense_reference(c), **tolerance(torch.float32))
         torch.testing.assert_close(out, paged_attention(*c.args()), **tolerance(torch.float32))
 
 
+@BOTH_WAYS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @given(data=st.data())
 @settings(max_examples=25)
-def test_equals_dense_in_low_precision(dtype, data):
+def test_equals_dense_in_low_precision(native, dtype, data):
     for c in (data.draw(cases(dtype)), data.draw(cases(dtype, decodes_only=True))):
-        out = cpu_paged_attention(*c.args())
+        with decodes(native):
+            out = cpu_paged_attention(*c.args())
         assert out.dtype == dtype and out.shape == c.q.shape
         torch.testing.assert_close(out, dense_reference(c), **tolerance(dtype))
 
 
+@BOTH_WAYS
 @given(case=cases(torch.float32), chunk_bytes=st.sampled_from([1, 3000, 20000]))
 @settings(max_examples=20)
-def test_chunks_of_any_size_and_a_given_plan_do_not_change_the_result(case, chunk_bytes):
+def test_chunks_of_any_size_and_a_given_plan_do_not_change_the_result(native, case, chunk_bytes):
     _, k_cache, _, block_tables, seq_lens, query_start_loc, _ = case.args()
-    with mock.patch.object(attention, "GATHER_CHUNK_BYTES", chunk_bytes):
+    with decodes(native), mock.patch.object(attention, "GATHER_CHUNK_BYTES", chunk_bytes):
         out = cpu_paged_attention(*case.args())
-        plan = attention.plan_attention(block_tables, seq_lens, query_start_loc, k_cache)
+        plan = plan_cpu_attention(block_tables, seq_lens, query_start_loc, k_cache)
+    has_decodes = 1 in query_start_loc.diff().tolist()
+    assert (plan.decodes is not None) == (native and has_decodes)
     torch.testing.assert_close(out, dense_reference(case), **tolerance(torch.float32))
     planned = cpu_paged_attention(*case.args(), plan=plan, validate=False)
     torch.testing.assert_close(planned, out, **tolerance(torch.float32))
 
 
-def test_a_plan_for_other_metadata_is_refused():
+@BOTH_WAYS
+def test_a_plan_for_other_metadata_is_refused(native):
     case = make_attention_case([5, 9], [1, 3], num_heads=4, num_kv_heads=2, head_dim=32,
                                block_size=4, seed=0)
     other = make_attention_case([5], [1], num_heads=4, num_kv_heads=2, head_dim=32,
                                 block_size=4, seed=0)
     _, k_cache, _, block_tables, seq_lens, query_start_loc, _ = other.args()
-    plan = attention.plan_attention(block_tables, seq_lens, query_start_loc, k_cache)
+    with decodes(native):
+        plan = plan_cpu_attention(block_tables, seq_lens, query_start_loc, k_cache)
     with pytest.raises(ValueError, match="plan covers 1 queries but q has 4"):
         cpu_paged_attention(*case.args(), plan=plan)
 
@@ -97,12 +124,10 @@ def test_bad_metadata_gets_the_contracts_error():
         cpu_paged_attention(q, k_cache, v_cache, tables, seq_lens[:1], starts, scale)
 
 
-def test_is_the_cpu_backend_and_the_default_for_16_bit_caches_on_a_cpu():
+def test_is_the_cpu_backend_and_the_default_on_a_cpu():
     assert get_attention_ops("cpu") is CPU_OPS
-    for dtype in (torch.bfloat16, torch.float16):
-        assert get_attention_ops(device="cpu", dtype=dtype) is CPU_OPS
-    assert get_attention_ops(device="cpu").name == "torch"  # float32: the reference
-    assert get_attention_ops("cpu", dtype=torch.float32) is CPU_OPS  # named, always
-    assert CPU_OPS.plan is attention.plan_attention  # the reference's plan, KV writes, copies
+    assert get_attention_ops(device="cpu") is CPU_OPS
+    assert get_attention_ops("auto", device="cpu") is CPU_OPS
+    assert CPU_OPS.plan is plan_cpu_attention  # its own plan; the reference's KV writes, copies
     assert CPU_OPS.reshape_and_cache is attention.reshape_and_cache
     assert get_attention_ops("torch").paged_attention is attention.paged_attention

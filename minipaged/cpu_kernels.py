@@ -1,0 +1,156 @@
+"""The CPU's native paged-decode kernel (`csrc/paged_decode.c`): built once per machine, loaded
+with `ctypes`.
+
+PyTorch has no operator that attends over K/V scattered in blocks, so the PyTorch backends copy
+every sequence's blocks out of the cache before attending (`attention.gather_context`): on a
+CPU that copy costs as much as the attention itself (`benchmarks/roofline.py`). The kernel reads
+the blocks in place instead. It is plain C with no PyTorch headers, so building it takes about a
+second: the system's C compiler (`$CC`, else `cc`), `-O3 -ffast-math -march=native -fopenmp`,
+into a cache directory (`$MINIPAGED_CACHE`, else `~/.cache/minipaged`) under a name that hashes
+the source, the flags, the compiler and this CPU's model and flags, so a cached build never runs
+on a CPU it was not built for.
+
+`native_decode_available()` says whether the kernel could be built here (it is built then, once
+per process); without a compiler the CPU backend attends the PyTorch way and says so in the log.
+`paged_decode` runs it on `torch.get_num_threads()` OpenMP threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+CFLAGS = ("-O3", "-ffast-math", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads and writes
+MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 64, 256, 256  # the kernel's fixed buffers
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and feature flags (Linux), else what `platform` knows."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MINIPAGED_CACHE", Path.home() / ".cache" / "minipaged"))
+
+
+def build_native_decode(compiler: str | None = None, cache_dir: Path | None = None) -> Path | None:
+    """The shared library of `csrc/paged_decode.c` for this CPU, built by `compiler` (default
+    `$CC`, else `cc`) into `cache_dir` (default `$MINIPAGED_CACHE`, else `~/.cache/minipaged`)
+    unless a build with the same key is already there; None, with the reason in the log, when
+    there is no such compiler or the build fails."""
+    found = shutil.which(compiler or os.environ.get("CC", "cc"))
+    if found is None:
+        logger.warning("no C compiler %r: CPU paged decode gathers blocks the PyTorch way",
+                       compiler or os.environ.get("CC", "cc"))
+        return None
+    version = subprocess.run([found, "--version"], capture_output=True, text=True).stdout
+    parts = [SOURCE.read_bytes(), " ".join(CFLAGS).encode(), version.encode(),
+             _cpu_identity().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    target = (cache_dir or _cache_dir()) / f"paged_decode-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run([found, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            logger.warning("building %s failed, CPU paged decode gathers blocks the PyTorch "
+                           "way:\n%s", SOURCE.name, result.stderr)
+            return None
+        os.replace(built, target)  # atomic: a concurrent build of the same key is identical
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The kernel, built (`build_native_decode`) and loaded once per process; None without."""
+    path = build_native_decode()
+    if path is None:
+        return None
+    library = ctypes.CDLL(str(path))
+    pointer, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    library.paged_decode.argtypes = [pointer] * 5 + [i64] + [pointer] * 3 + [i64] + [i32] * 4 + [
+        f32, i32, i32]
+    library.paged_decode.restype = ctypes.c_int
+    return library
+
+
+def native_decode_available() -> bool:
+    """Whether the native kernel is built and loaded in this process (building it if need be)."""
+    return _library() is not None
+
+
+def native_decode_supports(k_cache: Tensor, num_heads: int | None = None) -> bool:
+    """Whether the kernel takes this cache (a CPU tensor of one of `DTYPES`, head and block
+    sizes within its buffers) and, given `num_heads`, that many query heads on it."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    group_fits = num_heads is None or (
+        num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
+    )
+    return (
+        k_cache.device.type == "cpu" and k_cache.dtype in DTYPES and group_fits
+        and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK
+    )
+
+
+def paged_decode(
+    out: Tensor,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    rows: Tensor,
+    seqs: Tensor,
+    scale: float,
+) -> None:
+    """Write into `out [T, H, D]` the attention of q's rows `rows` (one query each, sequence
+    `seqs[i]` of the batch) over their sequences' `seq_lens` keys in the paged cache, read in
+    place through `block_tables`. The int tensors must be int32 and contiguous, `q`, `out` and
+    the caches contiguous; other rows of `out` are left as they are. Raises `RuntimeError` when
+    the kernel is not available (`native_decode_available`)."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the native CPU paged-decode kernel could not be built here")
+    if not native_decode_supports(k_cache, q.shape[1]):
+        raise ValueError(f"the native decode kernel takes {DTYPES} on CPU, at most {MAX_GROUP} "
+                         f"query heads per KV head, head dim {MAX_HEAD_DIM}, block {MAX_BLOCK}")
+    for name, t in (("out", out), ("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.is_contiguous() or t.dtype != q.dtype:
+            raise ValueError(f"{name} must be contiguous and {q.dtype}")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("rows", rows),
+                    ("seqs", seqs)):
+        if t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int32 tensor, got {t.dtype}")
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    status = library.paged_decode(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), rows.data_ptr(),
+        seqs.data_ptr(), rows.numel(), num_heads, num_kv_heads, head_dim, block_size, scale,
+        int(q.dtype == torch.bfloat16), torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError("the native decode kernel refused these sizes")
