@@ -13,9 +13,12 @@ baseline keeps each sequence's K/V contiguous (`[B, H_kv, L, D]`, what a reserve
 holds) and calls `torch.nn.functional.scaled_dot_product_attention` with GQA. The paged side
 stores the same K/V in shuffled blocks of a paged cache and calls
 `minipaged.attention.paged_attention` (the reference, in float32) and
-`minipaged.attention_cpu.cpu_paged_attention` (the same plan and gather in the cache's dtype, query
-heads packed onto their KV head). The ratio paged / dense is the price of reading K/V through
-block tables in plain PyTorch (the paper's CUDA kernel paid 20-26%, Kwon et al. section 7.1).
+`minipaged.attention_cpu.cpu_paged_attention`: `cpu`, the CPU backend as the engine runs it
+(decodes in the native kernel of `minipaged.cpu_kernels`, reading blocks in place), and
+`cpu_gathered`, the same backend where that kernel cannot be built (the reference's plan and
+gather in the cache's dtype, query heads packed onto their KV head). The ratio paged / dense is
+the price of reading K/V through block tables in plain PyTorch (the paper's CUDA kernel paid
+20-26%, Kwon et al. section 7.1).
 `--dtype` sets the dtype of the cache, the queries and the dense side. `--compiled` adds an
 attention that reads the blocks in place, never copying them out: the decode written as indexed
 loads, a softmax and two reductions, compiled by `torch.compile` (Inductor's C++ backend) with
@@ -46,7 +49,7 @@ from roofline import cpu_features
 from tqdm import tqdm
 
 from minipaged.attention import gather_context, paged_attention, plan_attention
-from minipaged.attention_cpu import cpu_paged_attention
+from minipaged.attention_cpu import cpu_paged_attention, plan_cpu_attention
 from minipaged.engine_config import DTYPES
 from minipaged.paged_examples import tolerance
 
@@ -91,12 +94,20 @@ def dense_decode(x: dict) -> torch.Tensor:
     return out[:, :, 0]
 
 
-def paged_decode(x: dict, validate: bool, fn=paged_attention) -> torch.Tensor:
+def paged_decode(x: dict, validate: bool, fn=paged_attention, **plan) -> torch.Tensor:
     return fn(
         x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"],
         x["query_start_loc"], x["scale"],
-        max_query_len=1, max_seq_len=int(x["seq_lens"].max()), validate=validate,
+        max_query_len=1, max_seq_len=int(x["seq_lens"].max()), validate=validate, **plan,
     )
+
+
+def cpu_plans(x: dict) -> dict:
+    """The CPU backend's plans of `x`, made once per step as the engine does: native decodes,
+    and gathered ones."""
+    args = (x["block_tables"], x["seq_lens"], x["query_start_loc"], x["k_cache"])
+    return {"cpu": plan_cpu_attention(*args),
+            "cpu_gathered": plan_cpu_attention(*args, native=False)}
 
 
 def in_place_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -131,9 +142,14 @@ def bench(batch: int, context: int, block_size: int, repeats: int, layers: int,
     xs = [make_inputs(batch, context, block_size, layer, dtype) for layer in range(layers)]
     for x in xs:
         expected = dense_decode({**x, **{n: x[n].float() for n in ("q", "k", "v")}})
-        for fn in (paged_attention, cpu_paged_attention):
-            torch.testing.assert_close(paged_decode(x, True, fn).float(), expected,
-                                       **tolerance(dtype))
+        x["plans"] = cpu_plans(x)
+        assert x["plans"]["cpu"].decodes is not None  # the kernel is built here
+        torch.testing.assert_close(paged_decode(x, True).float(), expected, **tolerance(dtype))
+        for plan in x["plans"].values():
+            torch.testing.assert_close(
+                paged_decode(x, True, cpu_paged_attention, plan=plan).float(), expected,
+                **tolerance(dtype),
+            )
 
     def every_layer(fn: Callable[[dict], object]) -> Callable[[], None]:
         def step() -> None:
@@ -147,7 +163,12 @@ def bench(batch: int, context: int, block_size: int, repeats: int, layers: int,
         "paged": every_layer(lambda x: paged_decode(x, False)),
         "paged_validated": every_layer(lambda x: paged_decode(x, True)),
         "gather": every_layer(gather_only),
-        "cpu": every_layer(lambda x: paged_decode(x, False, cpu_paged_attention)),
+        "cpu": every_layer(
+            lambda x: paged_decode(x, False, cpu_paged_attention, plan=x["plans"]["cpu"])
+        ),
+        "cpu_gathered": every_layer(
+            lambda x: paged_decode(x, False, cpu_paged_attention, plan=x["plans"]["cpu_gathered"])
+        ),
     }
     if compiled is not None:
         def run_compiled(x: dict) -> torch.Tensor:
@@ -177,12 +198,17 @@ def bench(batch: int, context: int, block_size: int, repeats: int, layers: int,
     )
     ratio_cpu = statistics.median(c / p for c, p in zip(times["cpu"], times["paged"],
                                                          strict=True))
+    ratio_gathered = statistics.median(
+        c / p for c, p in zip(times["cpu_gathered"], times["paged"], strict=True)
+    )
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
     return {
         "batch": batch, "context": context, "block_size": block_size, "layers": layers,
         "dense_ms": ms["dense"], "paged_ms": ms["paged"],
         "paged_validated_ms": ms["paged_validated"], "gather_ms": ms["gather"],
         "cpu_ms": ms["cpu"], "ratio_cpu_over_paged": ratio_cpu,
+        "cpu_gathered_ms": ms["cpu_gathered"], "ratio_cpu_gathered_over_paged": ratio_gathered,
+        "cpu_kv_gbs": kv_bytes / (ms["cpu"] / 1e3) / 1e9,
         **({"compiled_in_place_ms": ms["compiled_in_place"]} if compiled is not None else {}),
         "ratio_paged_over_dense": ratio, "ratio_validated_over_dense": ratio_validated,
         "dense_min_ms": min(times["dense"]) * 1e3, "paged_min_ms": min(times["paged"]) * 1e3,
@@ -222,7 +248,8 @@ def main() -> None:
           f"{args.layers} layer(s) per step, ms per layer")
     header = (f"{'context':>8} {'KV MB':>7} {'dense ms':>9} {'paged ms':>9} {'paged/dense':>12} "
               f"{'of which gather':>16} {'validated ms':>13} {'validated/dense':>16} "
-              f"{'cpu ms':>7} {'cpu/paged':>10}")
+              f"{'cpu ms':>7} {'cpu/paged':>10} {'cpu GB/s':>9} {'gathered ms':>12} "
+              f"{'gathered/paged':>15}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -230,7 +257,8 @@ def main() -> None:
               f"{r['paged_ms']:>9.3f} {r['ratio_paged_over_dense']:>11.2f}x "
               f"{r['gather_ms']:>13.3f} ms "
               f"{r['paged_validated_ms']:>13.3f} {r['ratio_validated_over_dense']:>15.2f}x "
-              f"{r['cpu_ms']:>7.3f} {r['ratio_cpu_over_paged']:>9.2f}x"
+              f"{r['cpu_ms']:>7.3f} {r['ratio_cpu_over_paged']:>9.2f}x {r['cpu_kv_gbs']:>9.1f} "
+              f"{r['cpu_gathered_ms']:>12.3f} {r['ratio_cpu_gathered_over_paged']:>14.2f}x"
               + (f"  compiled in place {r['compiled_in_place_ms']:.3f} ms"
                  if "compiled_in_place_ms" in r else ""))
 

@@ -62,13 +62,20 @@ class CPUPlan:
 
 
 def plan_cpu_attention(
-    block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, k_cache: Tensor
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    k_cache: Tensor,
+    *,
+    native: bool = True,
 ) -> CPUPlan:
     """`attention.plan_attention`'s chunks, with the decode chunks (one query per sequence) set
-    apart for the native kernel when it is built and takes `k_cache`'s dtype."""
+    apart for the native kernel when it is built and takes `k_cache`'s dtype. `native=False`
+    gathers decodes like the rest, as where the kernel cannot be built (for comparison)."""
     chunks = plan_attention(block_tables, seq_lens, query_start_loc, k_cache)
     decode_chunks = [c for c in chunks if c.query_len == 1]
-    if not decode_chunks or not native_decode_supports(k_cache) or not native_decode_available():
+    if not (native and decode_chunks and native_decode_supports(k_cache)
+            and native_decode_available()):
         return CPUPlan(chunks, None)
     decodes = NativeDecodes(
         rows=torch.cat([c.tokens for c in decode_chunks]).to(torch.int32),

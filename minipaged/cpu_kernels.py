@@ -37,6 +37,7 @@ SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 CFLAGS = ("-O3", "-ffast-math", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads and writes
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 64, 256, 256  # the kernel's fixed buffers
+PROFILER_NAME = "minipaged::paged_decode"  # its calls, as torch's profiler lists them
 
 
 def _cpu_identity() -> str:
@@ -146,11 +147,12 @@ def paged_decode(
             raise ValueError(f"{name} must be a contiguous int32 tensor, got {t.dtype}")
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    status = library.paged_decode(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-        block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), rows.data_ptr(),
-        seqs.data_ptr(), rows.numel(), num_heads, num_kv_heads, head_dim, block_size, scale,
-        int(q.dtype == torch.bfloat16), torch.get_num_threads(),
-    )
+    with torch.profiler.record_function(PROFILER_NAME):
+        status = library.paged_decode(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+            block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), rows.data_ptr(),
+            seqs.data_ptr(), rows.numel(), num_heads, num_kv_heads, head_dim, block_size, scale,
+            int(q.dtype == torch.bfloat16), torch.get_num_threads(),
+        )
     if status != 0:
         raise ValueError("the native decode kernel refused these sizes")

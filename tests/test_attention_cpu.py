@@ -12,7 +12,6 @@ units in the last place of the output).
 
 from __future__ import annotations
 
-import contextlib
 from unittest import mock
 
 import pytest
@@ -21,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from paged_utils import seq_and_query_lens
 
-from minipaged import attention, attention_cpu
+from minipaged import attention
 from minipaged.attention import paged_attention
 from minipaged.attention_backend import get_attention_ops
 from minipaged.attention_cpu import CPU_OPS, cpu_paged_attention, plan_cpu_attention
@@ -34,15 +33,16 @@ GQA_RATIOS = [1, 2, 3, 4, 8]  # 3: SmolLM2's 9 query heads over 3 KV heads
 BOTH_WAYS = pytest.mark.parametrize("native", [True, False], ids=["native", "gathered"])
 
 
-@contextlib.contextmanager
-def decodes(native: bool):
-    """Decodes in the native kernel, or gathered as where it cannot be built."""
-    if native:
-        assert native_decode_available()  # the machine's C compiler built it: no silent fallback
-        yield
-        return
-    with mock.patch.object(attention_cpu, "native_decode_available", lambda: False):
-        yield
+def attend(case, native: bool, **kwargs):
+    """`cpu_paged_attention` with decodes in the native kernel, or gathered as where it
+    cannot be built."""
+    _, k_cache, _, block_tables, seq_lens, query_start_loc, _ = case.args()
+    plan = plan_cpu_attention(block_tables, seq_lens, query_start_loc, k_cache, native=native)
+    return cpu_paged_attention(*case.args(), plan=plan, **kwargs)
+
+
+def test_the_native_kernel_is_built_here():
+    assert native_decode_available()  # the machine's C compiler built it: no silent fallback
 
 
 @st.composite
@@ -69,8 +69,7 @@ def cases(draw: st.DrawFn, dtype: torch.dtype, decodes_only: bool = False):
 @settings(max_examples=50)
 def test_equals_dense_and_the_reference_float32(native, case, decode_case):
     for c in (case, decode_case):
-        with decodes(native):
-            out = cpu_paged_attention(*c.args())
+        out = attend(c, native)
         assert out.dtype == torch.float32 and out.shape == c.q.shape
         torch.testing.assert_close(out, dense_reference(c), **tolerance(torch.float32))
         torch.testing.assert_close(out, paged_attention(*c.args()), **tolerance(torch.float32))
@@ -82,8 +81,7 @@ def test_equals_dense_and_the_reference_float32(native, case, decode_case):
 @settings(max_examples=25)
 def test_equals_dense_in_low_precision(native, dtype, data):
     for c in (data.draw(cases(dtype)), data.draw(cases(dtype, decodes_only=True))):
-        with decodes(native):
-            out = cpu_paged_attention(*c.args())
+        out = attend(c, native)
         assert out.dtype == dtype and out.shape == c.q.shape
         torch.testing.assert_close(out, dense_reference(c), **tolerance(dtype))
 
@@ -93,9 +91,10 @@ def test_equals_dense_in_low_precision(native, dtype, data):
 @settings(max_examples=20)
 def test_chunks_of_any_size_and_a_given_plan_do_not_change_the_result(native, case, chunk_bytes):
     _, k_cache, _, block_tables, seq_lens, query_start_loc, _ = case.args()
-    with decodes(native), mock.patch.object(attention, "GATHER_CHUNK_BYTES", chunk_bytes):
+    with mock.patch.object(attention, "GATHER_CHUNK_BYTES", chunk_bytes):
         out = cpu_paged_attention(*case.args())
-        plan = plan_cpu_attention(block_tables, seq_lens, query_start_loc, k_cache)
+        plan = plan_cpu_attention(block_tables, seq_lens, query_start_loc, k_cache,
+                                  native=native)
     has_decodes = 1 in query_start_loc.diff().tolist()
     assert (plan.decodes is not None) == (native and has_decodes)
     torch.testing.assert_close(out, dense_reference(case), **tolerance(torch.float32))
@@ -110,8 +109,7 @@ def test_a_plan_for_other_metadata_is_refused(native):
     other = make_attention_case([5], [1], num_heads=4, num_kv_heads=2, head_dim=32,
                                 block_size=4, seed=0)
     _, k_cache, _, block_tables, seq_lens, query_start_loc, _ = other.args()
-    with decodes(native):
-        plan = plan_cpu_attention(block_tables, seq_lens, query_start_loc, k_cache)
+    plan = plan_cpu_attention(block_tables, seq_lens, query_start_loc, k_cache, native=native)
     with pytest.raises(ValueError, match="plan covers 1 queries but q has 4"):
         cpu_paged_attention(*case.args(), plan=plan)
 

@@ -144,3 +144,15 @@ def test_a_failing_build_leaves_nothing(tmp_path: Path, caplog):
     assert build_native_decode(compiler=os.fspath(failing), cache_dir=cache) is None
     assert "broken" in caplog.text
     assert not any(cache.iterdir())
+
+
+def test_profiles_under_its_own_name():
+    from torch.profiler import ProfilerActivity, profile
+
+    from minipaged.cpu_kernels import PROFILER_NAME
+
+    q, k_cache, v_cache, tables, _, _ = make_batch(4, 2, 16, 4, [5, 3], 0, torch.float32)
+    lens, rows = torch.tensor([5, 3], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        paged_decode(torch.empty_like(q), q, k_cache, v_cache, tables, lens, rows, rows, 0.25)
+    assert PROFILER_NAME in {event.key for event in prof.key_averages()}

@@ -45,6 +45,11 @@ static inline const float *row_f32(const void *base, int64_t index, int bf16, in
     return buf;
 }
 
+static inline void prefetch_row(const void *base, int64_t index, int bf16, int d) {
+    const char *row = (const char *)base + index * (bf16 ? 2 : 4);
+    for (int b = 0; b < d * (bf16 ? 2 : 4); b += 64) __builtin_prefetch(row + b);
+}
+
 /* One decode and one KV head: the group's g query heads over the sequence's len keys. Inlined
  * into `attend` with g and d known at compile time for the common sizes (below). */
 static inline __attribute__((always_inline)) void attend_one(
@@ -64,7 +69,12 @@ static inline __attribute__((always_inline)) void attend_one(
         const int64_t block = table[start / bs];
         const int n = len - start < bs ? len - start : bs;
         const int64_t first = (block * bs * hkv + kv_head) * d; /* token 0 of the block */
+        /* The next block's rows are fetched a row per key and value, while this one computes:
+         * one thread's misses alone would leave memory idle (benchmarks/attention_cpu.py). */
+        const int64_t ahead = start + bs < len ? (table[start / bs + 1] * bs * hkv + kv_head) * d
+                                               : first;
         for (int t = 0; t < n; t++) {  /* scores of the block's keys */
+            prefetch_row(k_cache, ahead + (int64_t)t * hkv * d, bf16, d);
             const float *key = row_f32(k_cache, first + (int64_t)t * hkv * d, bf16, d, krow);
             for (int j = 0; j < g; j++) {
                 float dot = 0.0f;
@@ -83,6 +93,7 @@ static inline __attribute__((always_inline)) void attend_one(
             for (int i = 0; i < d; i++) acc[j][i] *= correction;
         }
         for (int t = 0; t < n; t++) {  /* weighted values */
+            prefetch_row(v_cache, ahead + (int64_t)t * hkv * d, bf16, d);
             const float *value = row_f32(v_cache, first + (int64_t)t * hkv * d, bf16, d, vrow);
             for (int j = 0; j < g; j++) {
                 const float p = s[j][t];
