@@ -5,8 +5,9 @@ PyTorch has no operator that attends over K/V scattered in blocks, so the PyTorc
 every sequence's blocks out of the cache before attending (`attention.gather_context`): on a
 CPU that copy costs as much as the attention itself (`benchmarks/roofline.py`). The kernel reads
 the blocks in place instead. It is plain C with no PyTorch headers, so building it takes about a
-second: the system's C compiler (`$CC`, else `cc`), `-O3 -ffast-math -march=native -fopenmp`,
-into a cache directory (`$MINIPAGED_CACHE`, else `~/.cache/minipaged`) under a name that hashes
+second: the system's C compiler (`$CC`, else `cc`), `-O3 -ffast-math -march=native -fopenmp`
+(fast-math for the compile only: it must not change the process's floating-point state), into
+a cache directory (`$MINIPAGED_CACHE`, else `~/.cache/minipaged`) under a name that hashes
 the source, the flags, the compiler and this CPU's model and flags, so a cached build never runs
 on a CPU it was not built for.
 
@@ -34,7 +35,10 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-CFLAGS = ("-O3", "-ffast-math", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+# -ffast-math only to compile (vector reductions and glibc's vector expf): linked with it, gcc
+# adds crtfastmath.o, whose constructor flushes subnormals to zero in the whole process.
+CFLAGS = ("-O3", "-ffast-math", "-march=native", "-fopenmp", "-fPIC", "-std=c11", "-c")
+LDFLAGS = ("-shared", "-fopenmp", "-lm")
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads and writes
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 64, 256, 256  # the kernel's fixed buffers
 PROFILER_NAME = "minipaged::paged_decode"  # its calls, as torch's profiler lists them
@@ -65,7 +69,7 @@ def build_native_decode(compiler: str | None = None, cache_dir: Path | None = No
                        compiler or os.environ.get("CC", "cc"))
         return None
     version = subprocess.run([found, "--version"], capture_output=True, text=True).stdout
-    parts = [SOURCE.read_bytes(), " ".join(CFLAGS).encode(), version.encode(),
+    parts = [SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), version.encode(),
              _cpu_identity().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = (cache_dir or _cache_dir()) / f"paged_decode-{key}.so"
@@ -73,9 +77,12 @@ def build_native_decode(compiler: str | None = None, cache_dir: Path | None = No
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        result = subprocess.run([found, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"],
+        built, obj = Path(scratch) / target.name, Path(scratch) / "paged_decode.o"
+        result = subprocess.run([found, *CFLAGS, str(SOURCE), "-o", str(obj)],
                                 capture_output=True, text=True)
+        if result.returncode == 0:
+            result = subprocess.run([found, str(obj), *LDFLAGS, "-o", str(built)],
+                                    capture_output=True, text=True)
         if result.returncode != 0:
             logger.warning("building %s failed, CPU paged decode gathers blocks the PyTorch "
                            "way:\n%s", SOURCE.name, result.stderr)

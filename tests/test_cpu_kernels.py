@@ -156,3 +156,14 @@ def test_profiles_under_its_own_name():
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         paged_decode(torch.empty_like(q), q, k_cache, v_cache, tables, lens, rows, rows, 0.25)
     assert PROFILER_NAME in {event.key for event in prof.key_averages()}
+
+
+def test_loading_it_leaves_the_processs_floating_point_alone():
+    """Linked with -ffast-math, a library's constructor would flush subnormals to zero in the
+    whole process (every later float computation of the user's)."""
+    assert native_decode_available()
+    tiny = torch.tensor([1e-39], dtype=torch.float32)  # a float32 subnormal
+    assert float(tiny * 1.0) > 0.0 and float(tiny + tiny) > 0.0
+    import numpy as np
+
+    assert np.float32(1e-39) * np.float32(1.0) > 0.0
