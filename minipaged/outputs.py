@@ -12,7 +12,8 @@ from dataclasses import dataclass
 @dataclass
 class RequestMetrics:
     """Timestamps and counters of one request. Times are seconds on the clock of whoever drives
-    the scheduler: `time.monotonic()` in the engine, simulated time in the simulator."""
+    the scheduler: the engine's `clock` (wall time unless given), the simulator's simulated
+    time."""
 
     arrival_time: float
     first_scheduled_time: float | None = None

@@ -55,8 +55,8 @@ class StepTimings:
 class StepRecord:
     """One step, as it happened: who ran, which blocks moved, who was preempted, and when.
 
-    `start` / `end` are on the clock of whoever drove the scheduler (the engine's
-    `time.monotonic()`, the simulator's simulated time); `timings` are measured by the engine
+    `start` / `end` are on the clock of whoever drove the scheduler (the engine's `clock`, the
+    simulator's simulated time); `timings` are measured by the engine
     only. `num_running` counts the requests holding device memory during the step; `levels` is
     each request's queue under an MLFQ scheduler (empty otherwise).
     """
