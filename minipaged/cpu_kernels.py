@@ -6,7 +6,8 @@ every sequence's blocks out of the cache before attending (`attention.gather_con
 CPU that copy costs as much as the attention itself (`benchmarks/roofline.py`). The kernel reads
 the blocks in place instead. It is plain C with no PyTorch headers, so building it takes about a
 second: the system's C compiler (`$CC`, else `cc`), `-O3 -ffast-math -march=native -fopenmp`
-(fast-math for the compile only: it must not change the process's floating-point state), into
+(fast-math for the compile only: it must not change the process's floating-point state; without
+OpenMP or `-march=native` where the compiler lacks them), into
 a cache directory (`$MINIPAGED_CACHE`, else `~/.cache/minipaged`) under a name that hashes
 the source, the flags, the compiler and this CPU's model and flags, so a cached build never runs
 on a CPU it was not built for.
@@ -37,8 +38,10 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 # -ffast-math only to compile (vector reductions and glibc's vector expf): linked with it, gcc
 # adds crtfastmath.o, whose constructor flushes subnormals to zero in the whole process.
-CFLAGS = ("-O3", "-ffast-math", "-march=native", "-fopenmp", "-fPIC", "-std=c11", "-c")
-LDFLAGS = ("-shared", "-fopenmp", "-lm")
+CFLAGS = ("-O3", "-ffast-math", "-fPIC", "-std=c11", "-c")
+LDFLAGS = ("-shared", "-lm")
+# Tried in turn: a compiler that lacks OpenMP (Apple's clang) or -march=native still builds it.
+OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-march=native",), ())
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads and writes
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 64, 256, 256  # the kernel's fixed buffers
 PROFILER_NAME = "minipaged::paged_decode"  # its calls, as torch's profiler lists them
@@ -69,7 +72,8 @@ def build_native_decode(compiler: str | None = None, cache_dir: Path | None = No
                        compiler or os.environ.get("CC", "cc"))
         return None
     version = subprocess.run([found, "--version"], capture_output=True, text=True).stdout
-    parts = [SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), version.encode(),
+    flags = CFLAGS + LDFLAGS + tuple(f for extra in OPTIONAL_FLAGS for f in extra)
+    parts = [SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(),
              _cpu_identity().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = (cache_dir or _cache_dir()) / f"paged_decode-{key}.so"
@@ -77,18 +81,28 @@ def build_native_decode(compiler: str | None = None, cache_dir: Path | None = No
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built, obj = Path(scratch) / target.name, Path(scratch) / "paged_decode.o"
-        result = subprocess.run([found, *CFLAGS, str(SOURCE), "-o", str(obj)],
+        built, errors = Path(scratch) / target.name, []
+        for extra in OPTIONAL_FLAGS:
+            error = _compile(found, extra, Path(scratch), built)
+            if error is None:
+                os.replace(built, target)  # atomic: a concurrent build of this key is the same
+                return target
+            errors.append(f"with {' '.join(extra) or 'no optional flags'}:\n{error}")
+    logger.warning("building %s failed, CPU paged decode gathers blocks the PyTorch way:\n%s",
+                   SOURCE.name, "\n".join(errors))
+    return None
+
+
+def _compile(compiler: str, extra: tuple[str, ...], scratch: Path, built: Path) -> str | None:
+    """Compile, then link (fast-math only in the first), into `built`; the error, or None."""
+    obj = scratch / "paged_decode.o"
+    result = subprocess.run([compiler, *CFLAGS, *extra, str(SOURCE), "-o", str(obj)],
+                            capture_output=True, text=True)
+    if result.returncode == 0:
+        link_extra = [f for f in extra if f == "-fopenmp"]
+        result = subprocess.run([compiler, str(obj), *LDFLAGS, *link_extra, "-o", str(built)],
                                 capture_output=True, text=True)
-        if result.returncode == 0:
-            result = subprocess.run([found, str(obj), *LDFLAGS, "-o", str(built)],
-                                    capture_output=True, text=True)
-        if result.returncode != 0:
-            logger.warning("building %s failed, CPU paged decode gathers blocks the PyTorch "
-                           "way:\n%s", SOURCE.name, result.stderr)
-            return None
-        os.replace(built, target)  # atomic: a concurrent build of the same key is identical
-    return target
+    return None if result.returncode == 0 else result.stderr
 
 
 @functools.cache

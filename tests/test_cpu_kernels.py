@@ -136,6 +136,24 @@ def test_without_a_compiler_there_is_no_build(tmp_path: Path, caplog):
     assert not any(tmp_path.iterdir())
 
 
+def test_a_compiler_without_openmp_still_builds_it(tmp_path: Path):
+    """Apple's clang, say, refuses -fopenmp: the kernel is built without it (one thread)."""
+    import ctypes
+    import shutil
+
+    no_openmp = tmp_path / "cc"
+    no_openmp.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do [ "$a" = -fopenmp ] && { echo "unsupported: -fopenmp" >&2; exit 1; }; '
+        "done\n"
+        f'exec {shutil.which("cc")} "$@"\n'
+    )
+    no_openmp.chmod(0o755)
+    built = build_native_decode(compiler=os.fspath(no_openmp), cache_dir=tmp_path / "cache")
+    assert built is not None and built.exists()
+    assert hasattr(ctypes.CDLL(os.fspath(built)), "paged_decode")
+
+
 def test_a_failing_build_leaves_nothing(tmp_path: Path, caplog):
     failing = tmp_path / "cc"
     failing.write_text("#!/bin/sh\necho 'cc: broken' >&2\nexit 1\n")
