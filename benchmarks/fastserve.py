@@ -270,8 +270,9 @@ def real_engine(num_requests: int, loads: list[float], seed: int) -> dict:
     base = heavy_tailed(num_requests, seed=seed, output_median=12, max_seq_len=200)
     base = [r.__class__(0.0, min(r.prompt_len, 64), min(r.output_len, 120)) for r in base]
     # Profiled once, in CPU time (a step is ~1-2 ms here); every engine gets it ready-made.
-    probe = LLMEngine(model, model_config, None, EngineConfig(**engine_config))
-    cost = profile_engine(probe, max_prefill=64, max_batch=4, clock=time.thread_time)
+    probe = LLMEngine(model, model_config, None, EngineConfig(**engine_config),
+                      clock=time.thread_time)
+    cost = profile_engine(probe, max_prefill=64, max_batch=4)
     sim_kwargs = dict(
         num_blocks=48, block_size=8, num_host_blocks=96, config=probe.scheduler.config
     )

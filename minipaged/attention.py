@@ -206,10 +206,16 @@ def checked_plan(
                                    max_query_len=max_query_len, max_seq_len=max_seq_len)
     if plan is None:
         return plan_attention(block_tables, seq_lens, query_start_loc, k_cache)
-    if validate and (covered := sum(chunk.tokens.numel() for chunk in plan)) != q.shape[0]:
-        raise ValueError(f"plan covers {covered} queries but q has {q.shape[0]}: it was made "
-                         "for other metadata")
+    if validate:
+        check_plan_covers(sum(chunk.tokens.numel() for chunk in plan), q)
     return plan
+
+
+def check_plan_covers(num_queries: int, q: Tensor) -> None:
+    """A given plan must cover exactly q's rows: one made for other metadata is refused."""
+    if num_queries != q.shape[0]:
+        raise ValueError(f"plan covers {num_queries} queries but q has {q.shape[0]}: it was made "
+                         "for other metadata")
 
 
 def _attend_chunk(q: Tensor, k_cache: Tensor, v_cache: Tensor, chunk: AttentionChunk,

@@ -33,7 +33,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from minipaged import attention
-from minipaged.attention import AttentionChunk, gather_context, plan_attention
+from minipaged.attention import (
+    AttentionChunk,
+    check_plan_covers,
+    gather_context,
+    plan_attention,
+)
 from minipaged.attention_contract import AttentionOps, check_paged_attention_args
 from minipaged.cpu_kernels import native_decode_available, native_decode_supports, paged_decode
 
@@ -108,9 +113,8 @@ def cpu_paged_attention(
                                    max_query_len=max_query_len, max_seq_len=max_seq_len)
     if plan is None:
         plan = plan_cpu_attention(block_tables, seq_lens, query_start_loc, k_cache)
-    elif validate and plan.num_queries != q.shape[0]:
-        raise ValueError(f"plan covers {plan.num_queries} queries but q has {q.shape[0]}: it "
-                         "was made for other metadata")
+    elif validate:
+        check_plan_covers(plan.num_queries, q)
     out = q.new_empty(q.shape)
     if plan.decodes is not None:
         d = plan.decodes

@@ -13,7 +13,6 @@ observer for what each step computed -- and leave it idle, with its own schedule
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable, Collection
 
 from minipaged.cost_model import CostModel, StepShape
@@ -34,12 +33,12 @@ def profile_engine(
     max_batch: int = 16,
     repeats: int = 3,
     seed: int = 0,
-    clock: Callable[[], float] = time.perf_counter,
 ) -> CostModel:
     """Time `engine.step()` under a serving-like load (`measure_engine_steps`) and one block
-    swap (the median of `repeats`), and fit a cost model. `clock` reads the time
-    (`time.thread_time` measures this thread's CPU time only: steadier on a shared machine,
-    with torch on one thread). The engine must be idle; it is left idle."""
+    swap (the median of `repeats`), and fit a cost model, in the engine's own clock
+    (`LLMEngine(clock=time.thread_time)` measures this thread's CPU time only: steadier on a
+    shared machine, with torch on one thread). The engine must be idle; it is left idle."""
+    clock = engine.clock
     shapes, times = measure_engine_steps(engine, max_prefill, max_batch, seed, clock)
     swap = measure_swap_time(engine.runner, repeats, clock)
     return CostModel.fit(shapes, times, per_swap_block=swap, name="profiled")
