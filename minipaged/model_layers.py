@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from minipaged.config import ModelConfig
 
@@ -89,10 +90,11 @@ def check_flat_batch(config: ModelConfig, input_ids: Tensor, positions: Tensor) 
 # Linear layers: every projection of every family
 # ---------------------------------------------------------------------------------------------
 
-# oneDNN's linear op, from PyTorch's oneDNN integration (torch.compile's CPU backend emits it for
-# fused linear layers); absent from builds without oneDNN, where `linear` is `F.linear`.
-ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(
-    torch.ops.mkldnn, "_linear_pointwise"
+# oneDNN's linear op and its weight packing, from PyTorch's oneDNN integration (torch.compile's
+# CPU backend emits both for frozen linear layers); absent from builds without oneDNN, where
+# `linear` is `F.linear`.
+ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and all(
+    hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight")
 )
 # The row counts `onednn_is_faster` times both GEMMs at: a small decode step and a large one.
 GEMM_PROBE_ROWS = (1, 16)
@@ -106,21 +108,48 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`x @ weight.T + bias`, as `F.linear`, on whichever of PyTorch's two CPU GEMMs is faster.
 
     PyTorch's CPU build sends `F.linear` to MKL's GEMM (oneDNN's for bfloat16 where the CPU has
-    it); oneDNN's own linear op is the other. Which is faster depends on the CPU (MKL is slow at
-    the few rows of a decode step on some, not on others) and on the weight's shape, so
+    it), which rearranges the weight into the GEMM's blocked layout on every call: at the few
+    rows of a decode step that rearranging costs about as much as the product. The other is
+    oneDNN's linear op over a copy of the weight packed into that layout once
+    (`packed_weight`). Which is faster depends on the CPU and on the weight's shape, so
     `onednn_is_faster` times both on this machine, once per weight shape and dtype
     (`benchmarks/linear_cpu.py` compares them at every row count). The sums are the same, in
     another order: outputs differ from `F.linear` by float rounding. The oneDNN op has no
     backward, so anything that needs gradients takes `F.linear`.
     """
     if uses_onednn(x, weight):
-        return onednn_linear(x, weight, bias)
+        return onednn_linear(x, packed_weight(weight), bias)
     return F.linear(x, weight, bias)
 
 
 def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`F.linear` on oneDNN, whatever the sizes (`linear` decides when to call it)."""
+    """`F.linear` on oneDNN, whatever the sizes, for a plain or a packed weight (`linear` decides
+    when to call it)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+# Each weight oneDNN multiplies -> (its storage and version when packed, the packed copy).
+_PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def packed_weight(weight: Tensor) -> Tensor:
+    """`weight` in oneDNN's blocked layout for its linear op: packed on first use and kept while
+    the weight lives, packed again once the weight is written in place (its version counter
+    moves, as `load_state_dict` and `copy_` move it) or given new storage.
+
+    The copy takes as much memory as the weight, which stays the model's parameter (checkpoints,
+    tensor-parallel slices and a tied embedding read it). `weight` must not be an inference
+    tensor (see `may_use_onednn`)."""
+    if weight.is_inference():
+        raise ValueError("packed_weight needs a weight made outside torch.inference_mode: an "
+                         "inference tensor has no version counter to tell when it changes")
+    stamp = (weight.data_ptr(), weight._version)
+    cached = _PACKED.get(weight)
+    if cached is None or cached[0] != stamp:
+        with torch.no_grad():
+            cached = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
+        _PACKED[weight] = cached
+    return cached[1]
 
 
 def uses_onednn(x: Tensor, weight: Tensor) -> bool:
@@ -134,25 +163,32 @@ def uses_onednn(x: Tensor, weight: Tensor) -> bool:
 
 
 def may_use_onednn(weight: Tensor) -> bool:
-    """Whether oneDNN's linear can take `weight` at all: a CPU weight of float32 or bfloat16."""
+    """Whether oneDNN's linear can take `weight` at all: a CPU weight of float32 or bfloat16,
+    not made under `torch.inference_mode` (such a tensor has no version counter to tell when a
+    packed copy is stale)."""
     return (
         ONEDNN_AVAILABLE
         and weight.device.type == "cpu"
         and weight.dtype in (torch.float32, torch.bfloat16)
+        and not weight.is_inference()
     )
 
 
 def choose_gemms(model: nn.Module) -> None:
     """Make `linear`'s choice (`onednn_is_faster`) for every `Linear` weight of `model` now, at
-    start-up, so that no step, and no profile of one, pays for the measurement."""
+    start-up, and pack the weights oneDNN will multiply, so that no step, and no profile of one,
+    pays for the measurement or the packing."""
     for module in model.modules():
-        if isinstance(module, Linear) and may_use_onednn(module.weight):
-            onednn_is_faster(module.weight.shape[0], module.weight.shape[1], module.weight.dtype)
+        weight = module.weight if isinstance(module, Linear) else None
+        if weight is not None and may_use_onednn(weight):
+            if onednn_is_faster(weight.shape[0], weight.shape[1], weight.dtype):
+                packed_weight(weight)
 
 
 @functools.cache
 def onednn_is_faster(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
-    """Whether oneDNN's linear beats `F.linear` on this CPU for an `[out, in]` weight of `dtype`.
+    """Whether oneDNN's linear over packed weights beats `F.linear` on this CPU for an
+    `[out, in]` weight of `dtype`.
 
     Measured once per process and shape, the way a step uses weights: both GEMMs multiply
     `GEMM_PROBE_ROWS` rows by copies of the weight that together overflow the CPU's caches
@@ -168,15 +204,17 @@ def onednn_is_faster(out_features: int, in_features: int, dtype: torch.dtype) ->
     weights = [torch.randn(out_features, in_features, generator=gen).to(dtype)
                for _ in range(copies)]
     inputs = [torch.randn(n, in_features, generator=gen).to(dtype) for n in GEMM_PROBE_ROWS]
-    best = {F.linear: float("inf"), onednn_linear: float("inf")}
     with torch.inference_mode():
-        for fn in best:  # warm-up: first-call costs (packing, page faults) are not a step's
-            fn(inputs[0], weights[0])
+        packed = [torch.ops.mkldnn._reorder_linear_weight(weight) for weight in weights]
+        candidates = {F.linear: weights, onednn_linear: packed}
+        best = dict.fromkeys(candidates, float("inf"))
+        for fn, operands in candidates.items():  # warm-up: first-call costs are not a step's
+            fn(inputs[0], operands[0])
         for _ in range(3):
-            for fn in best:
+            for fn, operands in candidates.items():
                 start = time.perf_counter()
                 for x in inputs:
-                    for weight in weights:
+                    for weight in operands:
                         fn(x, weight)
                 best[fn] = min(best[fn], time.perf_counter() - start)
     return best[onednn_linear] < (1 - ONEDNN_MARGIN) * best[F.linear]

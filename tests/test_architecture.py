@@ -31,6 +31,8 @@ ENGINE_MODULES = frozenset({"minipaged.engine"})
 # Private names of *other* libraries that are their only public way in, with the reason.
 ALLOWED_PRIVATE = {
     "_linear_pointwise": "oneDNN's fused linear is registered only as torch.ops.mkldnn's op",
+    "_reorder_linear_weight": "so is the packing of a weight for it",
+    "_version": "torch's in-place version counter, the one sign that a packed copy is stale",
 }
 
 
