@@ -45,17 +45,21 @@ static inline const float *row_f32(const void *base, int64_t index, int bf16, in
     return buf;
 }
 
+/* Fetch a row into L2 (prefetcht1), not L1: an L1 prefetch holds one of the core's few L1 miss
+ * buffers until its line arrives, so fewer misses are in flight at once; the L2 has more. It
+ * reads K/V 1.3-1.7x faster here (benchmarks/attention_cpu.py, docs/benchmarks.md). */
 static inline void prefetch_row(const void *base, int64_t index, int bf16, int d) {
     const char *row = (const char *)base + index * (bf16 ? 2 : 4);
-    for (int b = 0; b < d * (bf16 ? 2 : 4); b += 64) __builtin_prefetch(row + b);
+    for (int b = 0; b < d * (bf16 ? 2 : 4); b += 64) __builtin_prefetch(row + b, 0, 2);
 }
 
-/* One decode and one KV head: the group's g query heads over the sequence's len keys. Inlined
- * into `attend` with g and d known at compile time for the common sizes (below). */
+/* One decode and one KV head: the group's g query heads over the sequence's len keys. `then`
+ * is where the next pair's first block starts (its rows are fetched during this pair's last
+ * block). Inlined into `attend` with g and d known at compile time for the common sizes. */
 static inline __attribute__((always_inline)) void attend_one(
     const void *q, const void *k_cache, const void *v_cache, void *out, const int32_t *table,
     int64_t row, int32_t len, int kv_head, int h, int hkv, int g, int d, int bs, float scale,
-    int bf16) {
+    int bf16, int64_t then) {
     float qs[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
     float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][MAX_BLOCK];
     float krow[MAX_HEAD_DIM], vrow[MAX_HEAD_DIM];
@@ -69,10 +73,11 @@ static inline __attribute__((always_inline)) void attend_one(
         const int64_t block = table[start / bs];
         const int n = len - start < bs ? len - start : bs;
         const int64_t first = (block * bs * hkv + kv_head) * d; /* token 0 of the block */
-        /* The next block's rows are fetched a row per key and value, while this one computes:
-         * one thread's misses alone would leave memory idle (benchmarks/attention_cpu.py). */
+        /* The next block's rows (after the last block, the next pair's first) are fetched a row
+         * per key and value while this one computes: one thread's misses alone would leave
+         * memory idle (benchmarks/attention_cpu.py). */
         const int64_t ahead = start + bs < len ? (table[start / bs + 1] * bs * hkv + kv_head) * d
-                                               : first;
+                                               : then;
         for (int t = 0; t < n; t++) {  /* scores of the block's keys */
             prefetch_row(k_cache, ahead + (int64_t)t * hkv * d, bf16, d);
             const float *key = row_f32(k_cache, first + (int64_t)t * hkv * d, bf16, d, krow);
@@ -116,18 +121,19 @@ static inline __attribute__((always_inline)) void attend_one(
 
 #define SIZED(G, D)                                                                         \
     if (g == G && d == D) {                                                                 \
-        attend_one(q, k, v, out, table, row, len, kv_head, h, hkv, G, D, bs, scale, bf16);  \
+        attend_one(q, k, v, out, table, row, len, kv_head, h, hkv, G, D, bs, scale, bf16,   \
+                   then);                                                                   \
         return;                                                                             \
     }
 
 /* `attend_one`, specialised for head dims 64 and 128 with 1 to 8 query heads per KV head. */
 static void attend(const void *q, const void *k, const void *v, void *out, const int32_t *table,
                    int64_t row, int32_t len, int kv_head, int h, int hkv, int d, int bs,
-                   float scale, int bf16) {
+                   float scale, int bf16, int64_t then) {
     const int g = h / hkv;
     SIZED(1, 64) SIZED(2, 64) SIZED(3, 64) SIZED(4, 64) SIZED(5, 64) SIZED(6, 64) SIZED(8, 64)
     SIZED(1, 128) SIZED(2, 128) SIZED(4, 128) SIZED(6, 128) SIZED(8, 128)
-    attend_one(q, k, v, out, table, row, len, kv_head, h, hkv, g, d, bs, scale, bf16);
+    attend_one(q, k, v, out, table, row, len, kv_head, h, hkv, g, d, bs, scale, bf16, then);
 }
 
 /* Every (decode, KV head) pair, split over `threads` OpenMP threads. Returns 0, or -1 when a
@@ -142,8 +148,11 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *
     for (int64_t p = 0; p < pairs; p++) {
         const int64_t i = p / hkv;
         const int32_t seq = seqs[i];
+        const int64_t next = p + 1 < pairs ? p + 1 : p; /* its first block is fetched early */
+        const int64_t first_block = block_tables[(int64_t)seqs[next / hkv] * max_blocks];
+        const int64_t then = (first_block * bs * hkv + next % hkv) * d;
         attend(q, k_cache, v_cache, out, block_tables + (int64_t)seq * max_blocks, rows[i],
-                   seq_lens[seq], (int)(p % hkv), h, hkv, d, bs, scale, bf16);
+                   seq_lens[seq], (int)(p % hkv), h, hkv, d, bs, scale, bf16, then);
     }
     return 0;
 }
