@@ -7,10 +7,10 @@ CPU that copy costs as much as the attention itself (`benchmarks/roofline.py`). 
 the blocks in place instead. It is plain C with no PyTorch headers, so building it takes about a
 second: the system's C compiler (`$CC`, else `cc`), `-O3 -ffast-math -march=native -fopenmp`
 (fast-math for the compile only: it must not change the process's floating-point state; without
-OpenMP or `-march=native` where the compiler lacks them), into
-a cache directory (`$MINIPAGED_CACHE`, else `~/.cache/minipaged`) under a name that hashes
-the source, the flags, the compiler and this CPU's model and flags, so a cached build never runs
-on a CPU it was not built for.
+OpenMP or `-march=native` where the compiler lacks them), into a cache directory
+(`$MINIPAGED_CACHE`, else `~/.cache/minipaged`) under a name that hashes the source, the flags,
+the compiler and this CPU's model and flags, so a cached build never runs on a CPU it was not
+built for.
 
 `native_decode_available()` says whether the kernel could be built here (it is built then, once
 per process); without a compiler the CPU backend attends the PyTorch way and says so in the log.

@@ -179,10 +179,10 @@ def choose_gemms(model: nn.Module) -> None:
     start-up, and pack the weights oneDNN will multiply, so that no step, and no profile of one,
     pays for the measurement or the packing."""
     for module in model.modules():
-        weight = module.weight if isinstance(module, Linear) else None
-        if weight is not None and may_use_onednn(weight):
-            if onednn_is_faster(weight.shape[0], weight.shape[1], weight.dtype):
-                packed_weight(weight)
+        if isinstance(module, Linear) and may_use_onednn(module.weight):
+            out_features, in_features = module.weight.shape
+            if onednn_is_faster(out_features, in_features, module.weight.dtype):
+                packed_weight(module.weight)
 
 
 @functools.cache
@@ -205,6 +205,7 @@ def onednn_is_faster(out_features: int, in_features: int, dtype: torch.dtype) ->
                for _ in range(copies)]
     inputs = [torch.randn(n, in_features, generator=gen).to(dtype) for n in GEMM_PROBE_ROWS]
     with torch.inference_mode():
+        # Throwaway copies, possibly made under inference_mode: packed directly, not cached.
         packed = [torch.ops.mkldnn._reorder_linear_weight(weight) for weight in weights]
         candidates = {F.linear: weights, onednn_linear: packed}
         best = dict.fromkeys(candidates, float("inf"))
