@@ -23,13 +23,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from minipaged.checkpoint_gguf import GGUF_MAGIC, config_from_gguf, gguf_checkpoint, open_gguf
+from minipaged.checkpoint_gguf import config_from_gguf, gguf_checkpoint, open_gguf
 from minipaged.checkpoint_safetensors import (
     read_config_json,
     safetensors_folder,
     safetensors_tensors,
 )
 from minipaged.config import ModelConfig
+from minipaged.gguf_file import GGUF_MAGIC
 from minipaged.weights import CheckpointError, PendingTensor, check_tensors
 
 __all__ = ["CheckpointError", "config_from_gguf", "default_model_path", "load_checkpoint"]

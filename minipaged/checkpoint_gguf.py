@@ -29,55 +29,46 @@ from minipaged.config import (
     check_token_ids,
     head_size,
 )
+from minipaged.gguf_file import GGUFError, GGUFFile, GGUFTensor, read_gguf_file
 from minipaged.weights import CheckpointError, PendingTensor, expected_shapes, is_conv1d
 
-GGUF_MAGIC = b"GGUF"
 # The architectures whose Q/K rows llama.cpp's converter permutes (see the module docstring).
 PERMUTED_QK = ("llama",)
 
 
 class _GGUFMetadata:
-    """Typed access to a GGUF reader's key/value metadata, with errors that name the file."""
+    """Typed access to a GGUF file's key/value metadata, with errors that name the file."""
 
     _MISSING = object()
 
-    def __init__(self, reader: Any, file: Path) -> None:
-        self.reader, self.file = reader, file
+    def __init__(self, gguf_file: GGUFFile) -> None:
+        self.values, self.file = gguf_file.metadata, gguf_file.path
 
     def get(self, key: str, default: Any = _MISSING) -> Any:
-        field = self.reader.fields.get(key)
-        if field is None:
-            if default is self._MISSING:
-                raise CheckpointError(f"{self.file}: GGUF metadata key {key!r} missing")
-            return default
-        value = field.contents()
-        return value.item() if isinstance(value, np.generic) else value
+        value = self.values.get(key, default)
+        if value is self._MISSING:
+            raise CheckpointError(f"{self.file}: GGUF metadata key {key!r} missing")
+        return value
 
 
-def config_from_gguf(source: Any) -> ModelConfig:
-    """A `ModelConfig` from a GGUF file's metadata; `source` is a path or a `gguf.GGUFReader`.
+def config_from_gguf(source: str | Path | GGUFFile) -> ModelConfig:
+    """A `ModelConfig` from a GGUF file's metadata; `source` is a path or a read `GGUFFile`.
 
     The head is tied to the token embedding exactly when the file has no `output.weight`; q/k/v
     and output biases are there when the file has them (always for Qwen2), per-head q/k norms
     for Qwen3.
     """
-    if hasattr(source, "fields"):  # already a GGUFReader
-        reader, file = source, Path(getattr(source.data, "filename", None) or "<GGUF reader>")
-    else:
-        file = Path(source)
-        if not file.is_file():
-            raise CheckpointError(f"{file} missing: no such file")
-        reader = open_gguf(file)
-    meta = _GGUFMetadata(reader, file)
+    gguf_file = source if isinstance(source, GGUFFile) else open_gguf(Path(source))
+    file, meta = gguf_file.path, _GGUFMetadata(gguf_file)
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
             f"{file}: unsupported architecture {arch!r} (general.architecture); minipaged "
             f"loads GGUF files of {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    tensor_names = {t.name for t in reader.tensors}
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab_size = len(tokens.data) if tokens is not None else meta.get(f"{arch}.vocab_size")
+    tensor_names = {t.name for t in gguf_file.tensors}
+    tokens = gguf_file.metadata.get("tokenizer.ggml.tokens")
+    vocab_size = len(tokens) if tokens is not None else meta.get(f"{arch}.vocab_size")
     hidden = meta.get(f"{arch}.embedding_length")
     num_heads = meta.get(f"{arch}.attention.head_count")
     special = {
@@ -86,7 +77,7 @@ def config_from_gguf(source: Any) -> ModelConfig:
     }
     try:
         check_token_ids(vocab_size, [(f"tokenizer.ggml.{k}", v) for k, v in special.items()])
-        if arch == "gpt2" or f"{arch}.attention.key_length" not in reader.fields:
+        if arch == "gpt2" or f"{arch}.attention.key_length" not in gguf_file.metadata:
             head_dim = head_size(
                 hidden, num_heads, f"{arch}.embedding_length", f"{arch}.attention.head_count"
             )
@@ -159,47 +150,30 @@ def _gguf_rope_scaling(meta: _GGUFMetadata, arch: str) -> dict[str, Any] | None:
     return scaling
 
 
-def open_gguf(file: Path) -> Any:
-    """A memory-mapped `gguf.GGUFReader`, with every parse failure turned into a clear error."""
-    from gguf import GGUFReader  # imported here: only this format needs it
-
-    size = file.stat().st_size
-    if size < 24:  # magic, version, tensor count, key/value count
-        raise CheckpointError(f"{file}: truncated GGUF file ({size} bytes, shorter than a header)")
-    with open(file, "rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise CheckpointError(f"{file}: not a GGUF file (bad magic: starts with {magic!r})")
+def open_gguf(file: Path) -> GGUFFile:
+    """A GGUF file's header, read, and its tensors mapped; every failure a `CheckpointError`."""
+    if not file.is_file():
+        raise CheckpointError(f"{file} missing: no such file")
     try:
-        reader = GGUFReader(file)
-    except Exception as exc:  # noqa: BLE001 - the reader raises many kinds on a cut-off header
-        raise CheckpointError(
-            f"{file}: truncated or corrupt GGUF file, its header cannot be parsed "
-            f"({type(exc).__name__}: {exc})"
-        ) from exc
-    for tensor in reader.tensors:
-        if tensor.data_offset + tensor.n_bytes > size:
-            raise CheckpointError(
-                f"{file}: truncated GGUF file (tensor {tensor.name} needs bytes up to "
-                f"{tensor.data_offset + tensor.n_bytes}, the file has {size})"
-            )
-    return reader
+        return read_gguf_file(file)
+    except GGUFError as exc:
+        raise CheckpointError(f"{file}: {exc}") from exc
 
 
 def gguf_checkpoint(file: Path) -> tuple[ModelConfig, dict[str, PendingTensor]]:
     """The config of a GGUF file and each of its tensors under its Hugging Face name."""
-    reader = open_gguf(file)
-    config = config_from_gguf(reader)
-    names = _hf_names(config, reader)
+    gguf_file = open_gguf(file)
+    config = config_from_gguf(gguf_file)
+    names = _hf_names(config)
     pending: dict[str, PendingTensor] = {}
-    for tensor in reader.tensors:
+    for tensor in gguf_file.tensors:
         if tensor.name not in names:
             raise CheckpointError(
                 f"unexpected tensor {tensor.name} in {file}: minipaged's {config.architecture} "
                 f"with this config has no such parameter"
             )
         name = names[tensor.name]
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # numpy order: (out, in)
+        shape = tensor.shape  # (out, in)
         if is_conv1d(config, name):
             shape = shape[::-1]
         read, read_part = _reader_fn(tensor, name, config, file)
@@ -207,7 +181,7 @@ def gguf_checkpoint(file: Path) -> tuple[ModelConfig, dict[str, PendingTensor]]:
     return config, pending
 
 
-def _hf_names(config: ModelConfig, reader: Any) -> dict[str, str]:
+def _hf_names(config: ModelConfig) -> dict[str, str]:
     """llama.cpp's name -> Hugging Face's, for every tensor the family needs."""
     import gguf  # imported here: only this format needs it
 
@@ -223,7 +197,7 @@ def _hf_names(config: ModelConfig, reader: Any) -> dict[str, str]:
 
 
 def _reader_fn(
-    tensor: Any, name: str, config: ModelConfig, file: Path
+    tensor: GGUFTensor, name: str, config: ModelConfig, file: Path
 ) -> tuple[Callable[[], torch.Tensor], Callable[[tuple[slice, ...]], torch.Tensor]]:
     """Functions that dequantise one GGUF tensor into its Hugging Face form: all of it, and a
     part of it (`PendingTensor.read_part`). A part made of whole rows dequantises only those

@@ -150,17 +150,13 @@ def _read_gguf_tokenizer_fields(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such GGUF file: {path}")
-    from gguf import GGUFReader
+    from minipaged.gguf_file import GGUFError, read_gguf_file  # only this format needs gguf
 
     try:
-        reader = GGUFReader(path)
-    except Exception as e:  # gguf raises ValueError/struct.error/... on a bad header
+        metadata = read_gguf_file(path).metadata
+    except GGUFError as e:
         raise TokenizerError(f"{path}: not a readable GGUF file ({e})") from e
-    return {
-        name: field.contents()
-        for name, field in reader.fields.items()
-        if name.startswith("tokenizer.")
-    }
+    return {name: value for name, value in metadata.items() if name.startswith("tokenizer.")}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from minipaged.checkpoint import (
 from minipaged.checkpoint_gguf import unpermute_qk
 from minipaged.config import ModelConfig
 from minipaged.dense import DenseAttentionBackend, DenseKVCache
+from minipaged.gguf_file import read_gguf_file
 from minipaged.model import build_model
 from minipaged.weights import expected_shapes
 
@@ -443,7 +444,7 @@ def test_gguf_rope_scaling_keys(tmp_path) -> None:
         "factor": 4.0,
         "original_max_position_embeddings": 32,
     }
-    assert config_from_gguf(gguf.GGUFReader(path)) == config
+    assert config_from_gguf(read_gguf_file(path)) == config
 
 
 @settings(max_examples=30)
