@@ -30,6 +30,7 @@ from minipaged.parallel import (
     check_shardable,
     kv_heads,
     q_heads,
+    token_embedding,
     vocab_range,
 )
 from minipaged.parallel_runner import WorkerDiedError
@@ -94,6 +95,15 @@ def test_every_head_and_token_has_its_ranks(kv, group, world, vocab):
     assert set(holders.values()) == {max(1, world // kv)}  # replicated only below N KV heads
     ids = [i for tp in ranks for i in vocab_range(config, tp)]
     assert ids == list(range(vocab))  # the vocabulary split in order, nothing twice
+
+
+def test_one_rank_embedding_is_initialised_as_nn_embedding():
+    config = config_of(heads=4, kv=2)
+    torch.manual_seed(0)
+    reference = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+    torch.manual_seed(0)
+    ours = token_embedding(config, TensorParallel(0, 1))
+    assert torch.equal(ours.weight, reference.weight) and ours.weight.requires_grad
 
 
 def test_unshardable_models_and_settings_raise_clearly():
