@@ -72,11 +72,15 @@ def allocate_kv_caches(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     pin_memory: bool = False,
+    zeroed: bool = True,
 ) -> list[Tensor]:
-    """One zeroed `[2, num_blocks, block_size, H_kv, D]` cache per layer: a device cache, or a
-    host pool (`pin_memory=True` for fast copies to and from a CUDA device)."""
+    """One `[2, num_blocks, block_size, H_kv, D]` cache per layer: a device cache, or a host
+    pool (`pin_memory=True` for fast copies to and from a CUDA device). `zeroed=False` leaves
+    the memory as allocated, for a pool whose blocks are always written before they are read:
+    on the CPU its pages are then not touched, nor resident, until used."""
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    allocate = torch.zeros if zeroed else torch.empty
+    return [allocate(shape, dtype=dtype, device=device, pin_memory=pin_memory)
             for _ in range(num_layers)]
 
 
