@@ -109,17 +109,22 @@ class TensorParallelRunner(ModelRunner):
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         for rank, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True), 1):
+            died = WorkerDiedError(
+                f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited while loading its "
+                "shard (its error is above; a script that starts tensor-parallel workers runs "
+                "them under `if __name__ == '__main__':`, as they are spawned)"
+            )
             while not conn.poll(0.1):
                 if not proc.is_alive():
-                    raise WorkerDiedError(
-                        f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
-                        f"{proc.exitcode} while loading its shard"
-                    )
+                    raise died
                 if time.monotonic() > deadline:
                     raise WorkerDiedError(
                         f"tensor-parallel worker rank {rank} did not load within {timeout_s} s"
                     )
-            message = conn.recv()
+            try:
+                message = conn.recv()
+            except EOFError:  # its end of the pipe closed: the worker is exiting
+                raise died from None
             if message != READY:
                 raise WorkerDiedError(f"tensor-parallel worker rank {rank} failed:\n{message}")
 

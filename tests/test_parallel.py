@@ -419,6 +419,39 @@ if __name__ == "__main__":  # the spawned workers import this file
 """
 
 
+UNGUARDED_SCRIPT = """
+import sys
+from minipaged.checkpoint import checkpoint_config
+from minipaged.engine import LLMEngine
+from minipaged.engine_config import EngineConfig
+from minipaged.parallel_worker import CheckpointShards
+
+path = sys.argv[1]  # no `if __name__ == "__main__":` guard
+config = EngineConfig(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0, device="cpu",
+                      tensor_parallel_size=2)
+LLMEngine(CheckpointShards(path), checkpoint_config(path), None, config)
+"""
+
+
+def test_a_worker_that_dies_while_loading_is_named_with_the_likely_cause(tmp_path):
+    """A script without `if __name__ == "__main__":` makes every spawned worker fail as it
+    imports the script: the parent ends with `WorkerDiedError` naming the rank and the guard,
+    not with the pipe's bare EOFError."""
+    import subprocess
+    import sys
+
+    random_llama(**SMALL_LLAMA).save_pretrained(tmp_path / "model")
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    run = subprocess.run([sys.executable, str(script), str(tmp_path / "model")],
+                         capture_output=True, text=True, timeout=120)
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode != 0
+    assert last.startswith("minipaged.parallel_runner.WorkerDiedError: tensor-parallel worker "
+                           "rank 1"), run.stderr[-2000:]
+    assert "if __name__ == '__main__':" in last
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc")
 def test_workers_exit_when_the_parent_is_killed(tmp_path):
     import subprocess
