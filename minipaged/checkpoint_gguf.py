@@ -29,11 +29,21 @@ from minipaged.config import (
     check_token_ids,
     head_size,
 )
-from minipaged.gguf_file import GGUFError, GGUFFile, GGUFTensor, read_gguf_file
+from minipaged.gguf_file import (
+    GGMLQuantizationType,
+    GGUFError,
+    GGUFFile,
+    GGUFTensor,
+    read_gguf_file,
+)
 from minipaged.weights import CheckpointError, PendingTensor, expected_shapes, is_conv1d
 
 # The architectures whose Q/K rows llama.cpp's converter permutes (see the module docstring).
 PERMUTED_QK = ("llama",)
+# Rows of blocks joined to about this many bytes for `gguf.quants.dequantize` (below): it takes
+# 16 rows a step, whose float32 values then stay within a core's L2 (16 KiB rows: 10% slower,
+# 64 KiB: 75%).
+JOINED_ROW_BYTES = 1 << 12
 
 
 class _GGUFMetadata:
@@ -204,10 +214,8 @@ def _reader_fn(
     rows (quantisation blocks run along a row); any other part is cut from the whole tensor."""
 
     def rows(which: slice) -> torch.Tensor:
-        from gguf.quants import dequantize
-
         try:
-            array = dequantize(tensor.data[which], tensor.tensor_type)
+            array = dequantize_rows(tensor.data[which], tensor.tensor_type)
         except NotImplementedError as exc:
             raise CheckpointError(
                 f"{file}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the "
@@ -232,6 +240,26 @@ def _reader_fn(
         return rows(index[0])
 
     return read, read_part
+
+
+def dequantize_rows(data: np.ndarray, tensor_type: GGMLQuantizationType) -> np.ndarray:
+    """`gguf.quants.dequantize` of a tensor's rows, given to it joined into longer rows.
+
+    It works through a tensor 16 rows at a time in Python, which for rows of a few hundred bytes
+    costs more than the arithmetic. Quantisation blocks never cross a row, so joined rows
+    dequantise to the same values in fewer, larger steps: SmolLM2's tensors in 0.50 s instead
+    of 0.86-1.45 s."""
+    from gguf.quants import dequantize  # imported here: only this format needs it
+
+    if data.ndim != 2 or data.dtype != np.uint8:  # plain types: a view or a cast, no loop
+        return dequantize(data, tensor_type)
+    n_rows, row_bytes = data.shape
+    join = max(1, min(n_rows, JOINED_ROW_BYTES // row_bytes))
+    while n_rows % join:
+        join -= 1
+    return dequantize(data.reshape(n_rows // join, join * row_bytes), tensor_type).reshape(
+        n_rows, -1
+    )
 
 
 def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
