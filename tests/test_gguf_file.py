@@ -4,8 +4,9 @@
   arrays, any alignment) and tensors (plain and block-quantised types): the values and arrays
   written come back, and equal `gguf.GGUFReader`'s (the oracle) key for key and tensor for tensor.
 * The bundled SmolLM2 file against `GGUFReader`, in full.
-* A file cut short anywhere is a "truncated" `GGUFError`; malformed headers, built byte by byte,
-  are refused with an error naming what is wrong.
+* A file cut short anywhere is a "truncated" `GGUFError`; a header with bytes overwritten at
+  random parses or is a `GGUFError`; malformed headers, built byte by byte, are refused with an
+  error naming what is wrong.
 """
 
 from __future__ import annotations
@@ -163,6 +164,24 @@ def test_a_file_cut_short_anywhere_is_truncated(small_file, tmp_path_factory, fr
     path.write_bytes(small_file.read_bytes()[: int(fraction * end)])
     with pytest.raises(GGUFError, match="truncated"):
         read_gguf_file(path)
+
+
+@settings(max_examples=300)
+@given(data=st.data())
+def test_a_header_with_any_bytes_changed_parses_or_is_a_gguf_error(small_file, tmp_path_factory,
+                                                                   data) -> None:
+    """Bytes of the header overwritten at random (counts, lengths, types, text): the reader
+    either parses the result or raises `GGUFError`, never another exception."""
+    raw = bytearray(small_file.read_bytes())
+    header_end = read_gguf_file(small_file).tensors[0].data_offset
+    for _ in range(data.draw(st.integers(1, 4))):
+        raw[data.draw(st.integers(0, header_end - 1))] = data.draw(st.integers(0, 255))
+    path = tmp_path_factory.mktemp("flipped") / "flipped.gguf"
+    path.write_bytes(bytes(raw))
+    try:
+        read_gguf_file(path)
+    except GGUFError:
+        pass
 
 
 def _string(text: str | bytes) -> bytes:
