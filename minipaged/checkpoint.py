@@ -25,13 +25,14 @@ from tqdm.auto import tqdm
 
 from minipaged.checkpoint_gguf import config_from_gguf, gguf_checkpoint, open_gguf
 from minipaged.checkpoint_safetensors import (
+    count_safetensors_tensors,
     read_config_json,
     safetensors_folder,
     safetensors_tensors,
 )
 from minipaged.config import ModelConfig
 from minipaged.gguf_file import GGUF_MAGIC
-from minipaged.weights import CheckpointError, PendingTensor, check_tensors
+from minipaged.weights import CheckpointError, PendingTensor, check_layer_count, check_tensors
 
 __all__ = ["CheckpointError", "config_from_gguf", "default_model_path", "load_checkpoint"]
 
@@ -98,10 +99,12 @@ def load_checkpoint(
                 f"carry no hyper-parameters, so a config.json must sit next to them"
             )
     config = read_config_json(config_file)
-    pending: dict[str, PendingTensor] = {}
     for file in files:
         if sniff(file) != "safetensors":
             raise CheckpointError(f"{file}: not a safetensors file (it is a GGUF file)")
+    check_layer_count(config, sum(map(count_safetensors_tensors, files)), str(config_file))
+    pending: dict[str, PendingTensor] = {}
+    for file in files:
         pending |= safetensors_tensors(file, config)
     return config, _checked_and_read(config, pending, dtype, progress, path, read)
 

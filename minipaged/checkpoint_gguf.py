@@ -36,7 +36,13 @@ from minipaged.gguf_file import (
     GGUFTensor,
     read_gguf_file,
 )
-from minipaged.weights import CheckpointError, PendingTensor, expected_shapes, is_conv1d
+from minipaged.weights import (
+    CheckpointError,
+    PendingTensor,
+    check_layer_count,
+    expected_shapes,
+    is_conv1d,
+)
 
 # The architectures whose Q/K rows llama.cpp's converter permutes (see the module docstring).
 PERMUTED_QK = ("llama",)
@@ -174,6 +180,7 @@ def gguf_checkpoint(file: Path) -> tuple[ModelConfig, dict[str, PendingTensor]]:
     """The config of a GGUF file and each of its tensors under its Hugging Face name."""
     gguf_file = open_gguf(file)
     config = config_from_gguf(gguf_file)
+    check_layer_count(config, len(gguf_file.tensors), f"{file}: {config.architecture}.block_count")
     names = _hf_names(config)
     pending: dict[str, PendingTensor] = {}
     for tensor in gguf_file.tensors:

@@ -90,6 +90,11 @@ def safetensors_tensors(file: Path, config: ModelConfig) -> dict[str, PendingTen
     return pending
 
 
+def count_safetensors_tensors(file: Path) -> int:
+    """How many tensors `file`'s header lists (the header checked, no data read)."""
+    return sum(key != "__metadata__" for key in _safetensors_header(file))
+
+
 def _safetensors_header(file: Path) -> dict[str, Any]:
     """Parse and check a safetensors header, so a cut-off or foreign file fails clearly."""
     size = file.stat().st_size

@@ -170,6 +170,19 @@ def mismatches(
     return missing, wrong, unexpected
 
 
+def check_layer_count(config: ModelConfig, num_tensors: int, where: str) -> None:
+    """Raise `CheckpointError` if `config` has more layers than the checkpoint has tensors.
+
+    Every layer holds several tensors, so such a config cannot fit; said before the table of
+    every layer's names is built, which for a corrupt count (a flipped byte of a GGUF file's
+    `block_count`) would take minutes and gigabytes. `where` names the file and field."""
+    if config.num_layers > num_tensors:
+        raise CheckpointError(
+            f"{where}: {config.num_layers} layers, more than the checkpoint's {num_tensors} "
+            f"tensors (every layer has several)"
+        )
+
+
 def check_tensors(
     config: ModelConfig, found: Mapping[str, tuple[int, ...]], file: Path, origin: Mapping[str, str]
 ) -> None:

@@ -770,6 +770,37 @@ def test_special_token_outside_vocabulary_gguf(tmp_path, key) -> None:
         config_from_gguf(path)
 
 
+def test_a_layer_count_beyond_the_tensors_is_refused_before_any_table_is_built(tmp_path) -> None:
+    """A corrupt layer count (one flipped byte of a GGUF block_count makes it millions) fails at
+    once, naming the field, instead of building a name table for every claimed layer."""
+    path = write_llama_gguf(tmp_path / "deep.gguf", tiny_llama(), **{"llama.block_count": 1000})
+    assert_load_fails(path, "llama.block_count: 1000 layers, more than the checkpoint's")
+    tiny_llama().save_pretrained(tmp_path / "hf")
+    config_file = _edit_config_json(tmp_path / "hf", num_hidden_layers=1000)
+    assert_load_fails(tmp_path / "hf", "1000 layers, more than the checkpoint's",
+                      names=config_file)
+
+
+@settings(max_examples=60)
+@given(data=st.data())
+def test_a_gguf_header_with_any_bytes_changed_loads_or_is_a_checkpoint_error(
+    tiny_files, data
+) -> None:
+    """Bytes of a real GGUF header overwritten at random (sizes, counts, names, types): the load
+    succeeds or raises `CheckpointError`, never another exception."""
+    source = tiny_files["gguf"]
+    raw = bytearray(source.read_bytes())
+    header_end = read_gguf_file(source).tensors[0].data_offset
+    for _ in range(data.draw(st.integers(1, 3))):
+        raw[data.draw(st.integers(0, header_end - 1))] = data.draw(st.integers(0, 255))
+    path = tiny_files["root"] / "flipped.gguf"
+    path.write_bytes(bytes(raw))
+    try:
+        load_checkpoint(path, progress=False)
+    except CheckpointError:
+        pass
+
+
 def test_head_count_must_divide_hidden_size(tmp_path) -> None:
     """Without a stated head size, LLaMA's is hidden / heads: 5 heads do not divide 64."""
     tiny_llama().save_pretrained(tmp_path / "hf")
