@@ -246,9 +246,17 @@ class BPE:
         if not vocab:
             raise TokenizerError("empty vocabulary")
         self.vocab = dict(vocab)
-        # Rank of each merge pair: lower merges first. First occurrence wins on duplicates.
+        # Rank of each merge pair: lower merges first. First occurrence wins on duplicates. Both
+        # halves and the merged token must be in the vocabulary (`tokenizers` refuses such a
+        # model too), or encoding would produce a token without an id.
         self.merge_ranks: dict[tuple[str, str], int] = {}
         for rank, pair in enumerate(merges):
+            for token in (*pair, "".join(pair)):
+                if token not in self.vocab:
+                    raise TokenizerError(
+                        f"merge {rank} ({' '.join(pair)!r}) needs {token!r}, which is not in the "
+                        "vocabulary"
+                    )
             self.merge_ranks.setdefault(tuple(pair), rank)
         self.ignore_merges = ignore_merges
         self.unk_token_id = unk_token_id

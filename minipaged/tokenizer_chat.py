@@ -22,8 +22,8 @@ from minipaged.tokenizer_bpe import TokenizerError
 
 
 class ChatTemplateError(TokenizerError):
-    """Raised by a chat template's own ``raise_exception(...)``, or for a template that is not
-    valid Jinja."""
+    """Raised by a chat template's own ``raise_exception(...)``, for a template that is not
+    valid Jinja, or for one that fails as it renders."""
 
 
 def render_chat_template(
@@ -35,14 +35,25 @@ def render_chat_template(
     documents: Sequence[dict[str, Any]] | None = None,
     **variables: Any,
 ) -> str:
-    """Render ``template`` for ``messages`` (a list of ``{"role": ..., ...}`` dicts)."""
-    return _compile(template).render(
-        messages=_checked_messages(messages),
-        tools=tools,
-        documents=documents,
-        add_generation_prompt=add_generation_prompt,
-        **variables,
-    )
+    """Render ``template`` for ``messages`` (a list of ``{"role": ..., ...}`` dicts). A template
+    is data: whatever makes it fail as it renders (an undefined name in arithmetic, a division
+    by zero, the sandbox refusing an operation) raises `ChatTemplateError`, as its own
+    ``raise_exception`` does."""
+    compiled, checked = _compile(template), _checked_messages(messages)
+    try:
+        return compiled.render(
+            messages=checked,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+    except ChatTemplateError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of the template's own code
+        raise ChatTemplateError(
+            f"the chat template failed to render: {type(e).__name__}: {e}"
+        ) from e
 
 
 def template_from_config(value: Any) -> str | None:

@@ -929,6 +929,68 @@ def test_gguf_with_sentencepiece_vocabulary(tmp_path):
         Tokenizer.from_gguf(path)
 
 
+def test_a_merge_into_a_token_outside_the_vocabulary_is_refused(tmp_path):
+    path = _write_gguf(tmp_path / "m.gguf", ["a", "b", "c", "ab"], ["a b", "ab c"], [1] * 4)
+    with pytest.raises(TokenizerError, match="merge 1 \\('ab c'\\) needs 'abc'"):
+        Tokenizer.from_gguf(path)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "kind"),
+    [("tokenizer.chat_template", True, "str"), ("tokenizer.ggml.bos_token_id", True, "int"),
+     ("tokenizer.ggml.add_bos_token", 1, "bool"), ("tokenizer.ggml.pre", 3, "str")],
+)
+def test_a_gguf_field_of_the_wrong_type_is_refused_naming_it(tmp_path, key, value, kind):
+    path = _write_gguf(tmp_path / "t.gguf", ["a", "b", "ab"], ["a b"], [1] * 3)
+    writer = gguf.GGUFWriter(tmp_path / "typed.gguf", arch="llama")
+    for name, field in gguf.GGUFReader(path).fields.items():
+        if name.startswith("tokenizer.") and name != key:
+            kind_of = field.types[0]
+            writer.add_key_value(name, field.contents(), kind_of,
+                                 sub_type=field.types[-1] if kind_of == gguf.GGUFValueType.ARRAY
+                                 else None)
+    value_type = gguf.GGUFValueType.BOOL if isinstance(value, bool) else gguf.GGUFValueType.INT32
+    writer.add_key_value(key, value, value_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(TokenizerError, match=f"{key} must be a {kind}"):
+        Tokenizer.from_gguf(tmp_path / "typed.gguf")
+
+
+@pytest.fixture(scope="module")
+def small_gguf(tmp_path_factory) -> Path:
+    tokens = ["a", "b", "c", "ab", "abc", "Ġ", "Ġa", "<s>", "</s>"]
+    return _write_gguf(
+        tmp_path_factory.mktemp("small") / "t.gguf", tokens, ["a b", "ab c", "Ġ a"],
+        [1] * 7 + [3, 3], bos_token_id=7, eos_token_id=8, add_bos_token=True,
+        chat_template="{{ messages[0]['content'] + bos_token }}",
+    )
+
+
+@settings(max_examples=150)
+@given(data=st.data())
+def test_a_gguf_file_with_any_bytes_changed_loads_and_works_or_is_a_tokenizer_error(
+    small_gguf, tmp_path_factory, data
+):
+    """Bytes overwritten at random anywhere in a GGUF tokenizer (counts, strings, types, the
+    template): loading, encoding, decoding and the chat template work, or `TokenizerError`."""
+    raw = bytearray(small_gguf.read_bytes())
+    for _ in range(data.draw(st.integers(1, 3))):
+        raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    path = tmp_path_factory.mktemp("flipped") / "t.gguf"
+    path.write_bytes(bytes(raw))
+    try:
+        tok = Tokenizer.from_gguf(path)
+        ids = tok.encode("abc a b <s>x", add_special_tokens=True)
+        assert all(isinstance(i, int) for i in ids)
+        tok.decode(ids)
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    except TokenizerError:
+        pass
+
+
 def test_not_a_gguf_file(tmp_path):
     path = tmp_path / "fake.gguf"
     path.write_bytes(b"this is not a gguf file at all" * 10)

@@ -143,10 +143,22 @@ def test_the_sandbox_refuses_to_mutate_the_callers_data() -> None:
     """The environment is immutable: a template cannot append to a list it is given."""
     messages = [{"role": "user", "content": "x"}]
     tools = [{"name": "t"}]
-    with pytest.raises(jinja2.exceptions.SecurityError, match="append"):
+    with pytest.raises(ChatTemplateError, match="append") as info:
         render_chat_template("{{ tools.append(1) }}", messages, add_generation_prompt=False,
                              tools=tools)
+    assert isinstance(info.value.__cause__, jinja2.exceptions.SecurityError)
     assert tools == [{"name": "t"}]
+
+
+@pytest.mark.parametrize(
+    ("template", "cause"),
+    [("{{ messag - 1 }}", jinja2.UndefinedError), ("{{ 1 // 0 }}", ZeroDivisionError),
+     ("{{ 'a' + 1 }}", TypeError), ("{{ messages[5] + 1 }}", jinja2.UndefinedError)],
+)
+def test_a_template_failing_as_it_renders_is_a_chat_template_error(template, cause) -> None:
+    with pytest.raises(ChatTemplateError, match="failed to render") as info:
+        render_chat_template(template, [{"role": "user"}], add_generation_prompt=False)
+    assert isinstance(info.value.__cause__, cause)
 
 
 @given(
