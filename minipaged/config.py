@@ -25,6 +25,23 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
 # Hugging Face `model_type` -> architecture. Mistral is LLaMA with a sliding window.
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
+# The JSON type of each config.json key read (an int is not a bool; a number is an int or a
+# float; null is always allowed and means "not set"), checked before any is used.
+_HF_KEY_TYPES = {
+    **dict.fromkeys(
+        ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings",
+         "sliding_window", "bos_token_id", "pad_token_id", "n_embd", "n_head", "n_layer",
+         "n_inner", "n_positions"),
+        "int",
+    ),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta", "layer_norm_epsilon"), "number"),
+    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"),
+                    "bool"),
+    **dict.fromkeys(("rope_scaling", "rope_parameters"), "object"),
+    "model_type": "string",
+    "eos_token_id": "int or list of int",
+}
 # Sizes that must be positive integers for any architecture.
 _POSITIVE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                     "head_dim", "intermediate_size", "max_position_embeddings")
@@ -107,6 +124,9 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from the contents of a Hugging Face `config.json`."""
+        if not isinstance(cfg, dict):
+            raise ValueError(f"config.json must hold a JSON object, not {type(cfg).__name__}")
+        _check_hf_key_types(cfg)
         model_type = cfg.get("model_type", "")
         if model_type != "gpt2" and model_type not in HF_MODEL_TYPES:
             raise ValueError(
@@ -177,7 +197,12 @@ class ModelConfig:
             cfg = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}: not a readable config.json ({exc})") from exc
-        return cls.from_hf_dict(cfg)
+        try:
+            return cls.from_hf_dict(cfg)
+        except (TypeError, AttributeError, KeyError) as exc:  # deeper, e.g. inside rope_scaling
+            raise ValueError(
+                f"{path}: inconsistent config.json ({type(exc).__name__}: {exc})"
+            ) from exc
 
 
 def cap_to_sliding_window(context: int, window: int | None, source: str) -> int:
@@ -224,9 +249,36 @@ def check_token_ids(vocab_size: int, ids: Iterable[tuple[str, int | None]]) -> N
             )
 
 
+# Token ids, positions and lengths are int32 in the attention contract's metadata: no size of a
+# model may exceed it.
+INT32_MAX = 2**31 - 1
+
+
 def _check_positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if value > INT32_MAX:
+        raise ValueError(f"{name} must be a positive integer of at most 2**31 - 1, got {value}")
+
+
+def _check_hf_key_types(cfg: dict[str, Any]) -> None:
+    """Raise `ValueError` naming the first key of `_HF_KEY_TYPES` whose value is of another
+    type."""
+
+    def fits(value: Any, kind: str) -> bool:
+        if kind == "int or list of int":
+            return fits(value, "int") or (
+                isinstance(value, list) and all(fits(v, "int") for v in value)
+            )
+        if isinstance(value, bool):
+            return kind == "bool"
+        expected = {"int": int, "number": (int, float), "bool": bool, "object": dict,
+                    "string": str}[kind]
+        return isinstance(value, expected)
+
+    for key, kind in _HF_KEY_TYPES.items():
+        if cfg.get(key) is not None and not fits(cfg[key], kind):
+            raise ValueError(f"config.json: {key} must be {kind}, not {cfg[key]!r:.60}")
 
 
 def _required(cfg: dict[str, Any], key: str) -> Any:

@@ -263,13 +263,24 @@ def rope_inverse_frequencies(config: ModelConfig) -> Tensor:
     if scaling is None:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
+
+    def positive(key: str) -> float:
+        value = scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ValueError(f"rope scaling {kind!r} needs a positive number {key}, got {value!r}")
+        return value
+
     if kind == "linear":
-        return inv_freq / scaling["factor"]
+        return inv_freq / positive("factor")
     if kind == "llama3":
-        factor = scaling["factor"]
-        low_freq_factor = scaling["low_freq_factor"]
-        high_freq_factor = scaling["high_freq_factor"]
-        old_context = scaling["original_max_position_embeddings"]
+        factor, old_context = positive("factor"), positive("original_max_position_embeddings")
+        low_freq_factor = positive("low_freq_factor")
+        high_freq_factor = positive("high_freq_factor")
+        if high_freq_factor <= low_freq_factor:
+            raise ValueError(
+                f"rope scaling 'llama3' needs high_freq_factor ({high_freq_factor}) above "
+                f"low_freq_factor ({low_freq_factor})"
+            )
         wavelen = 2 * math.pi / inv_freq
         low_freq_wavelen = old_context / low_freq_factor  # longer than this: divide by factor
         high_freq_wavelen = old_context / high_freq_factor  # shorter than this: keep

@@ -801,6 +801,39 @@ def test_a_gguf_header_with_any_bytes_changed_loads_or_is_a_checkpoint_error(
         pass
 
 
+JSON_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-(10**6), 10**6), st.just(2**40),
+    st.floats(allow_nan=False), st.text(max_size=5), st.lists(st.integers(-3, 70), max_size=3),
+    st.dictionaries(
+        st.sampled_from(["rope_type", "type", "factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings"]),
+        st.one_of(st.sampled_from(["linear", "llama3", "yarn"]), st.floats(-2, 10),
+                  st.integers(-2, 64)),
+        max_size=5,
+    ),
+)
+
+
+@settings(max_examples=60)
+@given(data=st.data())
+def test_a_config_json_with_any_values_changed_loads_or_is_a_value_error(tmp_path_factory,
+                                                                         data) -> None:
+    """config.json keys (the model's, and rope scaling's) set to arbitrary JSON values: loading
+    and building the model succeed or raise `ValueError` (a `CheckpointError` naming the file,
+    or the model's own refusal), never another exception."""
+    folder = tmp_path_factory.mktemp("hf")
+    data.draw(st.sampled_from([tiny_llama, tiny_gpt2]))().save_pretrained(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    keys = st.sampled_from(sorted(cfg) + ["rope_scaling", "rope_parameters", "head_dim"])
+    changes = data.draw(st.dictionaries(keys, JSON_VALUES, min_size=1, max_size=3))
+    _edit_config_json(folder, **changes)
+    try:
+        config, state = load_checkpoint(folder, progress=False)
+        build_model(config, state)
+    except ValueError:
+        pass
+
+
 def test_head_count_must_divide_hidden_size(tmp_path) -> None:
     """Without a stated head size, LLaMA's is hidden / heads: 5 heads do not divide 64."""
     tiny_llama().save_pretrained(tmp_path / "hf")

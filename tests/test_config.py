@@ -161,6 +161,8 @@ VALID = dict(
         ({"hidden_size": 0}, "hidden_size must be a positive integer"),
         ({"num_layers": -1}, "num_layers must be a positive integer"),
         ({"vocab_size": 2.5}, "vocab_size must be a positive integer"),
+        ({"max_position_embeddings": 2**40}, "max_position_embeddings must be a positive integer "
+                                             "of at most 2**31 - 1"),
         ({"norm_eps": 0.0}, "must be positive"),
         ({"architecture": "gpt2", "num_kv_heads": 2, "head_dim": 3}, "num_heads * head_dim"),
     ],
@@ -197,6 +199,21 @@ SMALL = dict(
     intermediate_size=128,
     max_position_embeddings=256,
 )
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "kind"),
+    [("num_hidden_layers", "2", "int"), ("rope_scaling", 3, "object"),
+     ("tie_word_embeddings", "yes", "bool"), ("eos_token_id", [1, "x"], "int or list of int"),
+     ("rms_norm_eps", True, "number"), ("model_type", ["llama"], "string"),
+     ("bos_token_id", 1.0, "int")],
+)
+def test_config_json_values_of_the_wrong_type_are_refused_naming_the_key(key, value, kind):
+    cfg = {"model_type": "llama", **SMALL, key: value}
+    with pytest.raises(ValueError, match=f"config.json: {key} must be {kind}, not"):
+        ModelConfig.from_hf_dict(cfg)
+    with pytest.raises(ValueError, match="must hold a JSON object"):
+        ModelConfig.from_hf_dict([cfg])
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,7 @@ from minipaged.model_layers import (  # noqa: E402
     onednn_is_faster,
     onednn_linear,
     packed_weight,
+    rope_inverse_frequencies,
     uses_onednn,
 )
 from minipaged.sampling import SamplingParams  # noqa: E402
@@ -252,6 +254,24 @@ def test_batched_decode_equals_per_sequence_oracle(lengths, extra, heads, seed):
                   0.3)
     assert torch.allclose(out, expected, atol=1e-5, rtol=0)
     assert [cache.length(i) for i in seq_ids] == lengths
+
+
+@pytest.mark.parametrize(
+    ("scaling", "words"),
+    [({"rope_type": "linear"}, "'linear' needs a positive number factor, got None"),
+     ({"rope_type": "linear", "factor": "2"}, "positive number factor, got '2'"),
+     ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+       "original_max_position_embeddings": 64}, "positive number low_freq_factor"),
+     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
+       "original_max_position_embeddings": 64}, "high_freq_factor (4.0) above low_freq_factor"),
+     ({"rope_type": "yarn", "factor": 2.0}, "unsupported rope scaling 'yarn'")],
+)
+def test_rope_scaling_without_its_numbers_is_refused_naming_them(scaling, words):
+    config = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, num_layers=1,
+                         num_heads=2, num_kv_heads=2, head_dim=16, intermediate_size=64,
+                         max_position_embeddings=64, rope_scaling=scaling)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        rope_inverse_frequencies(config)
 
 
 def test_decode_attention_rejects_mismatched_batch():
