@@ -969,17 +969,18 @@ def small_gguf(tmp_path_factory) -> Path:
     )
 
 
+@pytest.mark.filterwarnings("ignore:.*unknown pre-tokenizer")  # a name changed by the bytes
 @settings(max_examples=150)
 @given(data=st.data())
 def test_a_gguf_file_with_any_bytes_changed_loads_and_works_or_is_a_tokenizer_error(
-    small_gguf, tmp_path_factory, data
+    small_gguf, data
 ):
     """Bytes overwritten at random anywhere in a GGUF tokenizer (counts, strings, types, the
     template): loading, encoding, decoding and the chat template work, or `TokenizerError`."""
     raw = bytearray(small_gguf.read_bytes())
     for _ in range(data.draw(st.integers(1, 3))):
         raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
-    path = tmp_path_factory.mktemp("flipped") / "t.gguf"
+    path = small_gguf.parent / "flipped.gguf"  # one file, rewritten by every example
     path.write_bytes(bytes(raw))
     try:
         tok = Tokenizer.from_gguf(path)
