@@ -62,14 +62,13 @@ class GGUFError(ValueError):
 @dataclass(frozen=True)
 class GGUFTensor:
     """One tensor of a GGUF file. `shape` is in NumPy order (GGUF lists dimensions innermost
-    first); `data` is a read-only view of the file: typed for the plain types, otherwise
-    `uint8` of shape `(*shape[:-1], bytes per row)`."""
+    first); `data` is a read-only view of the file (its `nbytes` are the tensor's bytes): typed
+    for the plain types, otherwise `uint8` of shape `(*shape[:-1], bytes per row)`."""
 
     name: str
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]
     data_offset: int  # from the start of the file
-    n_bytes: int
     data: np.ndarray
 
 
@@ -207,4 +206,4 @@ def _tensor(
         data = data.view(_PLAIN_TENSOR_DTYPES[tensor_type]).reshape(shape)
     else:
         data = data.reshape(*shape[:-1], row // block_size * type_size)
-    return GGUFTensor(name, tensor_type, shape, offset, n_bytes, data)
+    return GGUFTensor(name, tensor_type, shape, offset, data)

@@ -116,7 +116,7 @@ def assert_same_as_gguf_reader(path: Path) -> None:
     for mine, oracle in zip(ours.tensors, theirs.tensors, strict=True):
         assert (mine.name, mine.tensor_type) == (oracle.name, oracle.tensor_type)
         assert mine.shape == tuple(reversed(oracle.shape.tolist()))
-        assert (mine.data_offset, mine.n_bytes) == (oracle.data_offset, oracle.n_bytes)
+        assert (mine.data_offset, mine.data.nbytes) == (oracle.data_offset, oracle.n_bytes)
         assert mine.data.dtype == oracle.data.dtype and mine.data.shape == oracle.data.shape
         assert np.array_equal(mine.data, oracle.data) and not mine.data.flags.writeable
 
@@ -159,7 +159,7 @@ def small_file(tmp_path_factory) -> Path:
 @given(fraction=st.floats(0, 1, exclude_max=True))
 def test_a_file_cut_short_anywhere_is_truncated(small_file, fraction) -> None:
     whole = read_gguf_file(small_file)
-    end = max(t.data_offset + t.n_bytes for t in whole.tensors)
+    end = max(t.data_offset + t.data.nbytes for t in whole.tensors)
     path = small_file.parent / "cut.gguf"  # one file, rewritten by every example
     path.write_bytes(small_file.read_bytes()[: int(fraction * end)])
     with pytest.raises(GGUFError, match="truncated"):
