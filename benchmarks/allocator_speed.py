@@ -21,8 +21,8 @@ import numpy as np
 from machine import report_header, save_report
 from tqdm import tqdm
 
-from minipaged.kv_cache import KVCacheManager
-from minipaged.traces import sharegpt_like
+from minipaged.kv.manager import KVCacheManager
+from minipaged.sim.traces import sharegpt_like
 
 RESULTS = Path(__file__).parent / "results" / "allocator_speed.json"
 

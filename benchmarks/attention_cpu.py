@@ -12,9 +12,9 @@ the bundled model's head shapes (SmolLM2-135M: 9 query heads, 3 KV heads, head d
 baseline keeps each sequence's K/V contiguous (`[B, H_kv, L, D]`, what a reserve-max cache
 holds) and calls `torch.nn.functional.scaled_dot_product_attention` with GQA. The paged side
 stores the same K/V in shuffled blocks of a paged cache and calls
-`minipaged.attention.paged_attention` (the reference, in float32) and
-`minipaged.attention_cpu.cpu_paged_attention`: `cpu`, the CPU backend as the engine runs it
-(decodes in the native kernel of `minipaged.cpu_kernels`, reading blocks in place), and
+`minipaged.attention.reference.paged_attention` (the reference, in float32) and
+`minipaged.attention.cpu.cpu_paged_attention`: `cpu`, the CPU backend as the engine runs it
+(decodes in the native kernel of `minipaged.cpu.native`, reading blocks in place), and
 `cpu_gathered`, the same backend where that kernel cannot be built (the reference's plan and
 gather in the cache's dtype, query heads packed onto their KV head). The ratio paged / dense is
 the price of reading K/V through block tables in plain PyTorch (the paper's CUDA kernel paid
@@ -48,10 +48,10 @@ from machine import report_header, save_report
 from roofline import cpu_features
 from tqdm import tqdm
 
-from minipaged.attention import gather_context, paged_attention, plan_attention
-from minipaged.attention_cpu import cpu_paged_attention, plan_cpu_attention
-from minipaged.engine_config import DTYPES
-from minipaged.paged_examples import tolerance
+from minipaged.attention.cpu import cpu_paged_attention, plan_cpu_attention
+from minipaged.attention.reference import gather_context, paged_attention, plan_attention
+from minipaged.engine.config import DTYPES
+from minipaged.testing.paged_examples import tolerance
 
 # SmolLM2-135M-Instruct's attention shape.
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64

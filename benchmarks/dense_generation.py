@@ -30,9 +30,9 @@ import torch
 from machine import report_header, save_report
 from tqdm import tqdm
 
-from minipaged.checkpoint import default_model_path
-from minipaged.dense import generate_dense
-from minipaged.model import load_model
+from minipaged.checkpoint.loader import default_model_path
+from minipaged.models.registry import load_model
+from minipaged.testing.dense import generate_dense
 
 RESULTS = Path(__file__).parent / "results" / "dense_generation.json"
 

@@ -9,7 +9,7 @@ time (JCT) and normalized latency (JCT / output tokens) against the request rate
 
 and the highest rate each meets a latency target (mean and p95 normalized latency).
 
-1. **Simulator, FastServe's setting** (the main table; `minipaged.simulate` drives the engine's
+1. **Simulator, FastServe's setting** (the main table; `minipaged.sim.simulator` drives the engine's
    own scheduler and KV manager code): OPT-13B on one A100 (`cost_model.OPT_13B_A100`: public
    figures, 930 KV blocks of 16 tokens, host swap space for 4000), *no chunked prefill* (a
    job's whole prompt is one iteration, as in FastServe), quanta sized to the cost model (Q1's
@@ -48,12 +48,12 @@ import numpy as np
 from machine import report_header, save_report
 from tqdm import tqdm
 
-from minipaged.cost_model import OPT_13B_A100, OPT_13B_A100_KV_BLOCKS, CostModel, StepShape
-from minipaged.fcfs import FCFSScheduler
-from minipaged.mlfq import MLFQ_VARIANTS, MLFQConfig, mlfq_factory
-from minipaged.scheduler import SchedulerConfig
-from minipaged.simulate import SimulationResult, simulate
-from minipaged.traces import gamma_arrival_times, heavy_tailed, with_arrivals
+from minipaged.sched.base import SchedulerConfig
+from minipaged.sched.cost_model import OPT_13B_A100, OPT_13B_A100_KV_BLOCKS, CostModel, StepShape
+from minipaged.sched.fcfs import FCFSScheduler
+from minipaged.sched.mlfq import MLFQ_VARIANTS, MLFQConfig, mlfq_factory
+from minipaged.sim.simulator import SimulationResult, simulate
+from minipaged.sim.traces import gamma_arrival_times, heavy_tailed, with_arrivals
 
 RESULTS = Path(__file__).parent / "results" / "fastserve.json"
 SWEEP_RESULTS = RESULTS.with_name("fastserve_skip_join.json")
@@ -231,11 +231,11 @@ def real_engine(num_requests: int, loads: list[float], seed: int) -> dict:
     import torch
     import transformers
 
-    from minipaged.config import ModelConfig
-    from minipaged.engine import LLMEngine
-    from minipaged.engine_config import EngineConfig
-    from minipaged.model import build_model
-    from minipaged.profiling import profile_engine, replay_on_engine
+    from minipaged.checkpoint.model_config import ModelConfig
+    from minipaged.engine.config import EngineConfig
+    from minipaged.engine.engine import LLMEngine
+    from minipaged.models.registry import build_model
+    from minipaged.sim.profiling import profile_engine, replay_on_engine
 
     # The simulations before this leave millions of objects behind, and every full collection
     # walks them: milliseconds landing on random ~1 ms steps, in the profile and the replays

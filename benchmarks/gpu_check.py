@@ -48,7 +48,7 @@ from minipaged import kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-KERNEL_TESTS = ["tests/test_kernels_attention.py", "tests/test_kernels_cache.py"]
+KERNEL_TESTS = ["tests/kernels/test_attention.py", "tests/kernels/test_cache.py"]
 
 # Targets of issue #5 for the headline decode case.
 MIN_FRACTION_OF_COPY_BANDWIDTH = 0.70
@@ -106,7 +106,7 @@ def require_cuda() -> None:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU is available (torch.cuda.is_available() is False).\n"
               "It times the Triton kernels on a GPU; on CPU, run the kernel tests instead:\n"
-              "    pytest tests/test_kernels_attention.py tests/test_kernels_cache.py",
+              "    pytest tests/kernels/test_attention.py tests/kernels/test_cache.py",
               file=sys.stderr)
         sys.exit(2)
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from machine import report_header, save_report
 
-from minipaged.model_layers import (
+from minipaged.models.layers import (
     ONEDNN_AVAILABLE,
     linear,
     onednn_is_faster,

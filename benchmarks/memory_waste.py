@@ -9,7 +9,7 @@ Reproduces, in miniature, the vLLM paper's memory-waste figures (Kwon et al. SOS
   beam search (width 2, 4, 6) on Alpaca. Paper: 6.1-9.8% and 37.6-55.2%.
 
 The KV capacity is the paper's OPT-13B on one A100: 15.7K token slots. A small iteration-level
-simulator drives the real `KVCacheManager` and the baselines of `minipaged.reservation`: each
+simulator drives the real `KVCacheManager` and the baselines of `minipaged.kv.reservation`: each
 iteration every running request writes one token; waiting requests are admitted FCFS while
 they fit; a paged request that cannot grow preempts the newest running one (recomputation).
 Fractions are averaged over the iterations in which requests are waiting, i.e. while the
@@ -30,10 +30,10 @@ import numpy as np
 from machine import report_header, save_report
 from tqdm import tqdm
 
-from minipaged.kv_cache import KVCacheManager
-from minipaged.kv_interface import MemoryUsage
-from minipaged.reservation import ReservationKVCacheManager
-from minipaged.traces import TraceRequest, alpaca_like, sharegpt_like
+from minipaged.kv.interface import MemoryUsage
+from minipaged.kv.manager import KVCacheManager
+from minipaged.kv.reservation import ReservationKVCacheManager
+from minipaged.sim.traces import TraceRequest, alpaca_like, sharegpt_like
 
 CAPACITY_SLOTS = 15_700  # OPT-13B on one A100-40GB (vLLM paper §3)
 MAX_SEQ_LEN = 2048

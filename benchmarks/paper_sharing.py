@@ -1,6 +1,6 @@
 """The vLLM paper's sharing and ablation experiments, in the simulator at the OPT-13B setting.
 
-Kwon et al. SOSP'23, simulated with `minipaged.simulate` (the real `FCFSScheduler`, KV cache
+Kwon et al. SOSP'23, simulated with `minipaged.sim.simulator` (the real `FCFSScheduler`, KV cache
 managers and baselines, timed by the A100-like `OPT_13B_A100` cost model, 15.7K KV slots):
 
 * `sampling` (§6.3, Fig. 14): parallel sampling n = 2, 4, 6 and beam search width 2, 4, 6 on the
@@ -51,12 +51,12 @@ from paper_vllm import (  # noqa: E402  (a sibling script)
     sweep,
 )
 
-from minipaged.cost_model import OPT_13B_A100, CostModel  # noqa: E402
-from minipaged.sampling import SamplingParams  # noqa: E402
-from minipaged.scheduler import PreemptionMode, Scheduler  # noqa: E402
-from minipaged.scheduler_registry import build_scheduler  # noqa: E402
-from minipaged.sequence import Sequence, SequenceGroup  # noqa: E402
-from minipaged.traces import TRACES, TraceRequest  # noqa: E402
+from minipaged.sampling.params import SamplingParams  # noqa: E402
+from minipaged.sampling.sequence import Sequence, SequenceGroup  # noqa: E402
+from minipaged.sched.base import PreemptionMode, Scheduler  # noqa: E402
+from minipaged.sched.cost_model import OPT_13B_A100, CostModel  # noqa: E402
+from minipaged.sched.registry import build_scheduler  # noqa: E402
+from minipaged.sim.traces import TRACES, TraceRequest  # noqa: E402
 
 PAPER = {
     "sampling": "gain over Orca-Oracle (OPT-13B, Alpaca): 1.3x basic sampling -> 2.3x beam width 6",

@@ -6,17 +6,18 @@ and Oracle reservations, and paged attention (vLLM; here minipaged's `FCFSSchedu
 `KVCacheManager`). A system "sustains" a request rate while the mean normalized latency (a
 request's end-to-end latency divided by its output length, in s/token) stays low; past its
 capacity the queue grows without bound and the latency explodes. The baselines are the very
-scheduler code of the paged system with another KV cache manager (`minipaged.baselines`), built
-by name (`minipaged.scheduler_registry`; the paged system is "fcfs" there).
+scheduler code of the paged system with another KV cache manager (`minipaged.sched.baselines`),
+built by name (`minipaged.sched.registry`; the paged system is "fcfs" there).
 
 Two sub-commands, one figure each:
 
-* `sim`: the paper's OPT-13B set-up in `minipaged.simulate` -- 15.7K KV slots (paged:
+* `sim`: the paper's OPT-13B set-up in `minipaged.sim.simulator` -- 15.7K KV slots (paged:
   981 blocks of 16; Orca: 15,700 one-token blocks, so reservations are token-exact), an A100-like
-  cost model (`minipaged.cost_model.OPT_13B_A100`), max length 2048, ShareGPT-like and Alpaca-like
-  traces (`minipaged.traces`). Reports each system's highest rate under a latency bound and the
-  ratios next to the paper's (ShareGPT: 1.7-2.7x over Orca-Oracle, 2.7-8x over Orca-Max, up to
-  22x over FasterTransformer; Fig. 13a: 2.2x / 4.3x more requests batched than Oracle / Max).
+  cost model (`minipaged.sched.cost_model.OPT_13B_A100`), max length 2048, ShareGPT-like and
+  Alpaca-like traces (`minipaged.sim.traces`). Reports each system's highest rate under a latency
+  bound and the ratios next to the paper's (ShareGPT: 1.7-2.7x over Orca-Oracle, 2.7-8x over
+  Orca-Max, up to 22x over FasterTransformer; Fig. 13a: 2.2x / 4.3x more requests batched than
+  Oracle / Max).
 * `engine`: the real engine with the bundled SmolLM2-135M on this CPU, wall-clock Poisson
   arrivals replayed on the engine's busy clock, ShareGPT-like lengths scaled down 16x (max
   length 128), outputs fixed by `max_tokens` with `ignore_eos`, and a KV cache of 512 slots
@@ -43,15 +44,15 @@ import numpy as np
 from machine import report_header, save_report
 from tqdm import tqdm
 
-import minipaged.simulate
-from minipaged.cost_model import OPT_13B_A100, CostModel
-from minipaged.sampling import SamplingParams
-from minipaged.scheduler import Scheduler, SchedulerConfig
-from minipaged.scheduler_registry import build_scheduler
-from minipaged.sequence import Sequence, SequenceGroup
-from minipaged.simulate import SampleHook
-from minipaged.step import fork_samples
-from minipaged.traces import TRACES, TraceRequest
+import minipaged.sim.simulator
+from minipaged.engine.step import fork_samples
+from minipaged.sampling.params import SamplingParams
+from minipaged.sampling.sequence import Sequence, SequenceGroup
+from minipaged.sched.base import Scheduler, SchedulerConfig
+from minipaged.sched.cost_model import OPT_13B_A100, CostModel
+from minipaged.sched.registry import build_scheduler
+from minipaged.sim.simulator import SampleHook
+from minipaged.sim.traces import TRACES, TraceRequest
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -133,8 +134,8 @@ def simulate_groups(
     sample: SampleHook | None = None,
 ) -> RunStats:
     """Serve `groups` with a ready `scheduler` (and its KV cache manager, prefix caching on or
-    off) in `minipaged.simulate`, with `sample` as the sampler's forks and drops."""
-    result = minipaged.simulate.simulate(
+    off) in `minipaged.sim.simulator`, with `sample` as the sampler's forks and drops."""
+    result = minipaged.sim.simulator.simulate(
         None,
         cost_model,
         lambda _config, _kv: scheduler,
@@ -185,9 +186,9 @@ def sim_geometry(system: str, block_size: int = PAGED_BLOCK_SIZE) -> tuple[int, 
 
 
 def simulate_system(system: str, trace: list[TraceRequest]) -> RunStats:
-    """One of `SYSTEMS` serving `trace` in `minipaged.simulate` at the paper's setting.
+    """One of `SYSTEMS` serving `trace` in `minipaged.sim.simulator` at the paper's setting.
 
-    `minipaged.simulate` builds a `KVCacheManager` itself and hands it to a scheduler factory;
+    `minipaged.sim.simulator` builds a `KVCacheManager` itself and hands it to a scheduler factory;
     the factory builds the system by name over a KV manager of the same geometry.
     """
     num_blocks, block_size = sim_geometry(system)
@@ -201,7 +202,7 @@ def simulate_system(system: str, trace: list[TraceRequest]) -> RunStats:
             enable_prefix_caching=False,
         )
 
-    result = minipaged.simulate.simulate(
+    result = minipaged.sim.simulator.simulate(
         trace,
         OPT_13B_A100,
         factory,
@@ -214,7 +215,7 @@ def simulate_system(system: str, trace: list[TraceRequest]) -> RunStats:
     return _run_stats(result, float(np.mean(batched)))
 
 
-def _run_stats(result: minipaged.simulate.SimulationResult, mean_batched: float) -> RunStats:
+def _run_stats(result: minipaged.sim.simulator.SimulationResult, mean_batched: float) -> RunStats:
     """A simulation's numbers, with the mean batch size as the caller counts it."""
     latencies = np.array([r.jct for r in result.requests])
     return RunStats(
@@ -391,9 +392,9 @@ def serve_engine(engine, trace: list[TraceRequest], vocab: int) -> RunStats:
 def run_engine(quick: bool, threads: int) -> dict:
     import torch
 
-    from minipaged.checkpoint import default_model_path
-    from minipaged.engine import EngineConfig, LLMEngine
-    from minipaged.model import load_model
+    from minipaged.checkpoint.loader import default_model_path
+    from minipaged.engine.engine import EngineConfig, LLMEngine
+    from minipaged.models.registry import load_model
 
     torch.set_num_threads(threads)
     model, model_config = load_model(default_model_path(), dtype=torch.float32, device="cpu")

@@ -8,7 +8,7 @@ cached K/V byte once from memory. Its *floor* on this machine is
 
 with both rates measured here, in the same process as the steps they bound:
 
-* `gemm_rates`: GFLOP/s of `minipaged.model_layers.linear` (the engine's projection path) per
+* `gemm_rates`: GFLOP/s of `minipaged.models.layers.linear` (the engine's projection path) per
   dtype at the row counts steps use, over the model's own projection shapes with weights hot in
   the cache (the arithmetic, not the memory traffic, which the second term counts);
 * `copy_bandwidth`: GB/s of a large `copy_` (bytes read + bytes written over the time);
@@ -36,9 +36,9 @@ import numpy as np
 import torch
 from machine import report_header, save_report
 
-from minipaged.config import ModelConfig
-from minipaged.engine_config import cpu_flags, native_bfloat16
-from minipaged.model_layers import linear
+from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.engine.config import cpu_flags, native_bfloat16
+from minipaged.models.layers import linear
 
 RESULTS = Path(__file__).parent / "results" / "roofline.json"
 ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 512, 1024, 2048)
@@ -174,8 +174,8 @@ def profile_decode_step(dtype: torch.dtype, batch: int, context: int, backend: s
 
     from torch.profiler import ProfilerActivity, profile
 
-    from minipaged.model import load_model
-    from minipaged.runner import BatchEntry, ModelRunner
+    from minipaged.models.registry import load_model
+    from minipaged.runner.model_runner import BatchEntry, ModelRunner
 
     model, config = load_model(dtype=dtype, progress=False)
     block_size, blocks_each = 16, -(-(context + 1) // 16)
@@ -201,8 +201,8 @@ def profile_decode_step(dtype: torch.dtype, batch: int, context: int, backend: s
 
 
 def main() -> None:
-    from minipaged.checkpoint import default_model_path
-    from minipaged.checkpoint_gguf import gguf_checkpoint
+    from minipaged.checkpoint.gguf_weights import gguf_checkpoint
+    from minipaged.checkpoint.loader import default_model_path
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)

@@ -17,7 +17,7 @@ saturation check also the bundled SmolLM2 (steps of a real model).
 2. **FCFS vs skip-join MLFQ** (FastServe's setting in miniature, Wu et al. §6): heavy-tailed
    output lengths, so that jobs queue behind long ones; Poisson and bursty gamma (CV 2)
    arrivals at fractions of FCFS's saturated rate. Beside each measurement, the simulator's
-   prediction for the same trace (`minipaged.simulate`, with a cost model profiled here in wall
+   prediction for the same trace (`minipaged.sim.simulator`, with a cost model profiled here in wall
    time just before, which the MLFQ server is given too).
 3. **Soak**: 64 clients sending short requests back to back for `--soak` seconds: errors, KV
    blocks still in use once the server is idle (leaks), and the server's resident memory.
@@ -44,20 +44,20 @@ import httpx
 import numpy as np
 from machine import report_header, save_report
 
-from minipaged.checkpoint import default_model_path
-from minipaged.config import ModelConfig
-from minipaged.cost_model import CostModel
-from minipaged.engine import EngineConfig, LLMEngine
-from minipaged.fcfs import FCFSScheduler
-from minipaged.mlfq import MLFQConfig, mlfq_factory
-from minipaged.model import build_model
-from minipaged.sampling import SamplingParams
-from minipaged.scheduler import SchedulerConfig
+from minipaged.checkpoint.loader import default_model_path
+from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.engine.engine import EngineConfig, LLMEngine
+from minipaged.models.registry import build_model
+from minipaged.sampling.params import SamplingParams
+from minipaged.sched.base import SchedulerConfig
+from minipaged.sched.cost_model import CostModel
+from minipaged.sched.fcfs import FCFSScheduler
+from minipaged.sched.mlfq import MLFQConfig, mlfq_factory
 from minipaged.server.launch import free_port, wait_until_healthy
 from minipaged.server.metrics import parse_metrics
-from minipaged.simulate import gamma_arrival_times, heavy_tailed, simulate, with_arrivals
-from minipaged.tokenizer import Tokenizer
-from minipaged.traces import TraceRequest, poisson_arrival_times
+from minipaged.sim.simulator import gamma_arrival_times, heavy_tailed, simulate, with_arrivals
+from minipaged.sim.traces import TraceRequest, poisson_arrival_times
+from minipaged.tokenizer.tokenizer import Tokenizer
 
 RESULTS = Path(__file__).parent / "results" / "serving.json"
 ENGINE = dict(

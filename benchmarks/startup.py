@@ -31,9 +31,9 @@ import gguf
 import numpy as np
 from machine import report_header, save_report
 
-from minipaged.checkpoint import default_model_path
-from minipaged.checkpoint_gguf import dequantize_rows
-from minipaged.gguf_file import read_gguf_file
+from minipaged.checkpoint.gguf_weights import dequantize_rows
+from minipaged.checkpoint.loader import default_model_path
+from minipaged.tokenizer.gguf_file import read_gguf_file
 
 RESULTS = Path(__file__).parent / "results" / "startup.json"
 # Each start prints one JSON line: seconds from its first line to the engine (model) ready, and

@@ -43,10 +43,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from machine import report_header, save_report
 
-from minipaged.engine import LLMEngine
-from minipaged.engine_config import EngineConfig
-from minipaged.parallel_worker import CheckpointShards, free_port
-from minipaged.runner import BatchEntry, CacheOps, ModelRunner
+from minipaged.engine.config import EngineConfig
+from minipaged.engine.engine import LLMEngine
+from minipaged.parallel.worker import CheckpointShards, free_port
+from minipaged.runner.model_runner import BatchEntry, CacheOps, ModelRunner
 
 RESULTS = Path(__file__).parent / "results" / "tensor_parallel.json"
 HF_CONFIG = dict(
@@ -68,8 +68,8 @@ def write_model(folder: Path) -> None:
     """A random model of `HF_CONFIG`'s shape, as a Hugging Face safetensors folder."""
     from safetensors.torch import save_file
 
-    from minipaged.config import ModelConfig
-    from minipaged.weights import expected_shapes
+    from minipaged.checkpoint.model_config import ModelConfig
+    from minipaged.checkpoint.weight_names import expected_shapes
 
     config = ModelConfig.from_hf_dict(HF_CONFIG)
     generator = torch.Generator().manual_seed(0)
@@ -117,7 +117,7 @@ def engine_runner(path: Path, tp: int, blocks: int) -> LLMEngine:
         num_gpu_blocks=blocks, num_cpu_blocks=0, block_size=16, tensor_parallel_size=tp,
         tensor_parallel_timeout=120,
     )
-    from minipaged.checkpoint import checkpoint_config
+    from minipaged.checkpoint.loader import checkpoint_config
 
     model_config = checkpoint_config(path)
     source = CheckpointShards(str(path))

@@ -3,7 +3,7 @@
 Shaped like vLLM's `benchmarks/benchmark_throughput.py`: every request is handed to the engine at
 once and the clock stops when the last one finishes; requests/s and tokens/s are reported.
 
-* Workload: `--num-requests` requests with ShareGPT-like lengths (`minipaged.traces`, the vLLM
+* Workload: `--num-requests` requests with ShareGPT-like lengths (`minipaged.sim.traces`, the vLLM
   paper's Fig. 11 statistics) scaled to the bundled SmolLM2-135M on a CPU: prompts clipped to
   16-512 tokens, outputs halved and clipped to 16-256, generated with `ignore_eos` so each
   request produces exactly its output length. Prompts are random token ids (the model does not
@@ -47,13 +47,13 @@ from machine import report_header, save_report
 from roofline import Roofline, StepShape, cpu_features, measure, step_floor
 from tqdm import tqdm
 
-from minipaged.checkpoint import default_model_path
-from minipaged.dense import DenseAttentionBackend, DenseKVCache
-from minipaged.engine import LLMEngine
-from minipaged.engine_config import DTYPES
-from minipaged.sampling import SamplingParams
-from minipaged.step import StepRecord
-from minipaged.traces import sharegpt_like
+from minipaged.checkpoint.loader import default_model_path
+from minipaged.engine.config import DTYPES
+from minipaged.engine.engine import LLMEngine
+from minipaged.engine.step import StepRecord
+from minipaged.sampling.params import SamplingParams
+from minipaged.sim.traces import sharegpt_like
+from minipaged.testing.dense import DenseAttentionBackend, DenseKVCache
 
 RESULTS = Path(__file__).parent / "results"
 FIRST_ORDINARY_TOKEN = 17  # SmolLM2's control tokens are 0-16

@@ -22,7 +22,7 @@ from pathlib import Path
 from machine import report_header, save_report
 from tqdm import tqdm
 
-from minipaged.tokenizer import Tokenizer
+from minipaged.tokenizer.tokenizer import Tokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RESULTS = Path(__file__).parent / "results" / "tokenizer.json"

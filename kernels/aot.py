@@ -47,7 +47,7 @@ from .reshape_and_cache import reshape_and_cache_launches
 
 # Compute capabilities compiled for: the A100 (Ampere) and the H100 / H200 (Hopper).
 ARCHS = {"sm_80": 80, "sm_90": 90}
-# The runner's index dtypes (`minipaged.runner`): what the kernels are launched with.
+# The runner's index dtypes (`minipaged.runner.model_runner`): what the kernels are launched with.
 SLOT_DTYPE = torch.int64
 TABLE_DTYPE = torch.int32
 # Any split count above 1: the kernels do not specialise on it, so one program serves all.

@@ -1,7 +1,7 @@
 """The attention contract's Triton entry point: decode kernel or prefill kernel.
 
-`paged_attention` has the signature of the PyTorch reference (`minipaged.attention`), so either
-backend can serve the model. A batch of pure decodes (one query per sequence) goes to the
+`paged_attention` has the signature of the PyTorch reference (`minipaged.attention.reference`), so
+either backend can serve the model. A batch of pure decodes (one query per sequence) goes to the
 split-K decode kernel, which keeps a GPU busy when queries are few and contexts long; anything
 else (prefills, cached-prefix prefills, mixed batches) goes to the varlen prefill kernel.
 """

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from minipaged.attention_contract import check_copy_blocks_args
+from minipaged.attention.contract import check_copy_blocks_args
 
 from .launch import KernelLaunch, interpreting, pow2_at_least
 

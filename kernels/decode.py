@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from minipaged.attention_contract import check_paged_attention_args
+from minipaged.attention.contract import check_paged_attention_args
 
 from ._tiles import load_kv_tile, pv_accumulate, qk_scores
 from .launch import (
@@ -187,7 +187,7 @@ def paged_decode_attention(
 ) -> Tensor:
     """Attention of each sequence's single query over its paged context -> [B, H, D].
 
-    The attention contract (`minipaged.attention_contract`) restricted to one query per sequence.
+    The attention contract (`minipaged.attention.contract`) restricted to one query per sequence.
     `num_splits` partitions per context (None: chosen for the device); `key_tile` keys per loop
     iteration (a power of two >= 16 and >= the block size; None: chosen for the device).
     `max_query_len` is accepted for signature parity and must be 1 if given; `max_seq_len` saves a

@@ -1,6 +1,6 @@
 """Paged prefill attention: many queries per sequence, over a context read through block tables.
 
-The general attention contract (`minipaged.attention_contract`): the queries of sequence `i` are the
+The general attention contract (`minipaged.attention.contract`): the queries of sequence `i` are the
 last `n_i` positions of its `seq_lens[i]`-token context, with causal masking. That covers a plain
 prefill (n_i = the whole context), a prefill whose prefix hit the prefix cache (n_i smaller),
 chunked prefill and decode (n_i = 1) alike, so a mixed batch takes ONE launch.
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from minipaged.attention_contract import check_paged_attention_args
+from minipaged.attention.contract import check_paged_attention_args
 
 from ._tiles import load_kv_tile, pv_accumulate, qk_scores
 from .launch import (
@@ -144,7 +144,7 @@ def paged_prefill_attention(
 ) -> Tensor:
     """Causal attention of a varlen batch over its paged contexts -> [T, H, D]; one launch.
 
-    The attention contract (`minipaged.attention_contract`). `max_query_len` sizes the grid (None:
+    The attention contract (`minipaged.attention.contract`). `max_query_len` sizes the grid (None:
     read from `query_start_loc`, one host sync); `max_seq_len` is accepted for signature parity.
     `query_tile` queries per program and `key_tile` keys per loop iteration are powers of two (None:
     chosen for the device). `validate=False` skips the argument checks (and their host syncs).

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from minipaged.attention_contract import check_reshape_and_cache_args
+from minipaged.attention.contract import check_reshape_and_cache_args
 
 from .launch import KernelLaunch, interpreting, pow2_at_least
 

@@ -14,15 +14,15 @@ __version__ = "0.1.0"
 # The public API, imported lazily so that `import minipaged` stays cheap and never pulls in
 # Triton or the engine when a reader only wants the tokenizer.
 _LAZY = {
-    "LLM": "minipaged.llm",
-    "LLMEngine": "minipaged.engine",
-    "EngineConfig": "minipaged.engine_config",
-    "SamplingParams": "minipaged.sampling",
-    "RequestOutput": "minipaged.outputs",
-    "CompletionOutput": "minipaged.outputs",
-    "StepRecord": "minipaged.step",
-    "ModelConfig": "minipaged.config",
-    "Tokenizer": "minipaged.tokenizer",
+    "LLM": "minipaged.engine.llm",
+    "LLMEngine": "minipaged.engine.engine",
+    "EngineConfig": "minipaged.engine.config",
+    "SamplingParams": "minipaged.sampling.params",
+    "RequestOutput": "minipaged.sampling.outputs",
+    "CompletionOutput": "minipaged.sampling.outputs",
+    "StepRecord": "minipaged.engine.step",
+    "ModelConfig": "minipaged.checkpoint.model_config",
+    "Tokenizer": "minipaged.tokenizer.tokenizer",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -2,7 +2,7 @@
 
 Flags mirror `SamplingParams` and the `LLM` constructor, so the shell and Python read alike. The
 choices of `--scheduler`, `--dtype` and `--attention-backend` are read from the engine's own
-registries, so a scheduler registered in `minipaged.scheduler_registry.SCHEDULERS` is
+registries, so a scheduler registered in `minipaged.sched.registry.SCHEDULERS` is
 selectable here too.
 
 `generate` decodes greedily. `chat` samples: each setting comes from a flag if given, else from
@@ -25,7 +25,7 @@ from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 
-from minipaged.server.cli import add_serve_parser, run_serve
+from minipaged.server.serve_command import add_serve_parser, run_serve
 
 SAMPLING_FLAGS: dict[str, tuple[type, str]] = {
     "n": (int, "number of completions per prompt"),
@@ -104,9 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    from minipaged.attention_backend import BACKENDS
-    from minipaged.engine_config import DTYPE_CHOICES
-    from minipaged.scheduler_registry import SCHEDULERS
+    from minipaged.engine.config import DTYPE_CHOICES
+    from minipaged.runner.backends import BACKENDS
+    from minipaged.sched.registry import SCHEDULERS
 
     engine = parser.add_argument_group("engine (see EngineConfig)")
     engine.add_argument("--model", help="HF folder or .gguf file (default: bundled SmolLM2)")
@@ -145,7 +145,7 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
 
 def sampling_params_from_args(args: argparse.Namespace, **defaults: Any):
     """The `SamplingParams` the flags ask for; unset flags take `defaults`, then vLLM's."""
-    from minipaged.sampling import SamplingParams
+    from minipaged.sampling.params import SamplingParams
 
     values = dict(defaults)
     for name in [*SAMPLING_FLAGS, "stop", "ignore_eos"]:
@@ -164,7 +164,7 @@ def model_generation_settings(model: str | Path | None) -> dict[str, Any]:
     in `transformers`. A file that is not a JSON object raises `ValueError` naming it.
     """
     if model is None:
-        from minipaged.checkpoint import default_model_path
+        from minipaged.checkpoint.loader import default_model_path
 
         path = default_model_path()
     else:
@@ -213,7 +213,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 def llm_from_args(args: argparse.Namespace):
     import torch
 
-    from minipaged.llm import LLM
+    from minipaged.engine.llm import LLM
 
     if args.threads is not None:
         if args.threads < 1:
@@ -313,7 +313,7 @@ def stream_answer(llm: Any, messages: list[dict[str, str]], params: Any) -> Text
     """`llm.chat_stream(messages, params)`, whose request is aborted if the stream is closed or
     interrupted before the answer is complete, so no unfinished request (nor its KV blocks) is
     left behind in the engine."""
-    from minipaged.llm import stream_text
+    from minipaged.engine.llm import stream_text
 
     prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     request_id = llm.engine.add_request(None, prompt, params)

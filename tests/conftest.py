@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def bundled_path() -> Path:
     """The bundled SmolLM2-135M-Instruct GGUF file."""
-    from minipaged.checkpoint import default_model_path
+    from minipaged.checkpoint.loader import default_model_path
 
     return default_model_path()
 
@@ -57,7 +57,7 @@ def bundled_path() -> Path:
 @pytest.fixture(scope="session")
 def bundled_checkpoint(bundled_path: Path) -> tuple:
     """(ModelConfig, state dict) of the bundled model, dequantised once."""
-    from minipaged.checkpoint import load_checkpoint
+    from minipaged.checkpoint.loader import load_checkpoint
 
     return load_checkpoint(bundled_path, progress=False)
 
@@ -66,7 +66,7 @@ def bundled_checkpoint(bundled_path: Path) -> tuple:
 def bundled_model(bundled_path: Path) -> tuple:
     """(minipaged model, ModelConfig) of the bundled model, float32, built once. Tests must not
     change its weights; engines built on it move it to their dtype and device (a no-op here)."""
-    from minipaged.model import load_model
+    from minipaged.models.registry import load_model
 
     return load_model(bundled_path, progress=False)
 
@@ -74,7 +74,7 @@ def bundled_model(bundled_path: Path) -> tuple:
 @pytest.fixture(scope="session")
 def bundled_tokenizer(bundled_path: Path):
     """minipaged's tokenizer of the bundled model, read from the GGUF once."""
-    from minipaged.tokenizer import Tokenizer
+    from minipaged.tokenizer.tokenizer import Tokenizer
 
     return Tokenizer.from_pretrained(bundled_path)
 

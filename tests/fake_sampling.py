@@ -3,8 +3,8 @@ logits gets a made-up token and is finished when its stop rule says so."""
 
 from __future__ import annotations
 
-from minipaged.scheduler import SchedulerOutput
-from minipaged.stopping import check_stop
+from minipaged.sampling.stopping import check_stop
+from minipaged.sched.base import SchedulerOutput
 
 
 def sample_made_up_tokens(out: SchedulerOutput) -> None:

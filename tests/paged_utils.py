@@ -1,8 +1,8 @@
 """Hypothesis strategies for paged-attention tests: the lengths of varlen batches.
 
 The builders these lengths feed (a shuffled, NaN-poisoned paged cache from contiguous K/V, the
-dense oracle's answer, the per-dtype tolerances) are public, in `minipaged.paged_examples`, so
-the notebooks use them too. Import the strategies from any test module in `tests/` as
+dense oracle's answer, the per-dtype tolerances) are public, in `minipaged.testing.paged_examples`,
+so the notebooks use them too. Import the strategies from any test module in `tests/` as
 
     from paged_utils import lengths, seq_and_query_lens
 

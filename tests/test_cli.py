@@ -22,14 +22,15 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from minipaged import cli, engine_config
-from minipaged import llm as llm_module
-from minipaged.dense import generate_dense
-from minipaged.engine import LLMEngine
-from minipaged.engine_config import EngineConfig
-from minipaged.fcfs import FCFSScheduler
-from minipaged.llm import stream_text
-from minipaged.sampling import SamplingParams
+from minipaged import cli
+from minipaged.engine import config as engine_config
+from minipaged.engine import llm as llm_module
+from minipaged.engine.config import EngineConfig
+from minipaged.engine.engine import LLMEngine
+from minipaged.engine.llm import stream_text
+from minipaged.sampling.params import SamplingParams
+from minipaged.sched.fcfs import FCFSScheduler
+from minipaged.testing.dense import generate_dense
 
 QUESTION = "What is the capital of France?"
 ANSWER = "The capital of France is Paris."  # float32 greedy, chat template

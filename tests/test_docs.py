@@ -171,7 +171,7 @@ def test_broken_links_and_anchors_are_found(tmp_path):
 
 # -- the files the pages name ---------------------------------------------------------------------
 
-# A repository path a page names in backticks: under a top-level folder (`minipaged/mlfq.py`,
+# A repository path a page names in backticks: under a top-level folder (`minipaged/sched/mlfq.py`,
 # `benchmarks/results/fastserve*.json`), or a top-level document (`CHANGELOG.md`). Bare file
 # names (`config.json`, `mlfq.py` in a table of modules) and other projects' paths are not read.
 NAMED_PATH = re.compile(r"`([\w./*-]+\.(?:md|py|json|ipynb|svg|toml|yml))`")
@@ -211,10 +211,10 @@ def test_every_file_a_page_names_exists():
 
 
 def test_named_paths_reads_repository_paths_only():
-    text = "`DESIGN.md`, `minipaged/mlfq.py`, `results/*.json`, `other/x.py`, `config.json`"
+    text = "`DESIGN.md`, `minipaged/sched/mlfq.py`, `results/*.json`, `other/x.py`, `config.json`"
     assert named_paths(text, {"minipaged", "results"}) == {
         "DESIGN.md",
-        "minipaged/mlfq.py",
+        "minipaged/sched/mlfq.py",
         "results/*.json",
     }
 

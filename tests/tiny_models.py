@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-from minipaged.config import ModelConfig
-from minipaged.dense import DenseAttentionBackend, DenseKVCache
-from minipaged.engine import LLMEngine
-from minipaged.engine_config import EngineConfig
-from minipaged.model import build_model
+from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.engine.config import EngineConfig
+from minipaged.engine.engine import LLMEngine
+from minipaged.models.registry import build_model
+from minipaged.testing.dense import DenseAttentionBackend, DenseKVCache
 
 if TYPE_CHECKING:
     from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
-from minipaged.sampling import SamplingParams
+from minipaged.sampling.params import SamplingParams
 from minipaged.server.engine_loop import EngineLoop, EngineLoopError, Submission
 from minipaged.server.metrics import CONTENT_TYPE, ServerMetrics
 from minipaged.server.protocol import (

@@ -30,8 +30,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from minipaged.sampling import SamplingParams
-from minipaged.sequence import RequestOutput
+from minipaged.sampling.params import SamplingParams
+from minipaged.sampling.sequence import RequestOutput
 from minipaged.server.metrics import ServerMetrics, read_engine_stats
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from minipaged.sequence import RequestOutput
+from minipaged.sampling.sequence import RequestOutput
 
 PREFIX = "minipaged:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from minipaged.sampling import SamplingParams
+from minipaged.sampling.params import SamplingParams
 
 # `max_tokens` of a completion when the request gives none (OpenAI's and vLLM's default).
 DEFAULT_COMPLETION_MAX_TOKENS = 16

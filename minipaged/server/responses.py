@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from minipaged.sequence import CompletionOutput, RequestOutput
+from minipaged.sampling.sequence import CompletionOutput, RequestOutput
 
 # -- data types -----------------------------------------------------------------------------------
 

@@ -1,0 +1,408 @@
+"""The engine: model runner + scheduler + sampler behind vLLM's `LLMEngine` API.
+
+`LLMEngine` is the loop a server drives: `add_request`, then `step` until nothing is left; each
+step schedules, runs one forward pass over the paged KV cache, samples, and returns what changed.
+Outside code sees the engine only through this surface: `get_request` for a request's current
+output, and step observers (`add_step_observer`) that receive a `StepRecord` after every step
+-- what was scheduled, moved and preempted, and how long each part took. The offline API on top
+(`LLM`, `stream_text`) is `minipaged.engine.llm`.
+
+Within a step (docs/architecture.md, "One step of the engine"):
+schedule -> run (swaps, copy-on-write copies, forward) -> record the computed tokens ->
+sample (fork parallel samples, advance beams, check stops) -> free what finished -> outputs.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.engine.config import EngineConfig
+from minipaged.engine.requests import RequestStream, check_params, prompt_token_ids
+from minipaged.engine.sampling_stage import sample_tokens
+from minipaged.engine.step import StepRecord, StepTimings, finish_requests, record_step
+from minipaged.parallel.runner import WorkerDiedError, build_runner
+from minipaged.parallel.worker import CheckpointShards, ShardSource
+from minipaged.runner.model_runner import (
+    BatchEntry,
+    CacheOps,
+    GiB,
+    blocks_that_fit,
+    num_blocks_for_memory,
+)
+from minipaged.runner.profiler import profile_runner
+from minipaged.sampling.outputs import RequestOutput
+from minipaged.sampling.params import SamplingParams
+from minipaged.sampling.sampler import Sampler
+from minipaged.sampling.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.sched.base import Scheduler, SchedulerConfig
+from minipaged.sched.cost_model import CostModel
+from minipaged.sched.output import SchedulerOutput
+from minipaged.sched.registry import build_scheduler, needs_cost_model
+
+StepObserver = Callable[[StepRecord], None]
+logger = logging.getLogger(__name__)
+
+
+# -- the engine -----------------------------------------------------------------------------------
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache, one `step()` at a time.
+
+    The scheduler is `config.scheduler` by name, or `scheduler`, ready-made with its own KV
+    manager (a baseline's, say): the KV pools then take its sizes and `config.scheduler` is
+    not used. With `config.tensor_parallel_size` > 1 the runner is a `TensorParallelRunner`
+    (`model` a module to slice, or a `CheckpointShards` each rank reads): `close()` it.
+    `clock` stamps arrivals, steps and finishes, and is the `now` the scheduler charges steps
+    by: wall time, or a driver's own (CPU time, or a cost model's time in a replay).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | ShardSource,
+        model_config: ModelConfig,
+        tokenizer: Any | None = None,
+        config: EngineConfig | None = None,
+        scheduler: Scheduler | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.clock = clock
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        device, dtype = config.torch_device, config.torch_dtype
+        self.max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings,
+            model_config.max_position_embeddings,
+        )
+        if scheduler is not None:
+            self.max_model_len = min(self.max_model_len, scheduler.config.max_model_len)
+            num_gpu_blocks = scheduler.kv_cache.num_blocks
+            num_cpu_blocks = scheduler.kv_cache.num_host_blocks
+        else:
+            num_gpu_blocks = config.num_gpu_blocks or blocks_that_fit(
+                model_config, config.block_size, dtype, device,
+                config.gpu_memory_utilization, config.kv_cache_memory,
+            )
+            num_cpu_blocks = config.num_cpu_blocks
+            if num_cpu_blocks is None:
+                num_cpu_blocks = num_blocks_for_memory(
+                    model_config, config.block_size, dtype, config.swap_space * GiB
+                )
+        self.runner = build_runner(
+            model,
+            model_config,
+            device=config.torch_device,
+            dtype=config.torch_dtype,
+            tensor_parallel_size=config.tensor_parallel_size,
+            tensor_parallel_timeout=config.tensor_parallel_timeout,
+            attention_backend=config.attention_backend,
+            block_size=config.block_size if scheduler is None else scheduler.kv_cache.block_size,
+            num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks,
+        )
+        if scheduler is None:
+            # Skip-join MLFQ predicts prefill times (FastServe §4.1): measured before it is built.
+            cost_model = None
+            if needs_cost_model(config.scheduler):
+                cost_model = self._startup_cost_model()
+            scheduler = build_scheduler(
+                config.scheduler,
+                SchedulerConfig(
+                    max_num_batched_tokens=config.max_num_batched_tokens,
+                    max_num_seqs=config.max_num_seqs,
+                    max_model_len=self.max_model_len,
+                    enable_chunked_prefill=config.enable_chunked_prefill,
+                    preemption_mode=config.preemption_mode,
+                ),
+                num_device_blocks=num_gpu_blocks,
+                block_size=config.block_size,
+                num_host_blocks=num_cpu_blocks,
+                enable_prefix_caching=config.enable_prefix_caching,
+                mlfq=config.mlfq,
+                cost_model=cost_model,
+            )
+        self.scheduler = scheduler
+        self.kv_cache = scheduler.kv_cache  # the scheduler's manager, named for reading
+        self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
+            {tokenizer.eos_token_id} if tokenizer and tokenizer.eos_token_id is not None else set()
+        )
+        self._groups: dict[str, SequenceGroup] = {}
+        self._finished: dict[str, RequestOutput] = {}  # requests finished in the last step
+        self._streams: dict[str, collections.deque[RequestOutput]] = {}  # outputs not yet read
+        self._observers: list[StepObserver] = []
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._num_steps = 0
+
+    @classmethod
+    def from_pretrained(cls, model: str | Path | None = None, **kwargs: Any) -> LLMEngine:
+        """Load a model folder or GGUF file (default: the bundled SmolLM2) with its tokenizer."""
+        from minipaged.checkpoint.loader import checkpoint_config, default_model_path
+        from minipaged.models.registry import load_model
+        from minipaged.tokenizer.tokenizer import Tokenizer
+
+        config = EngineConfig(**kwargs)
+        path = Path(model) if model is not None else default_model_path()
+        if config.tensor_parallel_size > 1:  # every rank reads its own slices
+            source, model_config = CheckpointShards(str(path)), checkpoint_config(path)
+            return cls(source, model_config, Tokenizer.from_pretrained(path), config)
+        nn_model, model_config = load_model(path, dtype=config.torch_dtype, device="cpu")
+        return cls(nn_model, model_config, Tokenizer.from_pretrained(path), config)
+
+    def close(self) -> None:
+        """Stop the runner's worker processes, if it has any (tensor parallelism)."""
+        self.runner.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _startup_cost_model(self) -> CostModel:
+        """The cost model given, or the one saved in `cost_model_file`, or a profile of this
+        runner (written to `cost_model_file` when that is set)."""
+        config = self.config
+        if config.cost_model is not None:
+            return config.cost_model
+        path = None if config.cost_model_file is None else Path(config.cost_model_file)
+        if path is not None and path.exists():
+            return CostModel.load(path)
+        cost_model = profile_runner(self.runner, progress=True)
+        if path is not None:
+            cost_model.save(path)
+        return cost_model
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | collections.abc.Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        *,
+        prompt_text: str | None = None,
+    ) -> str:
+        """Queue a request (text, or token ids); return its id. `prompt_text` is the text that
+        token ids were made from (a rendered chat prompt, say), reported as the output's
+        `prompt`. Bad input raises `TypeError` / `ValueError` naming the field and the value
+        and leaves the engine untouched (`minipaged.admission`, `Scheduler.check_request`)."""
+        vocab = self.model_config.vocab_size
+        params = check_params(sampling_params, vocab, self.tokenizer is not None)
+        if prompt_text is not None and isinstance(prompt, str):
+            raise ValueError("prompt_text names the text of token-id prompts, not of text ones")
+        if request_id is None:
+            request_id = self._new_request_id()
+        request_id = str(request_id)
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = prompt_token_ids(prompt, self.tokenizer, vocab)
+        seq = Sequence(next(self._seq_ids), token_ids, self._detokenizer())
+        prompt_text = text if text is not None else prompt_text
+        arrival_time = self.clock() if arrival_time is None else arrival_time
+        group = SequenceGroup(request_id, [seq], params, arrival_time, prompt=prompt_text)
+        self.scheduler.add(group)  # rejects a request that can never fit
+        self._groups[request_id] = group
+        return request_id
+
+    def _new_request_id(self) -> str:
+        """The next free number: never an id a caller's request holds now."""
+        while (request_id := str(next(self._request_ids))) in self._groups:
+            pass
+        return request_id
+
+    def _detokenizer(self) -> Any | None:
+        if self.tokenizer is None:
+            return None
+        from minipaged.tokenizer.tokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and return its blocks; False when it is unknown or already done."""
+        group = self.scheduler.abort(str(request_id))
+        if group is None:
+            return False
+        group.metrics.finished_time = self.clock()
+        self._groups.pop(group.request_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    def get_request(self, request_id: str) -> RequestOutput | None:
+        """The current output of a running request, or the final one of a request that finished
+        in the last step; None for any other id."""
+        group = self._groups.get(str(request_id))
+        if group is None:
+            return self._finished.get(str(request_id))
+        return self._request_output(group)
+
+    def get_sampling_params(self, request_id: str) -> SamplingParams | None:
+        """The sampling parameters of a running request (None when it is not running)."""
+        group = self._groups.get(str(request_id))
+        return None if group is None else group.sampling_params
+
+    # -- observing steps --------------------------------------------------------------------------
+
+    def add_step_observer(self, observer: StepObserver) -> None:
+        """Call `observer(record)` after every step with that step's `StepRecord`."""
+        self._observers.append(observer)
+
+    def remove_step_observer(self, observer: StepObserver) -> None:
+        """Stop calling an observer added by `add_step_observer`."""
+        self._observers.remove(observer)
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, compute and sample one step; return the requests that got new tokens."""
+        clock = time.perf_counter
+        began, start = clock(), self.clock()
+        out = self.scheduler.schedule(start)
+        scheduled = clock()
+        entries = [
+            BatchEntry(s.token_ids, s.start, s.block_table, s.needs_logits) for s in out.scheduled
+        ]
+        try:
+            logits = self.runner.execute(entries, CacheOps(out.swap_in, out.swap_out, out.copy))
+            computed = clock()
+            self.scheduler.mark_computed(out)
+            marked = clock()
+            touched = sample_tokens(
+                [s for s in out.scheduled if s.needs_logits],
+                logits,
+                sampler=self.sampler,
+                scheduler=self.scheduler,
+                seq_ids=self._seq_ids,
+                eos_token_ids=self.eos_token_ids,
+                max_model_len=self.max_model_len,
+                now=self.clock(),
+            )
+        except WorkerDiedError:  # no step can run any more
+            raise
+        except Exception:  # the step's requests end with "error"; the others go on
+            logger.exception("step %d failed; its requests finish with 'error'", self._num_steps)
+            return self._fail_step(out)
+        sampled = clock()
+        num_running = len(self.scheduler.running)
+        for group in finish_requests(self.scheduler, self.clock()):
+            self._groups.pop(group.request_id, None)
+        freed = clock()
+        outputs = self._publish([self._request_output(g) for g in touched])
+        if self._observers:
+            timings = StepTimings(
+                schedule_s=scheduled - began,
+                forward_s=computed - scheduled,
+                sample_s=sampled - marked,
+                update_s=(marked - computed) + (freed - sampled),
+                total_s=clock() - began,
+            )
+            record = record_step(
+                self._num_steps,
+                start,
+                self.clock(),
+                out,
+                self.scheduler,
+                block_tables=[e.block_table for e in entries],
+                num_running=num_running,
+                timings=timings,
+            )
+            for observer in list(self._observers):
+                observer(record)
+        self._num_steps += 1
+        return outputs
+
+    def _fail_step(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """End every request the failed step touched with `finish_reason="error"`, freeing
+        its blocks, so that the next step starts from a consistent engine."""
+        groups = {id(g): g for g in [s.group for s in out.scheduled] + out.preempted}
+        finished = []
+        for group in groups.values():
+            if self.scheduler.abort(group.request_id, SequenceStatus.FINISHED_ERROR):
+                group.metrics.finished_time = self.clock()
+                self._groups.pop(group.request_id, None)
+                finished.append(group)
+        self._num_steps += 1
+        return self._publish([self._request_output(g) for g in finished])
+
+    def _publish(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Keep the step's finished outputs for `get_request` and queue every output of a
+        request with an open stream for that stream."""
+        self._finished = {o.request_id: o for o in outputs if o.finished}
+        for output in outputs:
+            pending = self._streams.get(output.request_id)
+            if pending is not None:
+                pending.append(output)
+        return outputs
+
+    def _request_output(self, group: SequenceGroup) -> RequestOutput:
+        """The user's view of a request. While a sample runs, the end of its text that may be
+        the start of a stop string is held back (as vLLM does), so streamed text never has to be
+        taken back when the stop string completes and is cut off."""
+        output = group.to_request_output(self.eos_token_ids)
+        hold_back = max((len(stop) for stop in group.sampling_params.stop), default=1) - 1
+        if hold_back and not group.sampling_params.use_beam_search:
+            by_index = {seq.sample_index: seq for seq in group.seqs}
+            for completion in output.outputs:
+                completion.text = by_index[completion.index].stream_text(hold_back)
+        return output
+
+    def stream(self, request_id: str) -> RequestStream:
+        """Follow `request_id`: iterating yields its output after every step that gave it new
+        tokens, stepping the engine when none is waiting; the last one is `finished`. Other
+        requests advance meanwhile, and their outputs are kept for their own streams.
+
+        Each output holds the whole text so far (vLLM's cumulative outputs); successive texts
+        only grow, so `text[len(previous):]` is the new piece (see
+        `minipaged.engine.llm.stream_text`). Closing the stream (`close()`, leaving a `for` loop
+        over it that is then dropped, or the stream being collected) aborts the request if it has
+        not finished.
+        """
+        request_id = str(request_id)
+        if request_id not in self._groups:
+            raise ValueError(f"unknown or finished request {request_id!r}")
+        if request_id in self._streams:
+            raise ValueError(f"request {request_id!r} already has an open stream")
+        pending: collections.deque[RequestOutput] = collections.deque()
+        self._streams[request_id] = pending
+        return RequestStream(self, request_id, pending)
+
+    def close_stream(self, request_id: str, pending: collections.deque[RequestOutput]) -> None:
+        """End the stream that owns `pending`, aborting its request if it is still running."""
+        if self._streams.get(request_id) is pending:
+            del self._streams[request_id]
+            self.abort_request(request_id)
+
+    # -- driving it to completion ------------------------------------------------------------------
+
+    def run_until_done(self, use_tqdm: bool = False) -> dict[str, RequestOutput]:
+        """Step until every request finished; return the final output of each."""
+        finals: dict[str, RequestOutput] = {}
+        total = len(self._groups)
+        with tqdm(total=total, desc="requests", disable=not use_tqdm, unit="req") as bar:
+            while self.has_unfinished_requests():
+                for output in self.step():
+                    if output.finished:
+                        finals[output.request_id] = output
+                        bar.update(1)
+        return finals
+
+
+__all__ = ["EngineConfig", "LLMEngine", "RequestStream", "StepObserver"]

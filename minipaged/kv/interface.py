@@ -1,0 +1,197 @@
+"""What a KV cache manager offers the scheduler: the KV layer's interface (vLLM paper §4.2-4.5).
+
+Two managers implement `KVManager`: `minipaged.kv.manager.KVCacheManager` (paged blocks, shared
+with reference counts, prefix caching, a host pool for swapping) and
+`minipaged.kv.reservation.ReservationKVCacheManager` (one contiguous chunk per request, the Orca
+and static-batching baselines of the paper's §6.1). The scheduler is written against this
+protocol only, so the baselines run through the very scheduling code of the paged system.
+
+**What a manager owns: blocks, nothing else.** Block tables, slot counts (how many token slots
+each sequence's table covers), reference counts, block hashes, the free lists and the host
+pool. A sequence's token ids and how many of them are computed belong to its `Sequence`
+(`minipaged.sampling.sequence`); a call that needs them (`allocate`, `mark_computed`) is given them.
+
+**The two pools** are the *device* pool (`num_blocks` blocks, where attention reads; vLLM and
+`EngineConfig` call its size `num_gpu_blocks`) and the *host* pool (`num_host_blocks`, CPU
+memory for swapped-out blocks; `num_cpu_blocks` in `EngineConfig`).
+
+Every mutating call either succeeds or raises with the state untouched: `NoFreeBlocksError`
+when a pool is short, `KVCacheError` (a `ValueError`) for a request that makes no sense.
+
+The calls return the block copies the engine performs, within one step in this order: swap-out
+copies first (they read blocks that this step may hand to others), then swap-in copies, then
+copy-on-write copies; then the forward pass writes the new K/V.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from numbers import Integral
+from typing import Protocol
+
+SeqId = Hashable  # the scheduler uses `Sequence.seq_id`; tests use strings too
+BlockCopy = tuple[int, int]  # (source block, destination block) of a copy the engine performs
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+class KVCacheError(ValueError):
+    """A request the manager cannot honour: unknown or duplicate sequence, bad tokens, ..."""
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Not enough free blocks for the call; the manager's state is left untouched."""
+
+    def __init__(self, pool: str, needed: int, available: int) -> None:
+        super().__init__(f"need {needed} free {pool} blocks but only {available} are free")
+        self.pool = pool
+        self.needed = needed
+        self.available = available
+
+
+def as_token_ids(token_ids: Iterable[int], what: str) -> list[int]:
+    """`token_ids` as a list of ints, or a `KVCacheError` naming `what` and the bad value."""
+    tokens = list(token_ids)
+    for t in tokens:
+        if not isinstance(t, Integral) or isinstance(t, bool) or t < 0:
+            raise KVCacheError(f"{what} must be non-negative integers, got {t!r}")
+    return [int(t) for t in tokens]
+
+
+# -- accounting -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryUsage:
+    """Where a KV cache's token slots are at one moment, in the categories of the vLLM paper's
+    Fig. 2: slots holding token states, and the waste among allocated slots:
+
+    * `reserved_slots`: reserved for tokens the request will still generate;
+    * `internal_fragmentation_slots`: allocated but never to be used (over-reservation past the
+      request's true length, the unfilled tail of a paged block, a finished request's row);
+    * `external_fragmentation_slots`: lost to the memory allocator (a buddy allocator rounding a
+      reservation up to a power of two).
+
+    Slots not allocated at all are `free_slots`.
+    """
+
+    total_slots: int
+    token_slots: int
+    reserved_slots: int = 0
+    internal_fragmentation_slots: int = 0
+    external_fragmentation_slots: int = 0
+
+    @property
+    def allocated_slots(self) -> int:
+        return (
+            self.token_slots
+            + self.reserved_slots
+            + self.internal_fragmentation_slots
+            + self.external_fragmentation_slots
+        )
+
+    @property
+    def free_slots(self) -> int:
+        return self.total_slots - self.allocated_slots
+
+    @property
+    def token_fraction_of_allocated(self) -> float:
+        """Fraction of allocated slots holding token states (1.0 when nothing is allocated)."""
+        allocated = self.allocated_slots
+        return self.token_slots / allocated if allocated else 1.0
+
+
+# -- the protocol ---------------------------------------------------------------------------------
+
+
+class KVManager(Protocol):
+    """The block bookkeeping a scheduler needs; see the module docstring for who owns what.
+
+    A list or tuple of ids passed to the swap calls is a group that shares blocks (a request's
+    parallel samples or beams): it moves all at once, each shared block copied once.
+    """
+
+    block_size: int  # token slots per block
+    num_blocks: int  # blocks in the device pool
+    watermark_blocks: int  # device blocks admission leaves free, so running sequences can grow
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free device blocks."""
+
+    def __contains__(self, seq_id: object) -> bool:
+        """Whether the sequence holds blocks (on the device or on the host)."""
+
+    def seq_ids(self) -> list[SeqId]:
+        """Every sequence holding blocks."""
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks that `num_tokens` token slots fill."""
+
+    def blocks_for_request(self, prompt_len: int, max_len: int, width: int) -> int:
+        """The most device blocks one request can hold at once: `width` sequences (parallel
+        samples or beams) grown from one prompt to at most `max_len` tokens each. A request
+        needing more than `num_blocks` can never run."""
+
+    # -- admission and growth ---------------------------------------------------------------------
+
+    def can_allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> bool:
+        """Whether `allocate(seq_id, token_ids)` would succeed now and leave the watermark's
+        blocks free."""
+
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
+        """Give a new sequence slots for its prompt (`token_ids`, needed to look the prefix
+        cache up); return how many leading tokens are already computed (cached). Never the last
+        token: its logits must be computed."""
+
+    def num_blocks_to_append(self, seq_id: SeqId, n: int) -> int:
+        """Free device blocks `append_slots(seq_id, n)` would take (new blocks and copies)."""
+
+    def can_append(self, seq_id: SeqId, n: int) -> bool:
+        """Whether `append_slots(seq_id, n)` would find its blocks (no watermark applies)."""
+
+    def append_slots(self, seq_id: SeqId, n: int) -> list[BlockCopy]:
+        """Slots for `n` tokens about to be computed; returns the copy-on-write copies (src, dst)
+        the engine performs before writing into them."""
+
+    def mark_computed(self, seq_id: SeqId, computed_token_ids: Sequence[int]) -> None:
+        """The forward pass wrote the K/V of the sequence's first `len(computed_token_ids)`
+        tokens (these ids, from the sequence's owner): full blocks among them may now be found
+        by other prompts."""
+
+    # -- sharing and freeing ----------------------------------------------------------------------
+
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+        """A new sequence `child_id` continuing from all of `parent_id`'s tokens (vLLM §4.4)."""
+
+    def free(self, seq_id: SeqId) -> None:
+        """Drop the sequence and give back the blocks nobody else references."""
+
+    # -- swapping (§4.5) --------------------------------------------------------------------------
+
+    def can_swap_out(self, seq_ids: SeqId | Sequence[SeqId]) -> bool:
+        """Whether the host pool can take the sequence's (or group's) blocks."""
+
+    def swap_out(self, seq_ids: SeqId | Sequence[SeqId]) -> list[BlockCopy]:
+        """Move a sequence or group to the host pool; returns the (device, host) copies."""
+
+    def can_swap_in(self, seq_ids: SeqId | Sequence[SeqId]) -> bool:
+        """Whether the device pool can take a swapped sequence or group back, watermark kept."""
+
+    def swap_in(self, seq_ids: SeqId | Sequence[SeqId]) -> list[BlockCopy]:
+        """Bring a swapped sequence or group back; returns the (host, device) copies."""
+
+    # -- queries ----------------------------------------------------------------------------------
+
+    def block_table(self, seq_id: SeqId) -> list[int]:
+        """The sequence's physical block ids, logical block 0 first (a copy)."""
+
+    def num_tokens(self, seq_id: SeqId) -> int:
+        """Token slots the sequence's table covers (computed or about to be)."""
+
+    def memory_usage(self) -> MemoryUsage:
+        """The device pool's slots by the paper's Fig. 2 categories."""
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken structural invariant."""

@@ -1,0 +1,330 @@
+"""The KV cache manager: PagedAttention's memory half (vLLM paper, Kwon et al. SOSP'23, §4.1-4.5).
+
+The KV cache is cut into fixed-size *blocks* of `block_size` token slots. Each sequence owns a
+*block table* mapping its logical blocks (tokens `i * block_size ... (i + 1) * block_size - 1`)
+to physical blocks anywhere in the pool, like pages of virtual memory (§4.1-4.3). Waste is
+bounded by the unfilled tail of each sequence's last block.
+
+Blocks are shared with reference counts: within a request by `fork` (parallel sampling, beam
+search, §4.4) and across requests by *prefix caching* (§4.4, "shared prefix"). A shared block is
+never written: `append_slots` copies a shared, partly filled last block first (copy-on-write)
+and returns the copies for the engine to perform. When device blocks run out, a whole sequence
+group can be swapped to a host pool and back (§4.5). The blocks themselves, their hashes and
+the free queue are `minipaged.kv.pool`'s; no token ids of a sequence are kept here.
+
+**The rule that keeps prefix caching correct.** A block's hash becomes findable only when the
+engine says its K/V has really been computed: `mark_computed(seq_id, computed_token_ids)`,
+called after each step with the sequence's computed prefix, registers the full blocks lying
+wholly inside it. Allocation alone never publishes a hash, so
+
+* two sequences admitted in the same step with the same prompt never hit on each other's
+  still-empty blocks (each computes its own; the second block with an already-registered hash
+  simply stays private);
+* a prompt whose every block is cached still recomputes its last block, because a hit never
+  covers the last prompt token (its logits are needed), and hits are whole blocks;
+* a sequence preempted by recomputation (`free`, later `allocate` of prompt + generated tokens)
+  hits on its own freed blocks, which stay reusable in the free queue until evicted;
+* swapped-in blocks are offered to the cache again at the next `mark_computed`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from numbers import Integral
+
+from minipaged.kv.block_table import BlockTable
+from minipaged.kv.interface import (
+    BlockCopy,
+    KVCacheError,
+    MemoryUsage,
+    NoFreeBlocksError,
+    SeqId,
+    as_token_ids,
+)
+from minipaged.kv.pool import BlockPool, HostPool, chained_hashes, distinct_blocks
+
+
+class KVCacheManager:
+    """Block tables, copy-on-write, prefix caching and swapping over a device and a host pool;
+    implements `minipaged.kv.interface.KVManager` (see the module docstring for the prefix-caching
+    rule)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+    ) -> None:
+        for name, value, low in (
+            ("num_blocks", num_blocks, 1),
+            ("block_size", block_size, 1),
+            ("num_host_blocks", num_host_blocks, 0),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_host_blocks = num_host_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark = watermark
+        # Blocks admission keeps free so running sequences can grow without instant preemption.
+        self.watermark_blocks = int(watermark * num_blocks)
+        self._pool = BlockPool(num_blocks, block_size)
+        self._host = HostPool(num_host_blocks)
+        self._tables: dict[SeqId, BlockTable] = {}
+        # Prefix-cache counters, in blocks looked up by `allocate`.
+        self.prefix_cache_hits = 0
+        self.prefix_cache_misses = 0
+
+    # -- queries ----------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._pool.free)
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._host.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._pool.free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose hash is registered (in use or free but not yet evicted)."""
+        return len(self._pool.cache)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        looked_up = self.prefix_cache_hits + self.prefix_cache_misses
+        return self.prefix_cache_hits / looked_up if looked_up else 0.0
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._tables
+
+    def seq_ids(self) -> list[SeqId]:
+        return list(self._tables)
+
+    def block_table(self, seq_id: SeqId) -> list[int]:
+        """The sequence's physical block ids (host block ids while it is swapped out)."""
+        return list(self._table(seq_id).blocks)
+
+    def num_tokens(self, seq_id: SeqId) -> int:
+        return self._table(seq_id).num_tokens
+
+    def is_swapped(self, seq_id: SeqId) -> bool:
+        return self._table(seq_id).on_host
+
+    def ref_count(self, block_id: int) -> int:
+        return self._pool.blocks[block_id].ref_count
+
+    def host_ref_count(self, host_block_id: int) -> int:
+        return self._host.ref_counts[host_block_id]
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def blocks_for_request(self, prompt_len: int, max_len: int, width: int) -> int:
+        """The prompt's full blocks are shared by every sample; the rest of each is its own."""
+        shared = prompt_len // self.block_size if width > 1 else 0
+        return shared + width * (self.num_blocks_for(max_len) - shared)
+
+    def memory_usage(self) -> MemoryUsage:
+        """Device slots holding tokens; the rest of the used blocks is internal fragmentation."""
+        used_slots = self.num_used_blocks * self.block_size
+        token_slots = self._pool.num_token_slots
+        return MemoryUsage(
+            total_slots=self.num_blocks * self.block_size,
+            token_slots=token_slots,
+            internal_fragmentation_slots=used_slots - token_slots,
+        )
+
+    # -- admission and growth ---------------------------------------------------------------------
+
+    def can_allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> bool:
+        """Whether `allocate` would succeed and leave at least the watermark's blocks free
+        (a prefix hit on a block in use takes no free block)."""
+        tokens = self._new_prompt(seq_id, token_ids)
+        hits = self._pool.cached_prefix(tokens, self._hashes(tokens))
+        needed = self._pool.num_to_take(self.num_blocks_for(len(tokens)) - len(hits), hits)
+        return self.num_free_blocks - needed >= self.watermark_blocks
+
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
+        """Give a new sequence blocks for its whole prompt, reusing prefix-cache hits.
+
+        Returns the number of leading tokens whose K/V is already cached (whole blocks, never
+        the last token): the engine computes only the rest. Raises `NoFreeBlocksError` (state
+        untouched) when the pool is short; the watermark is `can_allocate`'s business.
+        """
+        tokens = self._new_prompt(seq_id, token_ids)
+        hashes = self._hashes(tokens)
+        hits = self._pool.cached_prefix(tokens, hashes)
+        needed = self._pool.num_to_take(self.num_blocks_for(len(tokens)) - len(hits), hits)
+        if needed > self.num_free_blocks:
+            raise NoFreeBlocksError("device", needed, self.num_free_blocks)
+        if self.enable_prefix_caching:
+            eligible = (len(tokens) - 1) // self.block_size
+            self.prefix_cache_hits += len(hits)
+            self.prefix_cache_misses += eligible - len(hits)
+        for block_id in hits:
+            self._pool.take_shared(block_id)
+        num_cached = len(hits) * self.block_size
+        table = BlockTable(self._pool, list(hits), num_cached, hashes, len(hits))
+        table.append(len(tokens) - num_cached)
+        self._tables[seq_id] = table
+        return num_cached
+
+    def num_blocks_to_append(self, seq_id: SeqId, n: int) -> int:
+        """Free blocks `append_slots` of `n` tokens would take (new blocks plus a copy-on-write
+        copy); the scheduler sums them over a group whose sequences must grow together."""
+        if not isinstance(n, Integral) or isinstance(n, bool) or n < 0:
+            raise KVCacheError(f"number of tokens to append must be an integer >= 0, got {n!r}")
+        return self._device_table(seq_id).blocks_to_append(n)
+
+    def can_append(self, seq_id: SeqId, n: int = 1) -> bool:
+        """Whether `append_slots` of `n` tokens would find enough free blocks.
+
+        The watermark is not applied: it is the reserve kept at admission precisely so that
+        running sequences can keep growing (as in vLLM).
+        """
+        return self.num_blocks_to_append(seq_id, n) <= self.num_free_blocks
+
+    def append_slots(self, seq_id: SeqId, n: int) -> list[BlockCopy]:
+        """Grow the sequence's table by slots for `n` tokens about to be written; return the
+        copy-on-write pairs.
+
+        If the last block is partly filled and shared (after `fork`), it is first replaced by a
+        private copy: the engine must copy block `src` to `dst` for every returned pair before
+        writing the new tokens. Raises `NoFreeBlocksError` (state untouched) when short.
+        """
+        needed = self.num_blocks_to_append(seq_id, n)
+        if needed > self.num_free_blocks:
+            raise NoFreeBlocksError("device", needed, self.num_free_blocks)
+        return self._tables[seq_id].append(n)
+
+    def mark_computed(self, seq_id: SeqId, computed_token_ids: Sequence[int]) -> None:
+        """Record that the K/V of the sequence's computed prefix `computed_token_ids` (from its
+        owner) is written, and publish the hashes of the full blocks wholly inside it."""
+        table = self._device_table(seq_id)
+        if len(computed_token_ids) > table.num_tokens:
+            raise KVCacheError(
+                f"sequence {seq_id!r}: {len(computed_token_ids)} computed tokens but only "
+                f"{table.num_tokens} slots (num_computed_tokens must not exceed num_tokens)"
+            )
+        if self.enable_prefix_caching:
+            table.register_computed(computed_token_ids)
+
+    # -- fork and free ----------------------------------------------------------------------------
+
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+        """Make `child_id` share every block of `parent_id` (parallel sampling, beam search).
+
+        Fork after the parent's slots are computed (the engine forks after sampling): shared
+        blocks are read-only, and the first append into a shared partial block copies it.
+        """
+        if child_id in self._tables:
+            raise KVCacheError(f"sequence {child_id!r} is already allocated")
+        self._tables[child_id] = self._device_table(parent_id).fork()
+
+    def free(self, seq_id: SeqId) -> None:
+        """Drop the sequence; blocks no longer referenced return to the free queue (cached ones
+        stay findable until evicted)."""
+        self._table(seq_id).release(self._host)
+        del self._tables[seq_id]
+
+    # -- swapping ---------------------------------------------------------------------------------
+
+    def can_swap_out(self, seq_ids: SeqId | Sequence[SeqId]) -> bool:
+        group = self._group(seq_ids, on_host=False)
+        return len(distinct_blocks(t.blocks for t in group)) <= self.num_free_host_blocks
+
+    def swap_out(self, seq_ids: SeqId | Sequence[SeqId]) -> list[BlockCopy]:
+        """Move a sequence, or a group sharing blocks (pass a list), to the host pool.
+
+        Each distinct device block is copied once; returns the (device, host) copies to
+        perform. Device blocks left unreferenced are freed (cached ones stay findable).
+        """
+        group = self._group(seq_ids, on_host=False)
+        needed = len(distinct_blocks(t.blocks for t in group))
+        if needed > self.num_free_host_blocks:
+            raise NoFreeBlocksError("host", needed, self.num_free_host_blocks)
+        host_tables, copies = self._host.move_out([t.blocks for t in group], self._pool)
+        for table, blocks in zip(group, host_tables, strict=True):
+            table.blocks, table.on_host = blocks, True
+        return copies
+
+    def can_swap_in(self, seq_ids: SeqId | Sequence[SeqId]) -> bool:
+        """Whether `swap_in` would leave at least the watermark's blocks free."""
+        needed = len(distinct_blocks(t.blocks for t in self._group(seq_ids, on_host=True)))
+        return self.num_free_blocks - needed >= self.watermark_blocks
+
+    def swap_in(self, seq_ids: SeqId | Sequence[SeqId]) -> list[BlockCopy]:
+        """Bring a swapped-out sequence or group back; returns the (host, device) copies.
+
+        The swapped-in blocks are offered to the prefix cache again at the next `mark_computed`.
+        """
+        group = self._group(seq_ids, on_host=True)
+        needed = len(distinct_blocks(t.blocks for t in group))
+        if needed > self.num_free_blocks:
+            raise NoFreeBlocksError("device", needed, self.num_free_blocks)
+        device_tables, copies = self._host.move_in([t.blocks for t in group], self._pool)
+        for table, blocks in zip(group, device_tables, strict=True):
+            table.blocks, table.on_host, table.num_registered_blocks = blocks, False, 0
+        return copies
+
+    # -- invariants -------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Check every structural invariant; raise AssertionError describing the first broken:
+        each table on its own, then ref counts equal to table references in both pools."""
+        refs = [0] * self.num_blocks
+        host_refs = [0] * self.num_host_blocks
+        fills: dict[int, int] = {}
+        for seq_id, table in self._tables.items():
+            table.check_invariants(repr(seq_id), self._host, refs, host_refs, fills)
+        self._pool.check_invariants(refs, fills)
+        self._host.check_invariants(host_refs)
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _table(self, seq_id: SeqId) -> BlockTable:
+        try:
+            return self._tables[seq_id]
+        except KeyError:
+            raise KVCacheError(f"unknown sequence {seq_id!r}") from None
+
+    def _device_table(self, seq_id: SeqId) -> BlockTable:
+        table = self._table(seq_id)
+        if table.on_host:
+            raise KVCacheError(f"sequence {seq_id!r} is swapped out; swap it in first")
+        return table
+
+    def _new_prompt(self, seq_id: SeqId, token_ids: Sequence[int]) -> list[int]:
+        if seq_id in self._tables:
+            raise KVCacheError(f"sequence {seq_id!r} is already allocated")
+        tokens = as_token_ids(token_ids, "token_ids")
+        if not tokens:
+            raise KVCacheError(f"sequence {seq_id!r}: a prompt needs at least one token")
+        return tokens
+
+    def _group(self, seq_ids: SeqId | Sequence[SeqId], on_host: bool) -> list[BlockTable]:
+        ids = list(seq_ids) if isinstance(seq_ids, (list, tuple)) else [seq_ids]
+        if not ids:
+            raise KVCacheError("empty sequence group")
+        if len(set(ids)) != len(ids):
+            raise KVCacheError(f"sequence group {ids!r} repeats an id")
+        group = [self._table(i) for i in ids]
+        for seq_id, table in zip(ids, group, strict=True):
+            if table.on_host != on_host:
+                where = "swapped out" if table.on_host else "on the device"
+                raise KVCacheError(f"sequence {seq_id!r} is already {where}")
+        return group
+
+    def _hashes(self, tokens: list[int]) -> list[bytes]:
+        return chained_hashes(tokens, self.block_size) if self.enable_prefix_caching else []

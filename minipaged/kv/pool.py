@@ -1,0 +1,287 @@
+"""The physical blocks under `KVCacheManager`: the device pool with its free queue and prefix
+cache, and the host pool that swapped-out blocks go to (vLLM paper §4.2-4.5).
+
+The device pool knows, for each block, how many sequences reference it and how many of its
+slots hold tokens; a full block whose K/V is computed may also carry a *block hash*, which
+makes it findable by later prompts with the same prefix (§4.4, "shared prefix"). A hash is
+chained -- BLAKE2b over (the previous block's hash, the block's token ids) -- so equal hashes
+mean equal prefixes, and every hit is still confirmed against the block's stored token ids.
+A freed cached block stays findable until the `FreeBlockQueue` evicts it (LRU).
+
+Which sequence uses which block is the manager's business (`minipaged.kv.manager`); this module
+only counts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+# The chained hash's root: the "previous block hash" of a sequence's first block.
+ROOT_HASH = bytes(16)
+
+# -- data types -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Block:
+    """A physical device block. Prefix-cache fields are set only while its hash is registered."""
+
+    block_id: int
+    ref_count: int = 0
+    num_tokens: int = 0  # slots holding tokens (all sharers of a block agree on it)
+    block_hash: bytes | None = None
+    parent_hash: bytes | None = None
+    token_ids: tuple[int, ...] | None = None  # the content a hit is confirmed against
+
+
+class FreeBlockQueue:
+    """Free device blocks in eviction order, with O(1) removal from anywhere.
+
+    The front is taken first. Blocks without a cached hash go to the front (nothing is lost by
+    reusing them); blocks with a hash go to the back, so the cached block freed longest ago is
+    evicted first (LRU).
+    """
+
+    def __init__(self, block_ids: Iterable[int] = ()) -> None:
+        self._queue: OrderedDict[int, None] = OrderedDict((b, None) for b in block_ids)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._queue
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._queue)
+
+    def push_front(self, block_id: int) -> None:
+        self._queue[block_id] = None
+        self._queue.move_to_end(block_id, last=False)
+
+    def push_back(self, block_id: int) -> None:
+        self._queue[block_id] = None
+
+    def pop_front(self) -> int:
+        block_id, _ = self._queue.popitem(last=False)
+        return block_id
+
+    def remove(self, block_id: int) -> None:
+        del self._queue[block_id]
+
+
+# -- hashing --------------------------------------------------------------------------------------
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """The chained hash of a full block: BLAKE2b over (previous block's hash, token ids).
+
+    Deterministic in every process (unlike Python's `hash`), so caches could be shared.
+    """
+    payload = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    return hashlib.blake2b(parent_hash + payload, digest_size=16).digest()
+
+
+def chained_hashes(
+    token_ids: Sequence[int], block_size: int, start: int = 0, parent: bytes = ROOT_HASH
+) -> list[bytes]:
+    """Hashes of the full blocks `start, start + 1, ...` of `token_ids`; `parent` is block
+    `start - 1`'s hash."""
+    hashes = []
+    for index in range(start, len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[index * block_size : (index + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def distinct_blocks(tables: Iterable[list[int]]) -> dict[int, int]:
+    """Each distinct block of a group's tables -> the references to it from within the group."""
+    counts: dict[int, int] = {}
+    for table in tables:
+        for block_id in table:
+            counts[block_id] = counts.get(block_id, 0) + 1
+    return counts
+
+
+# -- the device pool ------------------------------------------------------------------------------
+
+
+class BlockPool:
+    """Device blocks: reference counts, slot fills, the free queue and the prefix cache."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free = FreeBlockQueue(range(num_blocks))
+        self.cache: dict[bytes, int] = {}  # registered hash -> block id
+        self.num_token_slots = 0  # sum of num_tokens over used blocks
+
+    def take_free(self) -> int:
+        """Pop the front of the free queue, evicting its cached hash; returns it empty, ref 1."""
+        block = self.blocks[self.free.pop_front()]
+        if block.block_hash is not None:
+            del self.cache[block.block_hash]
+            block.block_hash = block.parent_hash = block.token_ids = None
+        block.ref_count = 1
+        block.num_tokens = 0
+        return block.block_id
+
+    def take_shared(self, block_id: int) -> None:
+        """One more reference to a block: a fork's, or a prefix hit reviving a free one."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self.free.remove(block_id)
+            self.num_token_slots += block.num_tokens
+        block.ref_count += 1
+
+    def release(self, block_id: int) -> None:
+        """Drop one reference; an unreferenced block joins the free queue (cached: at the back)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.num_token_slots -= block.num_tokens
+            if block.block_hash is None:
+                self.free.push_front(block_id)
+            else:
+                self.free.push_back(block_id)
+
+    def set_num_tokens(self, block_id: int, num_tokens: int) -> None:
+        block = self.blocks[block_id]
+        self.num_token_slots += num_tokens - block.num_tokens
+        block.num_tokens = num_tokens
+
+    # -- the prefix cache -------------------------------------------------------------------------
+
+    def cached_prefix(self, token_ids: Sequence[int], hashes: Sequence[bytes]) -> list[int]:
+        """Blocks caching a prompt's leading full blocks (`hashes`: their chained hashes), up to
+        the first miss and never covering the last token. A hit is confirmed against the block's
+        parent hash and tokens: a hash collision is a miss."""
+        bs = self.block_size
+        hits: list[int] = []
+        parent = ROOT_HASH
+        for index in range(min(len(hashes), (len(token_ids) - 1) // bs)):
+            block_id = self.cache.get(hashes[index])
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.parent_hash != parent or block.token_ids != tuple(
+                token_ids[index * bs : (index + 1) * bs]
+            ):
+                break
+            hits.append(block_id)
+            parent = hashes[index]
+        return hits
+
+    def num_to_take(self, num_fresh: int, hits: Sequence[int]) -> int:
+        """Free blocks that `num_fresh` new blocks plus these prefix hits take from the queue."""
+        return num_fresh + sum(1 for b in hits if self.blocks[b].ref_count == 0)
+
+    def register(
+        self, block_id: int, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int]
+    ) -> None:
+        """Make a full, computed block findable, unless it or another block caches these tokens
+        already (then it stays private)."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None or block_hash in self.cache:
+            return
+        block.block_hash = block_hash
+        block.parent_hash = parent_hash
+        block.token_ids = tuple(token_ids)
+        self.cache[block_hash] = block_id
+
+    def check_invariants(self, refs: list[int], fills: dict[int, int]) -> None:
+        """Given the references and fills the block tables imply, check the pool's counts, free
+        queue and cache; raise AssertionError describing the first broken invariant."""
+        for block in self.blocks:
+            b = block.block_id
+            assert block.ref_count == refs[b], (
+                f"block {b}: ref count {block.ref_count} but {refs[b]} block-table references"
+            )
+            assert (b in self.free) == (block.ref_count == 0), (
+                f"block {b}: ref count {block.ref_count} but in free queue: {b in self.free}"
+            )
+            if block.ref_count:
+                assert block.num_tokens == fills[b], f"block {b}: num_tokens {block.num_tokens}"
+            if block.block_hash is not None:
+                assert self.cache.get(block.block_hash) == b, f"block {b}: hash not registered"
+                assert block.token_ids is not None and len(block.token_ids) == self.block_size, (
+                    f"block {b}: a registered block must be full"
+                )
+        assert len(self.free) + sum(1 for r in refs if r) == self.num_blocks, (
+            "free and used blocks do not partition the pool"
+        )
+        for h, b in self.cache.items():
+            assert self.blocks[b].block_hash == h, f"cache entry for block {b} has a stale hash"
+        token_slots = sum(fills.values())
+        assert self.num_token_slots == token_slots, (
+            f"token-slot counter {self.num_token_slots} != {token_slots}"
+        )
+
+
+# -- the host pool --------------------------------------------------------------------------------
+
+
+class HostPool:
+    """Host blocks holding swapped-out K/V: reference counts and fills, lowest id taken first."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.num_tokens = [0] * num_blocks
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() from the end
+
+    def take(self, ref_count: int, num_tokens: int) -> int:
+        host_block = self.free.pop()
+        self.ref_counts[host_block] = ref_count
+        self.num_tokens[host_block] = num_tokens
+        return host_block
+
+    def release(self, host_block: int) -> None:
+        self.ref_counts[host_block] -= 1
+        if self.ref_counts[host_block] == 0:
+            self.free.append(host_block)
+
+    def move_out(
+        self, tables: list[list[int]], device: BlockPool
+    ) -> tuple[list[list[int]], list[tuple[int, int]]]:
+        """Copy the distinct device blocks of a group's tables here (the caller checked there
+        is room) and release them on the device; returns the host tables and the (device, host)
+        copies."""
+        mapping = {
+            block_id: self.take(refs, device.blocks[block_id].num_tokens)
+            for block_id, refs in distinct_blocks(tables).items()
+        }
+        for table in tables:
+            for block_id in reversed(table):  # the prefix is evicted last
+                device.release(block_id)
+        return [[mapping[b] for b in table] for table in tables], list(mapping.items())
+
+    def move_in(
+        self, tables: list[list[int]], device: BlockPool
+    ) -> tuple[list[list[int]], list[tuple[int, int]]]:
+        """The reverse: fresh device blocks for a group's host tables (the caller checked there
+        is room); returns the device tables and the (host, device) copies."""
+        mapping: dict[int, int] = {}
+        for host_block, refs in distinct_blocks(tables).items():
+            block_id = device.take_free()
+            device.blocks[block_id].ref_count = refs
+            device.set_num_tokens(block_id, self.num_tokens[host_block])
+            mapping[host_block] = block_id
+        for table in tables:
+            for host_block in table:
+                self.release(host_block)
+        return [[mapping[h] for h in table] for table in tables], list(mapping.items())
+
+    def check_invariants(self, refs: list[int]) -> None:
+        unreferenced = [h for h in range(self.num_blocks) if not refs[h]]
+        assert sorted(self.free) == unreferenced, (
+            "host free list does not hold exactly the unreferenced host blocks"
+        )
+        for h in range(self.num_blocks):
+            assert self.ref_counts[h] == refs[h], (
+                f"host block {h}: ref count {self.ref_counts[h]} but {refs[h]} references"
+            )

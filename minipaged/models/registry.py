@@ -1,0 +1,147 @@
+"""From-scratch decoder-only transformers: the architecture registry, `build_model`, `load_model`.
+
+Two model classes cover every supported checkpoint: `LlamaForCausalLM` (`minipaged.models.llama`:
+LLaMA, SmolLM2, Mistral, Qwen2 / Qwen2.5, Qwen3) and `GPT2ForCausalLM` (`minipaged.models.gpt2`),
+built from the blocks of `minipaged.models.layers`. Each runs on a flat token batch and attends
+through an `AttentionBackend`, which owns the KV cache; the model never sees it.
+
+`build_model` checks a Hugging Face-named state dict against the family's table
+(`minipaged.checkpoint.weight_names`, the same one the checkpoint readers use) and loads it by name.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from minipaged.checkpoint.loader import load_checkpoint
+from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.checkpoint.weight_names import (
+    CheckpointError,
+    expected_shapes,
+    full_name,
+    is_conv1d,
+    is_ignored,
+    mismatches,
+    to_module_name,
+)
+from minipaged.models.gpt2 import GPT2ForCausalLM
+from minipaged.models.layers import AttentionBackend, CausalLM, ModelInputError, check_flat_batch
+from minipaged.models.llama import LlamaForCausalLM
+from minipaged.models.tensor_parallel import (
+    SINGLE_RANK,
+    TensorParallel,
+    check_shardable,
+    read_shard,
+    shard_shapes,
+)
+
+__all__ = [
+    "MODEL_CLASSES",
+    "AttentionBackend",
+    "CausalLM",
+    "CheckpointMismatchError",
+    "ModelInputError",
+    "build_model",
+    "check_flat_batch",
+    "load_model",
+]
+
+# `ModelConfig.architecture` -> the class that implements it.
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "gpt2": GPT2ForCausalLM,
+}
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A state dict does not match the model its config describes (missing, extra, mis-shaped)."""
+
+
+def build_model(
+    config: ModelConfig,
+    state_dict: dict[str, Tensor],
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    tp: TensorParallel | None = None,
+) -> CausalLM:
+    """The model of `config.architecture` holding the weights of `state_dict`, in eval mode.
+
+    `state_dict` uses Hugging Face's names, with or without the `model.` / `transformer.` prefix.
+    A tied head (`tie_word_embeddings`) shares the embedding's tensor. Raises
+    `CheckpointMismatchError` naming any missing, unexpected or mis-shaped tensor. With `tp`,
+    the model is one tensor-parallel rank's shard and `state_dict` holds that rank's slices
+    (`minipaged.models.tensor_parallel.shard_state_dict`, or `load_model(..., tp=...)`).
+    """
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+    tp = tp or SINGLE_RANK
+    check_shardable(config, tp.world_size)
+    expected = expected_shapes(config)
+    weights = {}
+    for stored, tensor in state_dict.items():
+        name = full_name(config, stored, expected)
+        if not is_ignored(config, name):
+            weights[name] = tensor
+    _check_weights(config, weights, expected if tp.world_size == 1 else shard_shapes(config, tp))
+    # Build on the meta device (no memory, no random init), then adopt the checkpoint's tensors.
+    with torch.device("meta"):
+        model = MODEL_CLASSES[config.architecture](config, tp)
+    loaded = model.load_state_dict(
+        {
+            to_module_name(config, name): (w.t() if is_conv1d(config, name) else w).to(
+                device=device, dtype=dtype
+            )
+            for name, w in weights.items()
+        },
+        strict=False,
+        assign=True,
+    )
+    # The table and the modules name the same parameters: only a tied head is left to share.
+    assert not loaded.unexpected_keys, loaded.unexpected_keys
+    assert loaded.missing_keys == (["lm_head.weight"] if config.tie_word_embeddings else [])
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.input_embedding().weight
+    return model.to(device).eval()  # the rotary tables are computed on the CPU
+
+
+def load_model(
+    path: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+    tp: TensorParallel | None = None,
+) -> tuple[CausalLM, ModelConfig]:
+    """Load a checkpoint (HF folder, safetensors or GGUF; default: the bundled SmolLM2). With
+    `tp`, load one tensor-parallel rank's shard, reading only its slices (`read_shard`)."""
+    read = None if tp is None or tp.world_size == 1 else partial(read_shard, tp=tp)
+    config, state_dict = load_checkpoint(path, dtype=torch.float32, progress=progress, read=read)
+    return build_model(config, state_dict, dtype=dtype, device=device, tp=tp), config
+
+
+def _check_weights(
+    config: ModelConfig, weights: dict[str, Tensor], expected: dict[str, tuple[int, ...]]
+) -> None:
+    missing, wrong, unexpected = mismatches(
+        config, {name: w.shape for name, w in weights.items()}, expected
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing {_abbrev(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {_abbrev(unexpected)}")
+    if wrong:
+        shapes = [f"{n}: expected {expected[n]}, got {tuple(weights[n].shape)}" for n in wrong]
+        problems.append(f"wrong shape {_abbrev(shapes)}")
+    if problems:
+        raise CheckpointMismatchError("state dict does not fit the config: " + "; ".join(problems))
+
+
+def _abbrev(names: list[str], limit: int = 5) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more

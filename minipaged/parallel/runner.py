@@ -1,0 +1,294 @@
+"""Rank 0 of a tensor-parallel engine: the runner the engine steps, and the factory that picks it.
+
+`TensorParallelRunner` keeps `ModelRunner`'s contract -- `execute(entries, cache_ops)` returns
+the logits of a step -- so the engine, the scheduler and the KV cache manager stay as they are:
+one scheduler, on rank 0, plans each step; the runner sends the plan (the batch entries and the
+block movements, a small pickled object) to every worker, runs its own shard's forward pass,
+whose collectives meet the workers', and gets the whole logits from the vocabulary-parallel
+head (`minipaged.models.tensor_parallel`). On one machine the workers are spawned with
+`torch.multiprocessing`, joined over a TCP store on 127.0.0.1, and sent plans over a pipe
+each; under `torchrun` the launcher starts them and plans go out as broadcasts
+(`minipaged.parallel.worker`).
+
+A worker that dies is noticed before a step is sent (its process is gone) or by the step's
+collectives (they fail, or time out after `tensor_parallel_timeout` seconds): the runner then
+raises `WorkerDiedError` naming the rank, and stops every other worker. The workers stop with
+`close()`, when the runner is collected, or when the interpreter exits.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+
+from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.models.tensor_parallel import (
+    SINGLE_RANK,
+    TensorParallelError,
+    check_shardable,
+    checkpoint_state_dict,
+)
+from minipaged.parallel.worker import (
+    READY,
+    PlanBroadcast,
+    RankSpec,
+    ShardSource,
+    StateDictShards,
+    free_port,
+    join_group,
+    load_shard,
+    torchrun_rank,
+    torchrun_worker,
+    worker_main,
+)
+from minipaged.runner.model_runner import BatchEntry, CacheOps, ModelRunner
+
+# How long `close()` waits for a worker to leave before terminating it, then killing it.
+JOIN_TIMEOUT_S = 2.0
+NO_CACHE_OPS = CacheOps()
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process died (or stopped answering): the engine cannot go on."""
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's `ModelRunner` (its shard of the model and of the KV cache), driving the others.
+
+    One tensor-parallel runner per process at a time: the ranks use the default process group.
+    """
+
+    def __init__(
+        self, spec: RankSpec, start_timeout_s: float = 600.0, launched: bool = False
+    ) -> None:
+        """Start `spec.world_size - 1` workers from `spec` (rank 0's), load rank 0's shard and
+        wait until every worker has loaded its own (at most `start_timeout_s`). `launched`:
+        `torchrun` started the other ranks (`torchrun_worker`); plans go out as broadcasts."""
+        if dist.is_initialized():
+            raise RuntimeError(
+                "a tensor-parallel engine is already running in this process; close() it first"
+            )
+        context = mp.get_context("spawn")
+        self.world_size, self.timeout_s = spec.world_size, spec.timeout_s
+        self.closed = False
+        # Rank 0 runs as many torch threads as each worker (one on CPU): a rank with more
+        # threads than its share of the cores stalls every collective; restored by `close()`.
+        self._threads_before = torch.get_num_threads()
+        if spec.num_threads is not None:
+            torch.set_num_threads(spec.num_threads)
+        self._procs: list[mp.Process] = []
+        self._conns = []
+        self._broadcast: PlanBroadcast | None = None
+        for rank in range(1, 1 if launched else spec.world_size):
+            parent_end, child_end = context.Pipe()
+            worker_spec = RankSpec(**{**vars(spec), "rank": rank})
+            proc = context.Process(target=worker_main, args=(worker_spec, child_end), daemon=True)
+            proc.start()
+            child_end.close()
+            self._procs.append(proc)
+            self._conns.append(parent_end)
+        self._finalizer = weakref.finalize(self, stop_workers, self._procs, self._conns)
+        try:
+            model, config, runner_args = load_shard(spec)  # while the workers load theirs
+            super().__init__(model, config, **runner_args)
+            self._wait_ready(start_timeout_s)
+            join_group(spec)
+            if launched:
+                self._broadcast = PlanBroadcast()
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True), 1):
+            died = WorkerDiedError(
+                f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited while loading its "
+                "shard (its error is above; a script that starts tensor-parallel workers runs "
+                "them under `if __name__ == '__main__':`, as they are spawned)"
+            )
+            while not conn.poll(0.1):
+                if not proc.is_alive():
+                    raise died
+                if time.monotonic() > deadline:
+                    raise WorkerDiedError(
+                        f"tensor-parallel worker rank {rank} did not load within {timeout_s} s"
+                    )
+            try:
+                message = conn.recv()
+            except EOFError:  # its end of the pipe closed: the worker is exiting
+                raise died from None
+            if message != READY:
+                raise WorkerDiedError(f"tensor-parallel worker rank {rank} failed:\n{message}")
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def execute(self, entries: Sequence[BatchEntry], cache_ops: CacheOps = NO_CACHE_OPS) -> Tensor:
+        """Send the step's plan to every worker, run rank 0's share, return the logits."""
+        self.apply_cache_ops(cache_ops)
+        plan = [
+            BatchEntry(tuple(e.token_ids), e.start_position, tuple(e.block_table), e.needs_logits)
+            for e in entries
+        ]
+        return self._everywhere(plan, NO_CACHE_OPS)
+
+    def apply_cache_ops(self, cache_ops: CacheOps) -> None:
+        """Move blocks on every rank's shard of the KV cache (also outside a step: profilers
+        time swaps this way)."""
+        if cache_ops.swap_in or cache_ops.swap_out or cache_ops.copy:
+            ops = CacheOps(tuple(cache_ops.swap_in), tuple(cache_ops.swap_out),
+                           tuple(cache_ops.copy))
+            self._everywhere([], ops)
+
+    def _everywhere(self, entries: list[BatchEntry], cache_ops: CacheOps) -> Tensor:
+        """`ModelRunner.execute` on every rank: send the plan, run rank 0's share."""
+        if self.closed:
+            raise WorkerDiedError("the tensor-parallel runner is closed")
+        self._check_workers()
+        try:
+            if self._broadcast is not None:
+                self._broadcast.send((entries, cache_ops))
+            for conn in self._conns:
+                conn.send((entries, cache_ops))
+            if not entries:
+                super().apply_cache_ops(cache_ops)
+            return super().execute(entries)
+        except ValueError:
+            raise  # a plan every rank rejects alike, before any collective
+        except Exception as exc:
+            time.sleep(0.1)  # let a dying worker's exit be seen
+            self._broadcast = None  # its group is broken too: nothing more goes through it
+            self._check_workers()
+            self.close()
+            raise WorkerDiedError(
+                f"a tensor-parallel collective failed or waited more than {self.timeout_s} s "
+                f"for worker ranks 1..{self.world_size - 1}, which are alive but did not answer "
+                f"(stopped or wedged?): {exc}"
+            ) from exc
+
+    def _check_workers(self) -> None:
+        """Raise `WorkerDiedError` naming the first worker that is no longer alive."""
+        for rank, proc in enumerate(self._procs, 1):
+            if not proc.is_alive():
+                self.close()
+                raise WorkerDiedError(
+                    f"tensor-parallel worker rank {rank} (pid {proc.pid}) died with exit code "
+                    f"{proc.exitcode}; the engine cannot continue"
+                )
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The process ids of ranks 1..N-1 (for tests and monitoring)."""
+        return [proc.pid for proc in self._procs if proc.pid is not None]
+
+    def close(self) -> None:
+        """Stop every worker and leave the process group; idempotent."""
+        if self._broadcast is not None and not self.closed:
+            self._broadcast.send(None)  # the `torchrun` workers' loop ends
+        if not self.closed:
+            torch.set_num_threads(self._threads_before)
+        self.closed = True
+        self._finalizer()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def stop_workers(procs: list[mp.Process], conns: list) -> None:
+    """Ask each worker to stop, wait a moment, then terminate any that is left."""
+    for conn in conns:
+        try:
+            conn.send(None)
+        except (OSError, ValueError):
+            pass  # already gone
+        conn.close()
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(JOIN_TIMEOUT_S)
+        if proc.is_alive():  # a stopped or wedged process ignores SIGTERM
+            proc.kill()
+            proc.join()
+
+
+# -- choosing the runner --------------------------------------------------------------------------
+
+
+def build_runner(
+    model: nn.Module | ShardSource,
+    model_config: ModelConfig,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    tensor_parallel_size: int,
+    tensor_parallel_timeout: float,
+    attention_backend: str,
+    block_size: int,
+    num_gpu_blocks: int,
+    num_cpu_blocks: int,
+) -> ModelRunner:
+    """The engine's runner: a `ModelRunner` over `model`, or with `tensor_parallel_size` > 1 a
+    `TensorParallelRunner` whose ranks take their shards of it (a model in memory is sliced;
+    a `CheckpointShards` is read slice by slice on every rank).
+
+    Under `torchrun`, every rank runs the same program: rank 0 gets the runner, and on any
+    other rank this call serves rank 0's plans until rank 0 closes, then exits the process
+    (`SystemExit(0)`), so that the program's own code runs on rank 0 only."""
+    size = tensor_parallel_size
+    if size == 1:
+        if not isinstance(model, nn.Module):
+            model = model.load(SINGLE_RANK, dtype, device)[0]
+        return ModelRunner(
+            model.to(device=device, dtype=dtype).eval(), model_config,
+            block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks, device=device, dtype=dtype,
+            attention_backend=attention_backend,
+        )
+    check_shardable(model_config, size)
+    check_backend(device, size)
+    if isinstance(model, nn.Module):
+        model = StateDictShards(model_config, checkpoint_state_dict(model_config, model))
+    launched = torchrun_rank()
+    if launched is not None and launched.world_size != size:
+        raise TensorParallelError(
+            f"tensor_parallel_size {size} but torchrun started {launched.world_size} ranks"
+        )
+    spec = RankSpec(
+        rank=0 if launched is None else launched.rank, world_size=size, source=model,
+        init_method=f"tcp://127.0.0.1:{free_port()}" if launched is None else "env://",
+        timeout_s=tensor_parallel_timeout, device=device.type, dtype=dtype,
+        block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+        attention_backend=attention_backend,
+        num_threads=1 if device.type == "cpu" else None,
+        local_rank=None if launched is None else launched.local_rank,
+    )
+    if launched is not None and launched.rank != 0:
+        torchrun_worker(spec)
+        raise SystemExit(0)
+    return TensorParallelRunner(spec, launched=launched is not None)
+
+
+def check_backend(device: torch.device, size: int) -> None:
+    """Raise `TensorParallelError` unless `device` has the collectives `size` ranks need."""
+    backends = {"cpu": ("gloo", dist.is_gloo_available), "cuda": ("nccl", dist.is_nccl_available)}
+    if device.type not in backends:
+        raise TensorParallelError(f"tensor parallelism runs on cpu or cuda, not {device.type!r}")
+    name, available = backends[device.type]
+    if not dist.is_available() or not available():
+        raise TensorParallelError(
+            f"tensor parallelism on {device.type} needs the {name} backend of torch.distributed,"
+            f" which this torch build lacks"
+        )
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise TensorParallelError(
+            f"tensor_parallel_size {size} needs {size} CUDA devices, "
+            f"{torch.cuda.device_count()} visible"
+        )
+

@@ -1,0 +1,248 @@
+"""A tensor-parallel rank: where its shard comes from, how it starts, and the workers' loop.
+
+Every rank, rank 0 included, starts the same way (`start_rank`): load its shard of the model
+(`minipaged.models.tensor_parallel`), build a `ModelRunner` over it and its own shard of the paged
+KV cache (its KV heads), and only then join the process group, so that the rendezvous does not wait
+on anyone's loading. A worker (ranks 1..N-1, `worker_main`) then receives each step's plan -- the
+batch entries and cache operations rank 0's scheduler produced -- over a pipe from rank 0, runs
+the same `execute` (whose collectives meet rank 0's), and drops the logits: only rank 0 samples.
+
+A worker never outlives its parent: the pipe's end-of-file, a parent that is no longer alive,
+or a collective that fails (a dead peer) or times out all end its loop and its process.
+
+Under `torchrun` (several machines, or one) the launcher starts every rank: the plans then go
+out as a broadcast over a gloo group of their own (`PlanBroadcast`), whose long timeout lets a
+worker wait for the next step however long the engine is idle, while the model's collectives
+keep their short one.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import traceback
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.models.layers import CausalLM
+from minipaged.models.registry import build_model, load_model
+from minipaged.models.tensor_parallel import TensorParallel, kv_heads, q_heads, shard_state_dict
+from minipaged.runner.model_runner import BatchEntry, CacheOps, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# How often an idle worker checks that its parent is still alive.
+PARENT_CHECK_S = 1.0
+READY = "ready"
+# How long a `torchrun` worker waits for rank 0's next plan (an idle engine sends none).
+IDLE_TIMEOUT = timedelta(days=30)
+
+Plan = tuple[list[BatchEntry], CacheOps]  # one step's work for every rank
+
+
+class ShardSource(Protocol):
+    """Where every rank finds its shard of the model (pickled to the worker processes)."""
+
+    def load(
+        self, tp: TensorParallel, dtype: torch.dtype, device: torch.device
+    ) -> tuple[CausalLM, ModelConfig]: ...
+
+
+@dataclass(frozen=True)
+class CheckpointShards:
+    """A checkpoint file or folder: each rank reads only its own slices of it."""
+
+    path: str
+
+    def load(
+        self, tp: TensorParallel, dtype: torch.dtype, device: torch.device
+    ) -> tuple[CausalLM, ModelConfig]:
+        return load_model(Path(self.path), dtype=dtype, device=device, progress=False, tp=tp)
+
+
+@dataclass(frozen=True)
+class StateDictShards:
+    """A whole model in memory (Hugging Face names and layout): each rank keeps its slices."""
+
+    config: ModelConfig
+    state_dict: dict[str, Tensor]
+
+    def load(
+        self, tp: TensorParallel, dtype: torch.dtype, device: torch.device
+    ) -> tuple[CausalLM, ModelConfig]:
+        shard = shard_state_dict(self.config, self.state_dict, tp)
+        return build_model(self.config, shard, dtype=dtype, device=device, tp=tp), self.config
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything one rank needs to start (picklable: it is a spawned process's argument)."""
+
+    rank: int
+    world_size: int
+    source: ShardSource
+    init_method: str  # tcp://127.0.0.1:PORT, rank 0's store
+    timeout_s: float  # how long a collective waits for the other ranks
+    device: str  # "cpu" or "cuda" (rank r takes cuda:r)
+    dtype: torch.dtype
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    attention_backend: str | None
+    num_threads: int | None  # torch threads of a worker process (None: torch's default)
+    local_rank: int | None = None  # the rank's CUDA device on its machine (None: `rank`)
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device == "cuda" else "gloo"
+
+    @property
+    def torch_device(self) -> torch.device:
+        index = self.rank if self.local_rank is None else self.local_rank
+        return torch.device(f"cuda:{index}" if self.device == "cuda" else "cpu")
+
+
+@dataclass(frozen=True)
+class TorchrunRank:
+    """This process's place when `torchrun` started it (its environment variables)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def torchrun_rank() -> TorchrunRank | None:
+    """This process's `torchrun` rank, or None when `torchrun` did not start it."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    env = os.environ
+    return TorchrunRank(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]))
+
+
+class PlanBroadcast:
+    """Rank 0's plans to every rank as broadcasts over a gloo group with a long timeout (one
+    group of every rank; created by each rank after `join_group`, in the same order)."""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+    def send(self, plan: Plan | None) -> None:
+        dist.broadcast_object_list([plan], src=0, group=self.group)
+
+    def __iter__(self) -> Iterator[Plan]:
+        while True:
+            box: list[Plan | None] = [None]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            if box[0] is None:
+                return
+            yield box[0]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for the process group's store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def load_shard(spec: RankSpec) -> tuple[CausalLM, ModelConfig, dict[str, Any]]:
+    """This rank's shard of the model, its config, and the `ModelRunner` arguments that give
+    it this rank's shard of the KV cache (its KV heads)."""
+    tp = TensorParallel(spec.rank, spec.world_size)
+    device = spec.torch_device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model, config = spec.source.load(tp, spec.dtype, device)
+    runner_args = dict(
+        block_size=spec.block_size,
+        num_gpu_blocks=spec.num_gpu_blocks,
+        num_cpu_blocks=spec.num_cpu_blocks,
+        device=device,
+        dtype=spec.dtype,
+        attention_backend=spec.attention_backend,
+        heads=(len(q_heads(config, tp)), len(kv_heads(config, tp))),
+    )
+    return model.to(device=device, dtype=spec.dtype).eval(), config, runner_args
+
+
+def join_group(spec: RankSpec) -> None:
+    """Join the default process group (gloo on CPU, NCCL on CUDA) over rank 0's TCP store."""
+    dist.init_process_group(
+        spec.backend,
+        init_method=spec.init_method,
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=timedelta(seconds=spec.timeout_s),
+    )
+
+
+def worker_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> None:
+    """A worker process: start, report ready (or the error that stopped it), run plans until
+    rank 0 sends `None`, the pipe closes, the parent dies or a collective fails."""
+    if spec.num_threads is not None:
+        torch.set_num_threads(spec.num_threads)
+    try:
+        model, config, runner_args = load_shard(spec)
+        runner = ModelRunner(model, config, **runner_args)
+    except Exception:  # noqa: BLE001 - rank 0 raises it in the parent, with this traceback
+        conn.send(traceback.format_exc())
+        return
+    conn.send(READY)
+    join_group(spec)
+    try:
+        serve_plans(runner, pipe_plans(conn))
+    finally:
+        dist.destroy_process_group()
+
+
+def torchrun_worker(spec: RankSpec) -> None:
+    """A rank `torchrun` started, other than 0: load, join, run rank 0's broadcast plans."""
+    model, config, runner_args = load_shard(spec)
+    runner = ModelRunner(model, config, **runner_args)
+    join_group(spec)
+    try:
+        serve_plans(runner, PlanBroadcast())
+    finally:
+        dist.destroy_process_group()
+
+
+def pipe_plans(conn: multiprocessing.connection.Connection) -> Iterator[Plan]:
+    """The plans rank 0 sends over the pipe, until `None`, end of file or a dead parent."""
+    parent = multiprocessing.parent_process()
+    while True:
+        try:
+            if not conn.poll(PARENT_CHECK_S):
+                if parent is not None and not parent.is_alive():
+                    return
+                continue
+            plan: Plan | None = conn.recv()
+        except (EOFError, OSError):  # rank 0 is gone
+            return
+        if plan is None:
+            return
+        yield plan
+
+
+def serve_plans(runner: ModelRunner, plans: Iterable[Plan]) -> None:
+    """Run each plan on this rank's shard; the logits are dropped (rank 0 has them)."""
+    for plan in plans:
+        try:
+            runner.execute(*plan)
+        except ValueError:
+            # A plan the runner rejects before any collective (bad metadata): rank 0 rejects
+            # the same plan in the same place, and the next step goes on.
+            continue
+        except Exception:  # a failed or timed-out collective: a peer is gone
+            logger.exception("tensor-parallel rank failed; exiting")
+            raise

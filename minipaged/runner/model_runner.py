@@ -1,0 +1,225 @@
+"""The model runner: one engine step's tensors, from scheduled sequences to logits.
+
+It owns the paged KV cache (one tensor per layer on the device, and a host pool of the same
+layout for swapped-out blocks). Each step it performs the swaps and copy-on-write copies the
+scheduler asked for, builds the flat batch (docs/architecture.md, "One step of the engine"),
+validates its metadata once, runs the model with a `PagedAttentionBackend` (which plans the
+step's attention once for every layer), and returns the logits of the sequences that sample
+this step. It knows nothing about requests, sampling or scheduling policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from minipaged.attention.contract import (
+    AttentionMetadata,
+    check_paged_attention_args,
+    check_reshape_and_cache_args,
+)
+from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.models.layers import choose_gemms
+from minipaged.runner.backends import (
+    PagedAttentionBackend,
+    allocate_kv_caches,
+    get_attention_ops,
+)
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """One sequence's share of a step: compute `token_ids` at positions `start_position...`.
+
+    `block_table` must already cover `start_position + len(token_ids)` tokens. Only entries with
+    `needs_logits` (a prefill that completes this step, or a decode) produce a row of logits.
+    """
+
+    token_ids: Sequence[int]
+    start_position: int
+    block_table: Sequence[int]
+    needs_logits: bool = True
+
+
+@dataclass(frozen=True)
+class CacheOps:
+    """The block movements of a step, performed before its compute (the scheduler's output)."""
+
+    swap_in: Sequence[tuple[int, int]] = ()  # (host block, device block)
+    swap_out: Sequence[tuple[int, int]] = ()  # (device block, host block)
+    copy: Sequence[tuple[int, int]] = ()  # (source block, destination block), copy-on-write
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V, over all layers, for one block of `block_size` tokens."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+
+
+def num_blocks_for_memory(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, memory_bytes: float
+) -> int:
+    """How many blocks fit in `memory_bytes` (the KV cache budget, or the swap space)."""
+    return int(memory_bytes // kv_bytes_per_block(config, block_size, dtype))
+
+
+def blocks_that_fit(
+    model_config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    gpu_memory_utilization: float,
+    kv_cache_memory: float,
+) -> int:
+    """KV blocks for the memory left: on CUDA what `gpu_memory_utilization` leaves of the
+    device's free memory, elsewhere `kv_cache_memory` GiB."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - (1 - gpu_memory_utilization) * total
+    else:
+        budget = kv_cache_memory * GiB
+    blocks = num_blocks_for_memory(model_config, block_size, dtype, budget)
+    if blocks < 1:
+        raise ValueError("no memory left for even one KV block; lower the model size")
+    return blocks
+
+
+class ModelRunner:
+    """Runs a model over a paged KV cache, one flat batch per step."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: ModelConfig,
+        *,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int = 0,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        attention_backend: str | None = None,
+        heads: tuple[int, int] | None = None,
+    ) -> None:
+        """`heads`: (query heads, KV heads) of this runner's model when it is one
+        tensor-parallel rank's shard; by default the config's."""
+        self.model = model
+        choose_gemms(model)  # times the two CPU GEMMs per weight shape: once, before any step
+        self.config = config
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.ops = get_attention_ops(attention_backend, self.device)
+        # A step's metadata is the same for every layer: `check_metadata` validates it once per
+        # step, so the layers skip the checks (and their host syncs).
+        self.layer_ops = replace(
+            self.ops,
+            paged_attention=partial(self.ops.paged_attention, validate=False),
+            reshape_and_cache=partial(self.ops.reshape_and_cache, validate=False),
+        )
+        self.num_heads, self.num_kv_heads = heads or (config.num_heads, config.num_kv_heads)
+        layer = (block_size, self.num_kv_heads, config.head_dim)
+        self.kv_caches = allocate_kv_caches(
+            config.num_layers, num_gpu_blocks, *layer, dtype=dtype, device=self.device
+        )
+        # Pinned: faster copies to and from a GPU. Not zeroed: a host block is written by the
+        # swap-out that takes it before a swap-in reads it (1 GiB of pages not touched at start).
+        self.host_caches = allocate_kv_caches(
+            config.num_layers, num_cpu_blocks, *layer, dtype=dtype,
+            pin_memory=self.device.type == "cuda", zeroed=False,
+        )
+
+    def close(self) -> None:
+        """Release what outlives the runner's memory: nothing here (a tensor-parallel runner
+        stops its worker processes)."""
+
+    # -- block movements ----------------------------------------------------------------------
+
+    def apply_cache_ops(self, cache_ops: CacheOps) -> None:
+        """Swap out, then swap in, then copy: a block freed by a swap-out may be reused at once."""
+        if cache_ops.swap_out:
+            mapping = torch.tensor(cache_ops.swap_out, dtype=torch.int64)
+            for device_cache, host_cache in zip(self.kv_caches, self.host_caches, strict=True):
+                self.ops.swap_blocks(device_cache, host_cache, mapping)
+        if cache_ops.swap_in:
+            mapping = torch.tensor(cache_ops.swap_in, dtype=torch.int64)
+            for device_cache, host_cache in zip(self.kv_caches, self.host_caches, strict=True):
+                self.ops.swap_blocks(host_cache, device_cache, mapping)
+        if cache_ops.copy:
+            mapping = torch.tensor(cache_ops.copy, dtype=torch.int64, device=self.device)
+            self.ops.copy_blocks(self.kv_caches, mapping)
+
+    # -- the flat batch -----------------------------------------------------------------------
+
+    def prepare(self, entries: Sequence[BatchEntry]) -> tuple[Tensor, Tensor, AttentionMetadata]:
+        """Build input_ids, positions and the attention metadata of a step."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        bs = self.block_size
+        for entry in entries:
+            n = len(entry.token_ids)
+            end = entry.start_position + n
+            if len(entry.block_table) * bs < end:
+                raise ValueError(
+                    f"block table of {len(entry.block_table)} blocks cannot hold {end} tokens"
+                )
+            input_ids.extend(entry.token_ids)
+            for pos in range(entry.start_position, end):
+                positions.append(pos)
+                slots.append(entry.block_table[pos // bs] * bs + pos % bs)
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(end)
+        max_blocks = max(len(e.block_table) for e in entries)
+        tables = [list(e.block_table) + [-1] * (max_blocks - len(e.block_table)) for e in entries]
+
+        def as_tensor(values: list, dtype: torch.dtype) -> Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        metadata = AttentionMetadata(
+            slot_mapping=as_tensor(slots, torch.int64),
+            query_start_loc=as_tensor(query_start_loc, torch.int32),
+            seq_lens=as_tensor(seq_lens, torch.int32),
+            block_tables=as_tensor(tables, torch.int32),
+            max_query_len=max(len(e.token_ids) for e in entries),
+            max_seq_len=max(seq_lens),
+        )
+        return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64), metadata
+
+    def check_metadata(self, metadata: AttentionMetadata, num_tokens: int) -> None:
+        """Validate a step's attention metadata against the cache (`ValueError` naming the
+        problem), with the attention backends' own checks, once instead of once per layer."""
+        cfg, cache = self.config, self.kv_caches[0]
+        like = dict(dtype=self.dtype, device=self.device)
+        q = torch.empty(num_tokens, self.num_heads, cfg.head_dim, **like)
+        kv = torch.empty(num_tokens, self.num_kv_heads, cfg.head_dim, **like)
+        check_paged_attention_args(
+            q, cache[0], cache[1], metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc, max_query_len=metadata.max_query_len,
+            max_seq_len=metadata.max_seq_len,
+        )
+        check_reshape_and_cache_args(kv, kv, cache[0], cache[1], metadata.slot_mapping)
+
+    @torch.inference_mode()
+    def execute(self, entries: Sequence[BatchEntry], cache_ops: CacheOps = CacheOps()) -> Tensor:
+        """Run one step; return float32 logits [num entries with needs_logits, vocab]."""
+        self.apply_cache_ops(cache_ops)
+        if not entries:
+            return torch.empty(0, self.config.vocab_size, device=self.device)
+        input_ids, positions, metadata = self.prepare(entries)
+        self.check_metadata(metadata, len(input_ids))
+        attention = PagedAttentionBackend(self.kv_caches, metadata, self.layer_ops)
+        hidden = self.model(input_ids, positions, attention)
+        last_rows = [
+            end - 1
+            for entry, end in zip(entries, metadata.query_start_loc[1:].tolist(), strict=True)
+            if entry.needs_logits
+        ]
+        return self.model.compute_logits(hidden[last_rows])

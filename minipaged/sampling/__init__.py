@@ -1,0 +1,22 @@
+"""Layer 7 -- sequences and sampling: `SamplingParams`, the sampler, beam-search scoring,
+stop rules, a request's sequences and its outputs.
+"""
+
+from __future__ import annotations
+
+from minipaged.sampling.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minipaged.sampling.params import SamplingParams, SamplingType
+from minipaged.sampling.sampler import Sampler
+from minipaged.sampling.sequence import Sequence, SequenceGroup, SequenceStatus
+
+__all__ = [
+    "CompletionOutput",
+    "RequestMetrics",
+    "RequestOutput",
+    "Sampler",
+    "SamplingParams",
+    "SamplingType",
+    "Sequence",
+    "SequenceGroup",
+    "SequenceStatus",
+]

@@ -1,0 +1,305 @@
+"""The batched sampler: one row of logits per sequence in, one token per sequence out.
+
+It follows the order of vLLM's sampler so that the knobs of `SamplingParams` mean what vLLM
+users expect:
+
+1. bans (stop tokens before `min_tokens` are reached),
+2. penalties: repetition (over prompt + output), then frequency and presence (over the output),
+3. greedy rows take the argmax here; random rows go on with
+4. temperature, 5. top-k, 6. top-p, 7. min-p, 8. a draw from the remaining distribution.
+
+Everything is vectorised over the batch; the only Python loop over rows draws the random noise
+of seeded rows from their own `torch.Generator`, which is what makes a seeded request give the
+same tokens whichever other requests share its batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from minipaged.sampling.params import MAX_SEED, SamplingParams
+
+# --- data types --------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row of the logits.
+
+    `generator` is the row's own generator (seeded requests); None draws from the sampler's
+    generator. `banned_token_ids` are forced to probability 0 (see `min_tokens_banned_ids`).
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    generator: torch.Generator | None = None
+    banned_token_ids: Sequence[int] = ()
+
+
+@dataclass
+class SamplerOutput:
+    """The sampled tokens of one step, row for row.
+
+    `top_token_ids` / `top_logprobs` hold the `K` most likely tokens of every row, where `K` is the
+    largest `logprobs` asked for in the batch (None when no row asked); `logprobs_dict` cuts a
+    row's share.
+    """
+
+    token_ids: Tensor  # [B] int64
+    logprobs: Tensor  # [B] float32, log-probability of the sampled token
+    top_token_ids: Tensor | None = None  # [B, K] int64
+    top_logprobs: Tensor | None = None  # [B, K] float32
+    num_logprobs: list[int | None] = field(default_factory=list)  # per row, as asked
+
+    def logprobs_dict(self, row: int) -> dict[int, float] | None:
+        """vLLM's per-token logprobs: the row's top `logprobs` alternatives plus the sampled token.
+
+        None when the row did not ask for logprobs.
+        """
+        k = self.num_logprobs[row]
+        if k is None:
+            return None
+        out: dict[int, float] = {}
+        if k > 0 and self.top_token_ids is not None and self.top_logprobs is not None:
+            ids = self.top_token_ids[row, :k].tolist()
+            lps = self.top_logprobs[row, :k].tolist()
+            out.update(zip(ids, lps, strict=True))
+        out[int(self.token_ids[row])] = float(self.logprobs[row])
+        return out
+
+
+# --- seeds and bans ----------------------------------------------------------------------------
+
+
+def derive_seed(seed: int, sample_index: int) -> int:
+    """The seed of sample `sample_index` of a request seeded with `seed`.
+
+    Sample 0 uses `seed` itself, so the first sample of an `n > 1` request equals the same request
+    with `n = 1`; the others get distinct, well-mixed seeds (SplitMix64 of the pair).
+    """
+    if sample_index == 0:
+        return seed
+    x = (seed + 0x9E3779B97F4A7C15 * sample_index) % MAX_SEED
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % MAX_SEED
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % MAX_SEED
+    return x ^ (x >> 31)
+
+
+def make_generator(seed: int, sample_index: int = 0) -> torch.Generator:
+    """The CPU random generator of one sample of a seeded request.
+
+    Noise is always drawn on the CPU and then moved, so a seed means the same noise on any device.
+    """
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(derive_seed(seed, sample_index))
+    return gen
+
+
+def min_tokens_banned_ids(
+    params: SamplingParams, num_output_tokens: int, eos_token_ids: Collection[int]
+) -> list[int]:
+    """The tokens that may not be sampled yet: every stop token while `min_tokens` is unmet.
+
+    EOS counts as a stop token unless `ignore_eos` (then it is an ordinary token).
+    """
+    if num_output_tokens >= params.min_tokens:
+        return []
+    banned = list(params.stop_token_ids)
+    if not params.ignore_eos:
+        banned += [t for t in eos_token_ids if t not in banned]
+    return banned
+
+
+# --- logits processing: each takes [B, V] logits and returns new [B, V] logits ---------------
+
+
+def apply_bans(logits: Tensor, banned: Sequence[Sequence[int]]) -> Tensor:
+    """Set the banned tokens of each row to -inf."""
+    rows = [i for i, ids in enumerate(banned) for _ in ids]
+    cols = [t for ids in banned for t in ids]
+    if not cols:
+        return logits
+    out = logits.clone()
+    out[
+        torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)
+    ] = -math.inf
+    return out
+
+
+def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device) -> Tensor:
+    """How often each token occurs in each row's history: [B, V] int64."""
+    batch = len(token_ids)
+    longest = max((len(ids) for ids in token_ids), default=0)
+    counts = torch.zeros(batch, vocab_size + 1, dtype=torch.int64, device=device)
+    if longest == 0:
+        return counts[:, :vocab_size]
+    # Pad with the extra column `vocab_size`, counted and then dropped.
+    padded = torch.full((batch, longest), vocab_size, dtype=torch.int64)
+    for i, ids in enumerate(token_ids):
+        if len(ids):
+            row = torch.as_tensor(list(ids), dtype=torch.int64)
+            if int(row.min()) < 0 or int(row.max()) >= vocab_size:
+                raise ValueError(f"token ids in row {i}'s history must lie in [0, {vocab_size})")
+            padded[i, : len(ids)] = row
+    padded = padded.to(device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: Tensor,
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    presence_penalty: Tensor,
+    frequency_penalty: Tensor,
+    repetition_penalty: Tensor,
+) -> Tensor:
+    """vLLM's penalties: per-row values [B] (0, 0, 1 = none).
+
+    Repetition (Keskar et al., CTRL): a token seen in the prompt or the output has its logit
+    divided by the penalty when positive and multiplied by it when negative. Frequency and
+    presence (OpenAI): subtract `frequency * count + presence * (count > 0)`, counting only the
+    output.
+    """
+    vocab_size = logits.shape[1]
+    output_counts = token_counts(output_token_ids, vocab_size, logits.device)
+    prompt_seen = token_counts(prompt_token_ids, vocab_size, logits.device) > 0
+    seen = prompt_seen | (output_counts > 0)
+    rep = repetition_penalty[:, None].to(logits.device, logits.dtype)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    out = torch.where(seen, penalised, logits)
+    frequency = frequency_penalty[:, None].to(logits.device, logits.dtype)
+    presence = presence_penalty[:, None].to(logits.device, logits.dtype)
+    out = out - frequency * output_counts.to(logits.dtype)
+    out = out - presence * (output_counts > 0).to(logits.dtype)
+    return out
+
+
+def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
+    """Divide each row by its temperature [B] (the caller keeps temperature-0 rows out)."""
+    return logits / temperature[:, None].to(logits.device, logits.dtype)
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Keep each row's `top_k` [B] highest logits (0 = all), then its nucleus of mass `top_p` [B].
+
+    The nucleus (Holtzman et al., "The Curious Case of Neural Text Degeneration") is the shortest
+    run of most likely tokens whose probability, renormalised after top-k, reaches `top_p`: a
+    token survives when the tokens ranked before it hold less than `top_p`. The most likely token
+    always survives. Ties are broken by token id (a stable sort), so exactly `top_k` survive.
+    """
+    vocab_size = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab_size, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size).to(logits.device)
+    sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], -math.inf)
+
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    p = top_p.to(logits.device, logits.dtype)[:, None]
+    sorted_logits = sorted_logits.masked_fill((mass_before >= p) & (p < 1.0), -math.inf)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    """Drop tokens less likely than `min_p` [B] times the row's most likely token."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.to(logits.device, probs.dtype)[:, None] * probs.max(dim=-1, keepdim=True)[0]
+    return logits.masked_fill(probs < threshold, -math.inf)
+
+
+# --- the sampler -------------------------------------------------------------------------------
+
+
+class Sampler:
+    """Samples one token per row of a [B, V] logits batch; see the module docstring for the order.
+
+    `generator` serves the unseeded random rows: None uses torch's default generator of the
+    logits' device; a generator given here must live on that device. Seeded rows' generators
+    are CPU generators whatever the device (`make_generator`).
+    """
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        processed = self.process_logits(logits, rows)
+        logprobs = torch.log_softmax(processed, dim=-1)
+        token_ids = processed.argmax(dim=-1)
+
+        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if random_rows:
+            token_ids[random_rows] = self._sample_random(
+                processed[random_rows], [rows[i] for i in random_rows]
+            )
+
+        out = SamplerOutput(
+            token_ids=token_ids,
+            logprobs=logprobs.gather(1, token_ids[:, None])[:, 0],
+            num_logprobs=[row.params.logprobs for row in rows],
+        )
+        max_k = max((row.params.logprobs or 0 for row in rows), default=0)
+        if max_k > 0:
+            top = logprobs.topk(min(max_k, logprobs.shape[1]), dim=-1)
+            out.top_logprobs, out.top_token_ids = top.values, top.indices
+        return out
+
+    def process_logits(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+        """Bans and penalties: the logits every row's choice and reported logprobs start from."""
+        if logits.ndim != 2 or not logits.is_floating_point():
+            raise ValueError(f"logits must be a float [B, V] tensor, got {tuple(logits.shape)}")
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} rows of logits but {len(rows)} sampling rows")
+        logits = logits.float()
+        logits = apply_bans(logits, [row.banned_token_ids for row in rows])
+        if any(row.params.has_penalties for row in rows):
+            logits = apply_penalties(
+                logits,
+                [row.prompt_token_ids for row in rows],
+                [row.output_token_ids for row in rows],
+                self._column(rows, "presence_penalty", torch.float32),
+                self._column(rows, "frequency_penalty", torch.float32),
+                self._column(rows, "repetition_penalty", torch.float32),
+            )
+        return logits
+
+    def beam_logprobs(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+        """[B, V] log-probabilities that beam search extends its beams with."""
+        return torch.log_softmax(self.process_logits(logits, rows), dim=-1)
+
+    def _sample_random(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+        logits = apply_temperature(logits, self._column(rows, "temperature", torch.float32))
+        if any(row.params.top_k > 0 or row.params.top_p < 1.0 for row in rows):
+            logits = apply_top_k_top_p(
+                logits,
+                self._column(rows, "top_k", torch.int64),
+                self._column(rows, "top_p", torch.float32),
+            )
+        if any(row.params.min_p > 0.0 for row in rows):
+            logits = apply_min_p(logits, self._column(rows, "min_p", torch.float32))
+        probs = logits.softmax(dim=-1)
+        return (probs / self._exponential_noise(probs, rows)).argmax(dim=-1)
+
+    def _exponential_noise(self, probs: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+        """q ~ Exp(1), one per entry: argmax(p / q) is then a draw from p (the "exponential race":
+        the first of independent Exp(p_i)-clocks to ring is token i with probability p_i).
+
+        Seeded rows draw from their own generator, so their draws do not depend on the batch.
+        """
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                q = torch.empty(probs.shape[1], dtype=probs.dtype)
+                noise[i] = q.exponential_(generator=row.generator).to(probs.device)
+        # Exp(1) can return 0.0 in floating point; keep the division finite.
+        return noise.clamp_(min=torch.finfo(probs.dtype).tiny)
+
+    @staticmethod
+    def _column(rows: Sequence[SamplingRow], name: str, dtype: torch.dtype) -> Tensor:
+        return torch.tensor([getattr(row.params, name) for row in rows], dtype=dtype)

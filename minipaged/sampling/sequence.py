@@ -1,0 +1,349 @@
+"""Request and sequence state, and the vLLM-shaped output of a request.
+
+A request (`SequenceGroup`) holds one or more sequences: one for a plain request, `n` for
+parallel sampling, `beam_width` live beams for beam search. They start from the same prompt and
+share its KV blocks through `fork` (the vLLM paper, section 4.4). A sequence moves through
+WAITING -> RUNNING <-> (preempted: WAITING or SWAPPED) -> FINISHED_*; the scheduler moves it, the
+engine appends tokens and asks `minipaged.sampling.stopping.check_stop` whether it is done.
+
+Nothing here touches the KV cache or a tensor (bar the per-sample random generators), so the
+scheduler and the simulator can use these types unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from minipaged.sampling.beam_scoring import beam_search_score
+from minipaged.sampling.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minipaged.sampling.params import SamplingParams, SamplingType
+from minipaged.sampling.sampler import SamplingRow, make_generator, min_tokens_banned_ids
+
+# --- data types --------------------------------------------------------------------------------
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life; the FINISHED_* values say why it ended."""
+
+    WAITING = "waiting"  # not yet scheduled, or preempted by recomputation
+    RUNNING = "running"  # its KV blocks are in device memory
+    SWAPPED = "swapped"  # preempted: its KV blocks are in host memory
+    FINISHED_STOPPED = "finished_stopped"  # EOS, a stop token or a stop string
+    FINISHED_LENGTH_CAPPED = "finished_length_capped"  # max_tokens or the model's context
+    FINISHED_ABORTED = "finished_aborted"  # the user aborted the request
+    FINISHED_IGNORED = "finished_ignored"  # rejected before it ran (e.g. prompt too long)
+    FINISHED_ERROR = "finished_error"  # the step computing it failed (model or sampler)
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's / vLLM's finish reason: "stop", "length", "abort", "error", or None while
+        unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_IGNORED: "length",
+    SequenceStatus.FINISHED_ERROR: "error",
+}
+
+
+class IncrementalDetokenizer(Protocol):
+    """What a sequence needs from a detokenizer (e.g.
+    `minipaged.tokenizer.tokenizer.IncrementalDetokenizer`).
+
+    `push` takes the next output token and returns the text it completes (possibly "", while a
+    multi-byte character is still incomplete); `text` is everything so far. An optional `fork()`
+    returning an independent copy is used when a sequence forks.
+    """
+
+    text: str
+
+    def push(self, token_id: int) -> str: ...
+
+
+@dataclass(frozen=True)
+class StopDecision:
+    """Why a sequence must finish, and how much of its text to keep (`check_stop`)."""
+
+    status: SequenceStatus
+    stop_reason: int | str | None = None  # token id or stop string; None for length
+    text_end: int | None = None  # cut output_text to [:text_end]; None keeps it all
+
+
+# --- sequences ---------------------------------------------------------------------------------
+
+
+class Sequence:
+    """One token stream: the prompt, the tokens generated so far and their text.
+
+    `num_computed_tokens` counts the tokens whose K/V are in the cache; the scheduler grows it
+    (chunked prefill, decode) and resets it when a preemption drops the blocks. `sample_index`
+    says which of a request's `n` samples this is (it picks the seeded generator).
+    """
+
+    def __init__(
+        self,
+        seq_id: int,
+        prompt_token_ids: Collection[int],
+        detokenizer: IncrementalDetokenizer | None = None,
+        sample_index: int = 0,
+    ) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError(f"sequence {seq_id}: the prompt must contain at least one token")
+        self.seq_id = seq_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.cumulative_logprob = 0.0
+        self.output_logprobs: list[dict[int, float]] = []
+        self.num_computed_tokens = 0
+        self.output_text = ""
+        self.new_char_count = 0  # characters the last append_token added to output_text
+        self.detokenizer = detokenizer
+        self.sample_index = sample_index
+        self.stop_reason: int | str | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(seq_id={self.seq_id}, status={self.status.name}, "
+            f"prompt_len={self.get_prompt_len()}, output_len={self.get_output_len()})"
+        )
+
+    # lengths and tokens
+    def get_len(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def get_prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def get_output_len(self) -> int:
+        return len(self.output_token_ids)
+
+    def get_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    # changes
+    def append_token(
+        self, token_id: int, logprob: float, logprobs: dict[int, float] | None = None
+    ) -> str:
+        """Add a sampled token; returns the text it completes (detokenizer permitting)."""
+        self.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+        new_text = self.detokenizer.push(token_id) if self.detokenizer is not None else ""
+        self.output_text += new_text
+        self.new_char_count = len(new_text)
+        return new_text
+
+    def finish(self, decision: StopDecision) -> None:
+        """Apply `check_stop`'s decision."""
+        self.status = decision.status
+        self.stop_reason = decision.stop_reason
+        if decision.text_end is not None:
+            self.output_text = self.output_text[: decision.text_end]
+
+    def reset_for_recompute(self) -> None:
+        """Preempted by recomputation: the KV blocks are gone; prompt and output are prefilled
+        again on resumption (the vLLM paper, section 4.5)."""
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+
+    def fork(self, new_seq_id: int, sample_index: int | None = None) -> Sequence:
+        """A copy that continues independently (parallel sampling, beam search).
+
+        The KV blocks are forked separately, by the KV cache manager.
+        """
+        child = copy.copy(self)
+        child.seq_id = new_seq_id
+        child.prompt_token_ids = list(self.prompt_token_ids)
+        child.output_token_ids = list(self.output_token_ids)
+        child.output_logprobs = list(self.output_logprobs)
+        child.detokenizer = _fork_detokenizer(self.detokenizer)
+        if sample_index is not None:
+            child.sample_index = sample_index
+        return child
+
+    def beam_search_score(
+        self, length_penalty: float, eos_token_ids: Collection[int] = ()
+    ) -> float:
+        """vLLM's beam score: the length counts prompt + output tokens, minus a final EOS."""
+        seq_len = self.get_len()
+        if self.output_token_ids and self.output_token_ids[-1] in eos_token_ids:
+            seq_len -= 1
+        return beam_search_score(self.cumulative_logprob, seq_len, length_penalty)
+
+    def stream_text(self, hold_back: int) -> str:
+        """The output text safe to show while streaming: the last `hold_back` characters are
+        withheld while unfinished, because they may be the start of a stop string."""
+        if self.is_finished() or hold_back <= 0:
+            return self.output_text
+        return self.output_text[: max(0, len(self.output_text) - hold_back)]
+
+
+def _fork_detokenizer(
+    detokenizer: IncrementalDetokenizer | None,
+) -> IncrementalDetokenizer | None:
+    """An independent copy of a detokenizer's state (its `fork()` if it has one).
+
+    Otherwise a deep copy that shares only the (large, read-only) `tokenizer` attribute: the
+    state of a half-decoded multi-byte character must not be shared between the two sequences.
+    """
+    if detokenizer is None:
+        return None
+    fork = getattr(detokenizer, "fork", None)
+    if callable(fork):
+        return fork()
+    tokenizer = getattr(detokenizer, "tokenizer", None)
+    memo = {} if tokenizer is None else {id(tokenizer): tokenizer}
+    return copy.deepcopy(detokenizer, memo)
+
+
+# --- requests ----------------------------------------------------------------------------------
+
+
+class SequenceGroup:
+    """One request: its sequences, sampling parameters, timing and the user's prompt text."""
+
+    def __init__(
+        self,
+        request_id: str,
+        seqs: list[Sequence],
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+        prompt: str | None = None,
+    ) -> None:
+        if not seqs:
+            raise ValueError(f"request {request_id!r} needs at least one sequence")
+        self.request_id = request_id
+        self.seqs = list(seqs)
+        self.sampling_params = sampling_params
+        self.prompt = prompt
+        now = time.monotonic() if arrival_time is None else arrival_time
+        self.metrics = RequestMetrics(arrival_time=now)
+        self._generators: dict[int, torch.Generator] = {}
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup(request_id={self.request_id!r}, seqs={self.seqs})"
+
+    @property
+    def arrival_time(self) -> float:
+        return self.metrics.arrival_time
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].prompt_token_ids
+
+    # looking up sequences
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        if status is None:
+            return list(self.seqs)
+        return [seq for seq in self.seqs if seq.status == status]
+
+    def get_unfinished_seqs(self) -> list[Sequence]:
+        return [seq for seq in self.seqs if not seq.is_finished()]
+
+    def get_finished_seqs(self) -> list[Sequence]:
+        return [seq for seq in self.seqs if seq.is_finished()]
+
+    def find(self, seq_id: int) -> Sequence:
+        for seq in self.seqs:
+            if seq.seq_id == seq_id:
+                return seq
+        raise KeyError(f"request {self.request_id!r} has no sequence {seq_id}")
+
+    def add(self, seq: Sequence) -> None:
+        if any(s.seq_id == seq.seq_id for s in self.seqs):
+            raise ValueError(f"request {self.request_id!r} already has sequence {seq.seq_id}")
+        self.seqs.append(seq)
+
+    def remove(self, seq_id: int) -> None:
+        self.seqs.remove(self.find(seq_id))
+
+    def is_finished(self) -> bool:
+        return all(seq.is_finished() for seq in self.seqs)
+
+    @property
+    def max_width(self) -> int:
+        """The most sequences this request has alive at once: `beam_width` live beams for beam
+        search, else its `n` samples."""
+        params = self.sampling_params
+        return params.beam_width if params.use_beam_search else params.n
+
+    def abort(self) -> None:
+        for seq in self.get_unfinished_seqs():
+            seq.status = SequenceStatus.FINISHED_ABORTED
+
+    # sampling
+    def generator_for(self, sample_index: int) -> torch.Generator | None:
+        """The seeded generator of sample `sample_index` (None unless the request is seeded)."""
+        if self.sampling_params.sampling_type != SamplingType.RANDOM_SEED:
+            return None
+        if sample_index not in self._generators:
+            seed = self.sampling_params.seed
+            assert seed is not None
+            self._generators[sample_index] = make_generator(seed, sample_index)
+        return self._generators[sample_index]
+
+    def sampling_row(self, seq: Sequence, eos_token_ids: Collection[int] = ()) -> SamplingRow:
+        """What the sampler needs for `seq`'s next token (its history, generator, bans)."""
+        return SamplingRow(
+            params=self.sampling_params,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            generator=self.generator_for(seq.sample_index),
+            banned_token_ids=min_tokens_banned_ids(
+                self.sampling_params, seq.get_output_len(), eos_token_ids
+            ),
+        )
+
+    # output
+    def to_request_output(self, eos_token_ids: Collection[int] = ()) -> RequestOutput:
+        """The request as the user sees it: samples in index order, or the best `n` beams."""
+        params = self.sampling_params
+        if params.use_beam_search:
+            seqs = sorted(
+                self.seqs,
+                key=lambda s: s.beam_search_score(params.length_penalty, eos_token_ids),
+                reverse=True,
+            )[: params.n]
+            indexed = list(enumerate(seqs))
+        else:
+            indexed = [(s.sample_index, s) for s in sorted(self.seqs, key=lambda s: s.sample_index)]
+        outputs = [
+            CompletionOutput(
+                index=index,
+                text=seq.output_text,
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
+                finish_reason=seq.status.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for index, seq in indexed
+        ]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids),
+            outputs=outputs,
+            finished=self.is_finished(),
+            metrics=self.metrics,
+        )

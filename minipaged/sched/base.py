@@ -1,0 +1,359 @@
+"""Iteration-level scheduling over a KV cache manager: which sequences run in the next step.
+
+`Scheduler` holds the mechanics every policy shares (vLLM paper §4.5): three queues by where a
+group's blocks are (waiting: none, running: on the device, swapped: on the host); admitting,
+growing, preempting all-or-nothing by swapping to host memory or by freeing the blocks for
+recomputation, swapping back in; the fit checks; the step's token budget (`StepBudget`); and
+`schedule(now)`, which asks the policy to fill the step and hands the block tables the step
+needs to the engine on `SchedulerOutput`. A policy only orders and chooses (`choose`):
+`minipaged.sched.fcfs.FCFSScheduler` (vLLM's), `minipaged.sched.mlfq.SkipJoinMLFQScheduler`
+(FastServe's multi-level feedback queue), and the baselines' `minipaged.sched.baselines`.
+
+The scheduler is pure bookkeeping over `SequenceGroup`s and a `KVManager`
+(`minipaged.kv.interface`) -- no tensors -- so the simulator drives the very code the engine
+runs. A step's life: `schedule(now)` -> the engine runs the model, then `mark_computed(out)`,
+samples, and calls `finish_step()`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+
+from minipaged.kv.interface import KVManager
+from minipaged.sampling.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.sched.output import (
+    PreemptionMode,
+    RequestRejectedError,
+    ScheduledSequence,
+    SchedulerConfig,
+    SchedulerOutput,
+    StepBudget,
+)
+
+# The step's data types (`minipaged.sched.output`) are this module's vocabulary too.
+
+# -- the scheduler --------------------------------------------------------------------------------
+
+
+class Scheduler:
+    """The mechanics shared by every policy; a subclass implements `choose`.
+
+    Invariant: every unfinished group is in exactly one queue, by where its blocks are --
+    `waiting` (none: new, or preempted by recomputation), `running` (on the device; a policy
+    may leave a running group out of a step, it keeps its blocks) or `swapped` (on the host).
+    Only the moves below change the queues and, through `kv_cache`, the block tables.
+    """
+
+    # Whether the policy predicts step times (`cost_model`), as skip-join MLFQ does.
+    needs_cost_model = False
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []
+        self.swapped: deque[SequenceGroup] = deque()
+        self.num_preemptions = 0
+        self._now = 0.0
+
+    # -- requests in and out ----------------------------------------------------------------------
+
+    def check_request(self, group: SequenceGroup) -> None:
+        """Reject at once a request that could never finish, whatever else is running."""
+        prompt_len = group.seqs[0].get_prompt_len()
+        if prompt_len >= self.config.max_model_len:
+            raise RequestRejectedError(
+                f"request {group.request_id}: prompt of {prompt_len} tokens leaves no room to "
+                f"generate within the model's context of {self.config.max_model_len} tokens"
+            )
+        max_len = min(prompt_len + group.sampling_params.max_tokens, self.config.max_model_len)
+        width = group.max_width
+        field = "beam_width" if group.sampling_params.use_beam_search else "n"
+        # A group runs all its sequences in a step; unchunked, a resumed one recomputes them.
+        tokens = width if self.config.enable_chunked_prefill else width * max_len
+        for limit, used in (("max_num_seqs", width), ("max_num_batched_tokens", tokens)):
+            if used > getattr(self.config, limit):
+                raise RequestRejectedError(
+                    f"request {group.request_id}: {field}={width} needs {used} of "
+                    f"{limit}={getattr(self.config, limit)} in one step"
+                )
+        # Admission, swap-in and re-admission all leave the watermark free: so must a request.
+        kv = self.kv_cache
+        needed = kv.blocks_for_request(prompt_len, max_len, width)
+        usable = kv.num_blocks - kv.watermark_blocks
+        if needed > usable:
+            raise RequestRejectedError(
+                f"request {group.request_id}: needs up to {needed} KV blocks of "
+                f"{kv.block_size} tokens ({width} x up to {max_len} tokens) but the cache has "
+                f"only {usable} usable ({kv.num_blocks} less the watermark); lower max_tokens "
+                "or n, or enlarge the cache"
+            )
+
+    def add(self, group: SequenceGroup) -> None:
+        self.check_request(group)
+        self.waiting.append(group)
+
+    def abort(
+        self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED
+    ) -> SequenceGroup | None:
+        """Remove a request wherever it is, return its blocks, and end its unfinished
+        sequences with `status`; None when it is unknown."""
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in queue:
+                if group.request_id == request_id:
+                    queue.remove(group)
+                    for seq in group.seqs:
+                        if not seq.is_finished():
+                            self._release(seq)
+                            seq.status = status
+                    return group
+        return None
+
+    def fork_sequence(self, group: SequenceGroup, parent: Sequence, child: Sequence) -> None:
+        """Add `child` to `group`, sharing every block of `parent` (parallel sampling and beam
+        search, vLLM paper §4.4): the sampler forks sequences, the scheduler their blocks."""
+        self.kv_cache.fork(parent.seq_id, child.seq_id)
+        group.add(child)
+
+    def free_sequence(self, group: SequenceGroup, seq: Sequence) -> None:
+        """Free `seq`'s blocks, if it has any, and remove it from `group` (a pruned beam)."""
+        self._release(seq)
+        group.remove(seq.seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def groups(self) -> Iterator[SequenceGroup]:
+        yield from self.running
+        yield from self.swapped
+        yield from self.waiting
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        """Choose this step's work; `now` is the clock of whoever drives the scheduler (wall
+        time in the engine, simulated time in the simulator). Each scheduled sequence carries
+        its block table as the step will find it."""
+        self._now = now
+        out = SchedulerOutput()
+        config = self.config
+        budget = StepBudget(
+            config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill
+        )
+        self.choose(now, out, budget)
+        for item in out.scheduled:
+            item.block_table = self.kv_cache.block_table(item.seq.seq_id)
+        return out
+
+    def choose(self, now: float, out: SchedulerOutput, budget: StepBudget) -> None:
+        """The policy: fill `out` within `budget` by the moves below."""
+        raise NotImplementedError
+
+    def mark_computed(self, out: SchedulerOutput) -> None:
+        """Record that the step's forward pass computed (wrote the K/V of) its tokens.
+
+        Full blocks become findable in the prefix cache only now, never before their K/V exist.
+        """
+        for item in out.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens = item.start + item.num_new_tokens
+            tokens = seq.get_token_ids()
+            if seq.num_computed_tokens < len(tokens):
+                tokens = tokens[: seq.num_computed_tokens]
+            self.kv_cache.mark_computed(seq.seq_id, tokens)
+
+    def finish_step(self) -> list[SequenceGroup]:
+        """Free the blocks of sequences that finished this step; return the finished groups.
+
+        Call after the engine appended the sampled tokens and marked finished sequences.
+        """
+        for group in self.running:
+            for seq in group.seqs:
+                if seq.is_finished():
+                    self._release(seq)
+        finished = [g for g in self.running if g.is_finished()]
+        self.running = [g for g in self.running if not g.is_finished()]
+        return finished
+
+    # -- fit checks -------------------------------------------------------------------------------
+
+    def can_grow(self, seqs: list[Sequence]) -> bool:
+        """Whether every running sequence of a group gets the slots of its pending tokens."""
+        kv = self.kv_cache
+        needed = sum(
+            kv.num_blocks_to_append(s.seq_id, s.get_len() - kv.num_tokens(s.seq_id)) for s in seqs
+        )
+        return needed <= kv.num_free_blocks
+
+    def can_swap_in(self, seqs: list[Sequence]) -> bool:
+        """Whether a swapped group fits back in *and* can then take its pending tokens."""
+        kv = self.kv_cache
+        if not kv.can_swap_in([s.seq_id for s in seqs]):
+            return False
+        return kv.num_free_blocks - self.swap_in_blocks(seqs) >= 0
+
+    def swap_in_blocks(self, seqs: list[Sequence]) -> int:
+        """Device blocks a swapped group takes to come back and take its pending tokens: each
+        shared host block once, plus growth and at most one copy-on-write copy a sequence."""
+        kv = self.kv_cache
+        tables = {s.seq_id: kv.block_table(s.seq_id) for s in seqs}
+        uses = Counter(block for table in tables.values() for block in table)
+        growth = 0
+        for seq in seqs:
+            cached, wanted = kv.num_tokens(seq.seq_id), seq.get_len()
+            growth += kv.num_blocks_for(wanted) - kv.num_blocks_for(cached)
+            last_block_shared = uses[tables[seq.seq_id][-1]] > 1
+            if wanted > cached and cached % kv.block_size and last_block_shared:
+                growth += 1  # at most one copy-on-write copy
+        return len(uses) + growth
+
+    def can_admit(self, seqs: list[Sequence]) -> bool:
+        """Whether admitting these waiting sequences leaves the watermark free."""
+        kv = self.kv_cache
+        if len(seqs) == 1:  # token ids let the manager count prefix-cache hits
+            return kv.can_allocate(seqs[0].seq_id, seqs[0].get_token_ids())
+        # Several sequences come back only after recomputation; `admit` shares their prompt's
+        # full blocks, counted once, as `check_request` counted them.
+        return kv.num_free_blocks - self.admit_blocks(seqs) >= kv.watermark_blocks
+
+    def admit_blocks(self, seqs: list[Sequence]) -> int:
+        """Device blocks `admit` takes for these waiting sequences (no prefix hits counted)."""
+        shared = self.shared_prompt_blocks(seqs)
+        return shared + sum(self.kv_cache.num_blocks_for(s.get_len()) - shared for s in seqs)
+
+    def shared_prompt_blocks(self, seqs: list[Sequence]) -> int:
+        """Full prompt blocks that the sequences of one group share (none for a single one)."""
+        return seqs[0].get_prompt_len() // self.kv_cache.block_size if len(seqs) > 1 else 0
+
+    def fits(self, seqs: list[Sequence]) -> bool:
+        """Whether a group can compute its pending tokens now, wherever its blocks are."""
+        status = seqs[0].status
+        if status is SequenceStatus.RUNNING:
+            return self.can_grow(seqs)
+        if status is SequenceStatus.SWAPPED:
+            return self.can_swap_in(seqs)
+        return self.can_admit(seqs)
+
+    def blocks_needed(self, seqs: list[Sequence]) -> int:
+        """Free device blocks a group needs before it can compute its pending tokens, shared
+        blocks counted once (prefix-cache hits not counted: an upper bound for a waiting one)."""
+        kv = self.kv_cache
+        status = seqs[0].status
+        if status is SequenceStatus.RUNNING:
+            return sum(
+                kv.num_blocks_to_append(s.seq_id, s.get_len() - kv.num_tokens(s.seq_id))
+                for s in seqs
+            )
+        if status is SequenceStatus.SWAPPED:
+            return self.swap_in_blocks(seqs)
+        return self.admit_blocks(seqs)
+
+    # -- moves ------------------------------------------------------------------------------------
+
+    def run(self, group: SequenceGroup, out: SchedulerOutput, budget: StepBudget) -> None:
+        """Put a group's blocks on the device if they are not (admit or swap in), give its
+        sequences the slots of their pending tokens, and schedule what the budget allows.
+        The caller checked `fits`."""
+        seqs = group.get_unfinished_seqs()
+        status = seqs[0].status
+        if status is SequenceStatus.WAITING:
+            self.admit(group)
+        elif status is SequenceStatus.SWAPPED:
+            self.swap_in(group, out)
+        for seq in seqs:
+            pending = seq.get_len() - self.kv_cache.num_tokens(seq.seq_id)
+            if pending:
+                out.copy.extend(self.kv_cache.append_slots(seq.seq_id, pending))
+        # After a re-admission the others read the shared prompt blocks the first one writes.
+        shared, written = self.shared_prompt_blocks(seqs) * self.kv_cache.block_size, 0
+        for i, seq in enumerate(seqs):
+            n = budget.chunk(seq.get_len() - seq.num_computed_tokens)
+            if n <= 0 or (i and written < shared):
+                continue
+            out.scheduled.append(ScheduledSequence(seq, group, seq.num_computed_tokens, n))
+            budget.take(n)
+            written = written or seq.num_computed_tokens + n
+        if group.metrics.first_scheduled_time is None:
+            group.metrics.first_scheduled_time = self._now
+
+    def admit(self, group: SequenceGroup) -> None:
+        """Waiting -> running: blocks for all tokens of each sequence (prefix hits included).
+
+        The request's `num_cached_tokens` counts the prompt tokens found at its first admission
+        only: a re-admission after recomputation finding its own blocks again is no prefix hit.
+        """
+        first_admission = group.metrics.first_scheduled_time is None
+        self.waiting.remove(group)
+        seqs = group.get_unfinished_seqs()
+        shared = self.shared_prompt_blocks(seqs) * self.kv_cache.block_size
+        if shared:  # samples or beams back from recomputation: one copy of the prompt blocks
+            first = seqs[0]
+            cached = self.kv_cache.allocate(first.seq_id, first.get_token_ids()[:shared])
+            for seq in seqs[1:]:
+                self.kv_cache.fork(first.seq_id, seq.seq_id)
+        for i, seq in enumerate(seqs):
+            if not shared:
+                cached = self.kv_cache.allocate(seq.seq_id, seq.get_token_ids())
+            seq.num_computed_tokens = shared if i and shared else cached  # `run` orders them
+            if first_admission:
+                group.metrics.num_cached_tokens += cached
+            seq.status = SequenceStatus.RUNNING
+        self.running.append(group)
+
+    def swap_in(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Swapped -> running: copy the group's blocks back to the device (copies in `out`)."""
+        seqs = group.get_seqs(SequenceStatus.SWAPPED)
+        out.swap_in.extend(self.kv_cache.swap_in([s.seq_id for s in seqs]))
+        for seq in seqs:
+            seq.status = SequenceStatus.RUNNING
+        self.swapped.remove(group)
+        self.running.append(group)
+
+    def swap_out(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
+        """Running -> swapped: move the group's blocks to the host pool; False (nothing done)
+        when the host pool cannot take them."""
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        ids = [s.seq_id for s in seqs]
+        if not self.kv_cache.can_swap_out(ids):
+            return False
+        out.swap_out.extend(self.kv_cache.swap_out(ids))
+        for seq in seqs:
+            seq.status = SequenceStatus.SWAPPED
+        self.running.remove(group)
+        self.swapped.append(group)
+        return True
+
+    def preempt(
+        self, group: SequenceGroup, out: SchedulerOutput, mode: PreemptionMode | None = None
+    ) -> None:
+        """Take all of a running group's blocks back (all-or-nothing, vLLM paper §4.5).
+
+        `mode` None: the config's mode, else swap groups of several sequences and recompute
+        single ones. Swapping falls back to recomputation when the host pool is full; a group
+        preempted by recomputation goes to the front of `waiting` and prefills prompt + output
+        again when resumed.
+        """
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        mode = (
+            mode
+            or self.config.preemption_mode
+            or (PreemptionMode.SWAP if len(seqs) > 1 else PreemptionMode.RECOMPUTE)
+        )
+        if not (mode is PreemptionMode.SWAP and self.swap_out(group, out)):
+            for seq in seqs:
+                self._release(seq)
+                seq.reset_for_recompute()
+            self.running.remove(group)
+            self.waiting.appendleft(group)
+        group.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(group)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.seq_id in self.kv_cache:
+            self.kv_cache.free(seq.seq_id)
+
+
+# What a registry or the simulator holds: builds a scheduler over a given KV manager.
+SchedulerFactory = Callable[[SchedulerConfig, KVManager], Scheduler]

@@ -1,0 +1,372 @@
+"""FastServe's skip-join multi-level feedback queue with proactive KV swapping (Wu et al.).
+
+Run-to-completion FCFS suffers head-of-line blocking: a long job at the head delays every short
+one behind it. FastServe preempts at the granularity of one output token and schedules with a
+multi-level feedback queue (MLFQ), which favours short jobs without knowing job lengths:
+
+* **Queues** Q1..QK with quanta `q_i = base_quantum * quantum_ratio ** (i - 1)` seconds of
+  iteration time (§4.1). A step's whole duration is charged to every job in its batch.
+* **Skip-join** (§4.1): a new job joins the highest-priority queue whose quantum covers its
+  predicted first-iteration (prefill) time, from a `CostModel`: a long prompt skips the queues
+  it would be demoted from in the middle of its prefill.
+* **Demotion**: a job that has used its queue's quantum moves to the back of a lower queue,
+  at the end of a step that gave it a token (a chunked prefill is one FastServe iteration):
+  the next queue, or, when the time it used exceeds that queue's quantum too (a long
+  prefill in Q1 under naive MLFQ), the first queue whose quantum covers it -- where skip-join
+  would have put it. Demoting one level only would leave a job that just received 300 ms of
+  service ahead of jobs that received 50 ms.
+* **Promotion**: a job not scheduled for longer than `starvation_bound` seconds moves to Q1,
+  ahead of Q1's other jobs (promoted jobs in promotion order) until it is demoted again, so it
+  runs in the very next step and keeps running until it has made progress.
+* **Each step** fills the batch from the highest-priority queue down, first come first served
+  within a queue, within the token budget and `max_num_seqs` (without chunked prefill a job's
+  whole pending prefill must fit what is left of the budget). A job left out keeps its blocks.
+* **Making room**: when a selected job needs blocks, resident jobs expected to run after it
+  give theirs up, the one expected to run last first: swapped to the host, or freed for
+  recomputation. A resident job growing by a block, or a job promoted for starvation, may evict
+  any of them; a *new* job only jobs of strictly lower queues (no preemption among peers of a
+  first-come-first-served queue); a job that already ran and was preempted comes back only when
+  its blocks fit (or ahead of time, below), never by evicting others.
+  Without this rule jobs would swap each other out and in every time a demotion reorders them,
+  and on a full cache that churn costs more than the reordering gains (CHANGELOG.md).
+* **Proactive swapping** (§4.2): after choosing the batch, keep at least `reserve_blocks` free
+  device blocks (default: `max_num_seqs`, one new block per sequence of a full batch next step)
+  by swapping out the jobs expected to run last, and swap in ahead of time the swapped jobs
+  expected to run next when there is room beyond the reserve. These swaps serve later steps,
+  so a server overlaps them with this step's compute (`SchedulerOutput.num_swap_blocks_ahead`).
+
+**Time.** The scheduler keeps no clock of its own: `schedule(now)` charges the previous step's
+batch with `now - previous now`. That is exactly the step's duration when the driver calls
+`schedule` back to back, as `LLMEngine.run_until_done` and the simulator do; a driver that
+idles between steps with work pending charges the idle time too.
+
+Ablation variants (FastServe §6.3): naive MLFQ (every job enters Q1), fixed priority (skip-join
+levels, no demotion or promotion), recomputation instead of swapping, reactive swapping (swap
+only when a selected job's allocation fails).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from dataclasses import dataclass
+from enum import Enum
+
+from minipaged.kv.interface import KVManager
+from minipaged.sampling.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.sched.base import (
+    PreemptionMode,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerFactory,
+    SchedulerOutput,
+    StepBudget,
+)
+from minipaged.sched.cost_model import CostModel
+
+# -- data types -----------------------------------------------------------------------------------
+
+
+class SwapPolicy(str, Enum):
+    """What happens to the KV cache of jobs that must make room (FastServe §4.2, §6.3)."""
+
+    PROACTIVE = "proactive"  # keep a reserve of free blocks; swap out/in ahead of time
+    REACTIVE = "reactive"  # swap out only when a selected job cannot get its blocks
+    RECOMPUTE = "recompute"  # free a victim's blocks; it prefills everything again later
+
+
+@dataclass
+class MLFQConfig:
+    """The multi-level feedback queue's parameters (defaults as FastServe's: 10 ms, x2)."""
+
+    num_levels: int = 8
+    base_quantum: float = 0.010  # seconds of iteration time in Q1
+    quantum_ratio: float = 2.0
+    starvation_bound: float | None = 5.0  # seconds without a step; None: never promote
+    skip_join: bool = True  # False: naive MLFQ, every job enters Q1
+    demotion: bool = True  # False (with starvation_bound None): fixed priority
+    swap_policy: SwapPolicy = SwapPolicy.PROACTIVE
+    reserve_blocks: int | None = None  # K free device blocks to keep; None: max_num_seqs
+
+    @classmethod
+    def sized_to(cls, cost_model: CostModel, **overrides: object) -> MLFQConfig:
+        """Quanta sized to a cost model: Q1's quantum is the shortest iteration (one decode of
+        one sequence), as FastServe sets it (§4.1, §6); `overrides` set any other field."""
+        settings: dict[str, object] = {"base_quantum": cost_model.min_iteration_time}
+        settings.update(overrides)
+        return cls(**settings)  # type: ignore[arg-type]
+
+    def __post_init__(self) -> None:
+        if self.num_levels < 1:
+            raise ValueError(f"num_levels must be >= 1, got {self.num_levels}")
+        if self.base_quantum <= 0:
+            raise ValueError(f"base_quantum must be > 0 seconds, got {self.base_quantum}")
+        if self.quantum_ratio < 1:
+            raise ValueError(f"quantum_ratio must be >= 1, got {self.quantum_ratio}")
+        if self.starvation_bound is not None and self.starvation_bound <= 0:
+            raise ValueError(f"starvation_bound must be > 0 seconds, got {self.starvation_bound}")
+        if self.reserve_blocks is not None and self.reserve_blocks < 0:
+            raise ValueError(f"reserve_blocks must be >= 0, got {self.reserve_blocks}")
+        self.swap_policy = SwapPolicy(self.swap_policy)
+
+    def quantum(self, level: int) -> float:
+        """The quantum of queue `level` (0-based: level 0 is Q1)."""
+        return self.base_quantum * self.quantum_ratio**level
+
+
+@dataclass
+class JobState:
+    """Where a job stands in the feedback queue."""
+
+    level: int  # 0 = Q1, the highest priority
+    order: int  # position within its queue: smaller runs first
+    used: float = 0.0  # iteration time used in its current queue
+    last_served: float = 0.0  # end of its last step (its arrival before the first)
+    promoted: bool = False  # promoted for starvation and not demoted since: ahead in Q1
+    entry_level: int = 0  # the level skip-join chose
+
+
+# -- the scheduler --------------------------------------------------------------------------------
+
+
+class SkipJoinMLFQScheduler(Scheduler):
+    """Skip-join MLFQ with proactive swapping (FastServe §4); see the module docstring."""
+
+    needs_cost_model = True
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVManager,
+        mlfq: MLFQConfig | None = None,
+        cost_model: CostModel | None = None,
+    ) -> None:
+        super().__init__(config, kv_cache)
+        self.mlfq = dataclasses.replace(mlfq) if mlfq is not None else MLFQConfig()
+        self.cost_model = cost_model
+        self.jobs: dict[str, JobState] = {}
+        self.num_demotions = 0
+        self.num_promotions = 0
+        self.num_swap_blocks_ahead = 0  # over all steps
+        self._orders = itertools.count()
+        self._last_batch: list[SequenceGroup] = []
+        self._last_sampled: set[str] = set()  # groups of the last batch that got a token
+        self._last_now: float | None = None
+
+    @property
+    def reserve_blocks(self) -> int:
+        reserve = self.mlfq.reserve_blocks
+        return self.config.max_num_seqs if reserve is None else reserve
+
+    @property
+    def preemption_mode(self) -> PreemptionMode:
+        if self.mlfq.swap_policy is SwapPolicy.RECOMPUTE:
+            return PreemptionMode.RECOMPUTE
+        return PreemptionMode.SWAP
+
+    # -- requests in and out -----------------------------------------------------------------------
+
+    def add(self, group: SequenceGroup) -> None:
+        self.check_request(group)
+        level = self.entry_level(group.seqs[0].get_prompt_len())
+        self.jobs[group.request_id] = JobState(
+            level, next(self._orders), last_served=group.arrival_time, entry_level=level
+        )
+        self.waiting.append(group)
+
+    def entry_level(self, prompt_len: int) -> int:
+        """Skip-join (§4.1): the first queue whose quantum covers the predicted prefill time."""
+        if not self.mlfq.skip_join:
+            return 0
+        if self.cost_model is None:
+            raise ValueError(
+                "skip-join MLFQ needs a cost model to predict prefill times: pass cost_model= "
+                "(e.g. CostModel.profile(engine)) or use MLFQConfig(skip_join=False)"
+            )
+        return self.level_covering(self.cost_model.prefill_time(prompt_len))
+
+    def level_covering(self, seconds: float) -> int:
+        """The first queue whose quantum is at least `seconds` (the last queue if none is)."""
+        for level in range(self.mlfq.num_levels):
+            if self.mlfq.quantum(level) >= seconds:
+                return level
+        return self.mlfq.num_levels - 1
+
+    def abort(self, request_id: str) -> SequenceGroup | None:
+        group = super().abort(request_id)
+        if group is not None:
+            self.jobs.pop(request_id, None)
+        return group
+
+    def finish_step(self) -> list[SequenceGroup]:
+        finished = super().finish_step()
+        for group in finished:
+            self.jobs.pop(group.request_id, None)
+        return finished
+
+    def priority_order(self) -> list[SequenceGroup]:
+        """Every unfinished job, the one expected to run first first (promoted jobs lead Q1)."""
+
+        def key(group: SequenceGroup) -> tuple[int, bool, int]:
+            job = self.jobs[group.request_id]
+            return (job.level, not job.promoted, job.order)
+
+        return sorted(self.groups(), key=key)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def choose(self, now: float, out: SchedulerOutput, budget: StepBudget) -> None:
+        """Charge the previous step, promote starving jobs, fill the batch by priority, then
+        swap ahead of time (proactive policy)."""
+        self._charge_previous_step(now)
+        self._promote_starving(now)
+        order = self.priority_order()
+        selected: list[SequenceGroup] = []
+        for index, group in enumerate(order):
+            if budget.exhausted:
+                break
+            seqs = group.get_unfinished_seqs()
+            if not budget.fits(seqs):
+                continue
+            if not self._make_room(group, seqs, order[index + 1 :], out):
+                continue
+            self.run(group, out, budget)
+            selected.append(group)
+        if self.mlfq.swap_policy is SwapPolicy.PROACTIVE:
+            self._swap_ahead(order, selected, out)
+        self._last_batch = [s.group for s in out.scheduled]
+        self._last_sampled = {s.group.request_id for s in out.scheduled if s.needs_logits}
+        self._last_now = now
+
+    # -- feedback: demotion and promotion ----------------------------------------------------------
+
+    def _charge_previous_step(self, now: float) -> None:
+        """Charge the last step's duration to its jobs; demote those out of quantum."""
+        if self._last_now is None:
+            return
+        duration = max(0.0, now - self._last_now)
+        for group in dict.fromkeys(self._last_batch):  # a group once, however many seqs
+            job = self.jobs.get(group.request_id)
+            if job is None:  # finished or aborted
+                continue
+            job.used += duration
+            job.last_served = now
+            if self._should_demote(group, job):
+                job.level = max(job.level + 1, self.level_covering(job.used))
+                job.used = 0.0
+                job.order = next(self._orders)  # the back of the lower queue
+                job.promoted = False
+                self.num_demotions += 1
+        self._last_batch = []
+
+    def _should_demote(self, group: SequenceGroup, job: JobState) -> bool:
+        """Out of quantum, at the end of a step that gave the job a token. Like FastServe's
+        one-iteration prefill, a chunked prefill (or recomputation) is not cut short by demotion:
+        every job that reaches the front makes progress, so recomputation cannot livelock."""
+        if not self.mlfq.demotion or job.level == self.mlfq.num_levels - 1:
+            return False
+        return group.request_id in self._last_sampled and job.used >= self.mlfq.quantum(job.level)
+
+    def _promote_starving(self, now: float) -> None:
+        """Jobs not served for longer than the starvation bound go to the front of Q1."""
+        bound = self.mlfq.starvation_bound
+        if bound is None:
+            return
+        starving = []
+        for group in self.groups():
+            job = self.jobs[group.request_id]
+            if not job.promoted and now - job.last_served > bound:
+                starving.append((job.last_served, group.request_id))
+        for _, request_id in sorted(starving):  # the longest waiting first
+            job = self.jobs[request_id]
+            job.level, job.used, job.promoted = 0, 0.0, True
+            job.order = next(self._orders)
+            self.num_promotions += 1
+
+    # -- memory: making room, bringing in, swapping ahead ------------------------------------------
+
+    def _make_room(
+        self,
+        group: SequenceGroup,
+        seqs: list[Sequence],
+        lower: list[SequenceGroup],
+        out: SchedulerOutput,
+    ) -> bool:
+        """Free device blocks for `group` by preempting resident jobs it may evict, last
+        first; False (nobody preempted) when even all of them would not make enough room.
+
+        A resident or promoted (starving) job evicts any job behind it; a new job only jobs of
+        strictly lower queues; a preempted job waits until its blocks fit (module docstring)."""
+        if self.fits(seqs):
+            return True
+        if out.swap_in and self.preemption_mode is PreemptionMode.SWAP:
+            # The runner copies every swap-out of a step before its swap-ins, and a swap-in
+            # frees host blocks that a later swap-out would reuse: no swap-out after a swap-in.
+            return False
+        job = self.jobs[group.request_id]
+        if job.promoted or seqs[0].status is SequenceStatus.RUNNING:
+            victims = [g for g in lower if g in self.running]
+        elif group.metrics.first_scheduled_time is None:  # new: never ran
+            victims = [
+                g for g in lower if g in self.running and self.jobs[g.request_id].level > job.level
+            ]
+        else:
+            return False
+
+        held = sum(
+            len(self.kv_cache.block_table(s.seq_id))
+            for g in victims
+            for s in g.get_seqs()
+            if s.seq_id in self.kv_cache
+        )
+        if self.kv_cache.num_free_blocks + held < self.blocks_needed(seqs):
+            return False
+        while victims and not self.fits(seqs):
+            self.preempt(victims.pop(), out, self.preemption_mode)
+        return self.fits(seqs)
+
+    def _swap_ahead(
+        self, order: list[SequenceGroup], selected: list[SequenceGroup], out: SchedulerOutput
+    ) -> None:
+        """Proactive swapping (§4.2): restore the free-block reserve by swapping out the
+        resident jobs expected to run last, then swap in the swapped jobs expected to run next
+        while the reserve stays free."""
+        kv, reserve = self.kv_cache, self.reserve_blocks
+        chosen = set(map(id, selected))
+        idle = [g for g in order if id(g) not in chosen]
+        moved = len(out.swap_in) + len(out.swap_out)
+        for group in reversed(idle):
+            if kv.num_free_blocks >= reserve or out.swap_in:  # no swap-out after a swap-in
+                break
+            if group in self.running and not self.swap_out(group, out):
+                break  # the host pool is full
+        for group in idle:
+            if group not in self.swapped:
+                continue
+            seqs = group.get_seqs(SequenceStatus.SWAPPED)
+            if not self.can_swap_in(seqs):
+                break
+            if kv.num_free_blocks - self.blocks_needed(seqs) < reserve:
+                break
+            self.swap_in(group, out)
+        ahead = len(out.swap_in) + len(out.swap_out) - moved
+        out.num_swap_blocks_ahead += ahead
+        self.num_swap_blocks_ahead += ahead
+
+
+# -- the variants (FastServe §6.3's ablation) -----------------------------------------------------
+
+MLFQ_VARIANTS: dict[str, MLFQConfig] = {
+    "mlfq": MLFQConfig(),
+    "mlfq-naive": MLFQConfig(skip_join=False),
+    "mlfq-fixed": MLFQConfig(demotion=False, starvation_bound=None),
+    "mlfq-recompute": MLFQConfig(swap_policy=SwapPolicy.RECOMPUTE),
+    "mlfq-reactive": MLFQConfig(swap_policy=SwapPolicy.REACTIVE),
+}
+
+
+def mlfq_factory(mlfq: MLFQConfig, cost_model: CostModel | None = None) -> SchedulerFactory:
+    """A `(SchedulerConfig, KVManager) -> scheduler` constructor with these settings (what
+    `minipaged.sched.registry` holds, and what `minipaged.sim.simulator` takes)."""
+    return functools.partial(SkipJoinMLFQScheduler, mlfq=mlfq, cost_model=cost_model)

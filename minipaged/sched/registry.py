@@ -1,0 +1,90 @@
+"""Schedulers by name: what `EngineConfig(scheduler=...)`, the command line and the benchmarks
+choose from. Each name is a policy over the KV memory it runs on:
+
+* "fcfs": vLLM's FCFS continuous batching over the paged `KVCacheManager` (vLLM paper §4.5);
+* "mlfq", "mlfq-naive", "mlfq-fixed", "mlfq-recompute", "mlfq-reactive": FastServe's skip-join
+  MLFQ and its ablation variants (§6.3) over the paged manager;
+* "static", "orca-max", "orca-pow2", "orca-oracle": the vLLM paper's baselines (§6.1) over
+  contiguous reservations (`ReservationKVCacheManager`), which have no host pool and no prefix
+  cache.
+
+`build_scheduler` builds the scheduler with its KV manager (`scheduler.kv_cache`). A name added
+to `SCHEDULERS` (a `(SchedulerConfig, KVManager) -> Scheduler` constructor) runs over the paged
+manager.
+"""
+
+from __future__ import annotations
+
+from minipaged.kv.interface import KVManager
+from minipaged.kv.manager import KVCacheManager
+from minipaged.kv.reservation import ReservationKVCacheManager
+from minipaged.sched.base import Scheduler, SchedulerConfig, SchedulerFactory
+from minipaged.sched.baselines import OrcaScheduler, StaticBatchScheduler
+from minipaged.sched.cost_model import CostModel
+from minipaged.sched.fcfs import FCFSScheduler
+from minipaged.sched.mlfq import MLFQ_VARIANTS, MLFQConfig, mlfq_factory
+
+SCHEDULERS: dict[str, SchedulerFactory] = {
+    "fcfs": FCFSScheduler,
+    **{name: mlfq_factory(mlfq) for name, mlfq in MLFQ_VARIANTS.items()},
+    "static": StaticBatchScheduler,
+    "orca-max": OrcaScheduler,
+    "orca-pow2": OrcaScheduler,
+    "orca-oracle": OrcaScheduler,
+}
+
+# The baselines' reservations: (policy, static batch) of their `ReservationKVCacheManager`.
+RESERVATIONS: dict[str, tuple[str, bool]] = {
+    "static": ("max", True),
+    "orca-max": ("max", False),
+    "orca-pow2": ("pow2", False),
+    "orca-oracle": ("oracle", False),
+}
+
+
+def needs_cost_model(name: str) -> bool:
+    """Whether the scheduler predicts step times (skip-join MLFQ, FastServe §4.1): the engine
+    then profiles one at start-up unless given one."""
+    return _check_name(name) in MLFQ_VARIANTS
+
+
+def build_scheduler(
+    name: str,
+    config: SchedulerConfig,
+    *,
+    num_device_blocks: int,
+    block_size: int,
+    num_host_blocks: int = 0,
+    enable_prefix_caching: bool = True,
+    mlfq: MLFQConfig | None = None,
+    cost_model: CostModel | None = None,
+) -> Scheduler:
+    """The scheduler `name` over a KV manager of `num_device_blocks` blocks of `block_size`
+    tokens. The host pool and prefix caching apply to the paged schedulers only; `mlfq`
+    replaces an MLFQ variant's settings and `cost_model` gives it its step-time predictions."""
+    mlfq_scheduler = needs_cost_model(name)  # also checks the name
+    if (mlfq is not None or cost_model is not None) and not mlfq_scheduler:
+        raise ValueError(f"mlfq settings and a cost model need an MLFQ scheduler, got {name!r}")
+    kv_cache: KVManager
+    if name in RESERVATIONS:
+        policy, static_batch = RESERVATIONS[name]
+        kv_cache = ReservationKVCacheManager(
+            num_device_blocks, block_size, policy, config.max_model_len, static_batch
+        )
+    else:
+        kv_cache = KVCacheManager(
+            num_device_blocks,
+            block_size,
+            num_host_blocks=num_host_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+    factory = SCHEDULERS[name]
+    if mlfq_scheduler:
+        factory = mlfq_factory(mlfq or MLFQ_VARIANTS[name], cost_model)
+    return factory(config, kv_cache)
+
+
+def _check_name(name: str) -> str:
+    if name not in SCHEDULERS:
+        raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, got {name!r}")
+    return name

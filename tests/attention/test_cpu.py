@@ -1,0 +1,126 @@
+"""The CPU arrangement of paged attention against the dense oracle and the PyTorch reference.
+
+`cpu_paged_attention` sends decodes to the native kernel (`minipaged.cpu.native`) and computes
+the rest with the reference's plan and gather in the cache's dtype, packing grouped query heads
+onto their KV head for decodes the kernel does not take. Both ways (`native`: the kernel built,
+or as on a machine without a compiler) are checked on random block tables (hypothesis) with
+every GQA ratio, decode-only batches and mixed ones, garbage in every slot no sequence owns, and
+chunk budgets that cut a batch into many chunks. float32 matches the oracle within 1e-5;
+bfloat16 and float16 within the tolerances of `minipaged.testing.paged_examples.TOLERANCES` (about
+two units in the last place of the output).
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from paged_utils import seq_and_query_lens
+
+from minipaged.attention import reference as attention
+from minipaged.attention.cpu import CPU_OPS, cpu_paged_attention, plan_cpu_attention
+from minipaged.attention.reference import paged_attention
+from minipaged.runner.backends import get_attention_ops
+from minipaged.testing.paged_examples import dense_reference, make_attention_case, tolerance
+
+GQA_RATIOS = [1, 2, 3, 4, 8]  # 3: SmolLM2's 9 query heads over 3 KV heads
+
+
+BOTH_WAYS = pytest.mark.parametrize("native", [True, False], ids=["native", "gathered"])
+
+
+def attend(case, native: bool, **kwargs):
+    """`cpu_paged_attention` with decodes in the native kernel, or gathered as where it
+    cannot be built."""
+    _, k_cache, _, block_tables, seq_lens, query_start_loc, _ = case.args()
+    plan = plan_cpu_attention(block_tables, seq_lens, query_start_loc, k_cache, native=native)
+    return cpu_paged_attention(*case.args(), plan=plan, **kwargs)
+
+
+@st.composite
+def cases(draw: st.DrawFn, dtype: torch.dtype, decodes_only: bool = False):
+    block_size = draw(st.sampled_from([4, 8, 16]))
+    seq_lens, query_lens = draw(seq_and_query_lens(block_size))
+    if decodes_only:
+        query_lens = [1] * len(seq_lens)
+    num_kv_heads = draw(st.sampled_from([1, 2, 3]))
+    return make_attention_case(
+        seq_lens, query_lens,
+        num_heads=num_kv_heads * draw(st.sampled_from(GQA_RATIOS)),
+        num_kv_heads=num_kv_heads,
+        head_dim=draw(st.sampled_from([32, 64])),
+        block_size=block_size,
+        dtype=dtype,
+        seed=draw(st.integers(0, 2**16)),
+        garbage=draw(st.sampled_from([float("nan"), float("inf"), 3e4])),
+    )
+
+
+@BOTH_WAYS
+@given(case=cases(torch.float32), decode_case=cases(torch.float32, decodes_only=True))
+@settings(max_examples=50)
+def test_equals_dense_and_the_reference_float32(native, case, decode_case):
+    for c in (case, decode_case):
+        out = attend(c, native)
+        assert out.dtype == torch.float32 and out.shape == c.q.shape
+        torch.testing.assert_close(out, dense_reference(c), **tolerance(torch.float32))
+        torch.testing.assert_close(out, paged_attention(*c.args()), **tolerance(torch.float32))
+
+
+@BOTH_WAYS
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@given(data=st.data())
+@settings(max_examples=25)
+def test_equals_dense_in_low_precision(native, dtype, data):
+    for c in (data.draw(cases(dtype)), data.draw(cases(dtype, decodes_only=True))):
+        out = attend(c, native)
+        assert out.dtype == dtype and out.shape == c.q.shape
+        torch.testing.assert_close(out, dense_reference(c), **tolerance(dtype))
+
+
+@BOTH_WAYS
+@given(case=cases(torch.float32), chunk_bytes=st.sampled_from([1, 3000, 20000]))
+@settings(max_examples=20)
+def test_chunks_of_any_size_and_a_given_plan_do_not_change_the_result(native, case, chunk_bytes):
+    _, k_cache, _, block_tables, seq_lens, query_start_loc, _ = case.args()
+    with mock.patch.object(attention, "GATHER_CHUNK_BYTES", chunk_bytes):
+        out = cpu_paged_attention(*case.args())
+        plan = plan_cpu_attention(block_tables, seq_lens, query_start_loc, k_cache,
+                                  native=native)
+    has_decodes = 1 in query_start_loc.diff().tolist()
+    assert (plan.decodes is not None) == (native and has_decodes)
+    torch.testing.assert_close(out, dense_reference(case), **tolerance(torch.float32))
+    planned = cpu_paged_attention(*case.args(), plan=plan, validate=False)
+    torch.testing.assert_close(planned, out, **tolerance(torch.float32))
+
+
+@BOTH_WAYS
+def test_a_plan_for_other_metadata_is_refused(native):
+    case = make_attention_case([5, 9], [1, 3], num_heads=4, num_kv_heads=2, head_dim=32,
+                               block_size=4, seed=0)
+    other = make_attention_case([5], [1], num_heads=4, num_kv_heads=2, head_dim=32,
+                                block_size=4, seed=0)
+    _, k_cache, _, block_tables, seq_lens, query_start_loc, _ = other.args()
+    plan = plan_cpu_attention(block_tables, seq_lens, query_start_loc, k_cache, native=native)
+    with pytest.raises(ValueError, match="plan covers 1 queries but q has 4"):
+        cpu_paged_attention(*case.args(), plan=plan)
+
+
+def test_bad_metadata_gets_the_contracts_error():
+    case = make_attention_case([5, 9], [1, 3], num_heads=4, num_kv_heads=2, head_dim=32,
+                               block_size=4, seed=0)
+    q, k_cache, v_cache, tables, seq_lens, starts, scale = case.args()
+    with pytest.raises(ValueError, match="seq_lens"):
+        cpu_paged_attention(q, k_cache, v_cache, tables, seq_lens[:1], starts, scale)
+
+
+def test_is_the_cpu_backend_and_the_default_on_a_cpu():
+    assert get_attention_ops("cpu") is CPU_OPS
+    assert get_attention_ops(device="cpu") is CPU_OPS
+    assert get_attention_ops("auto", device="cpu") is CPU_OPS
+    assert CPU_OPS.plan is plan_cpu_attention  # its own plan; the reference's KV writes, copies
+    assert CPU_OPS.reshape_and_cache is attention.reshape_and_cache
+    assert get_attention_ops("torch").paged_attention is attention.paged_attention

@@ -1,0 +1,364 @@
+"""The model runner against plain references: the flat batch, the block movements, the logits.
+
+* `prepare` is checked against a reference that expands each block table into one slot per token
+  (the definition of a block table) and lays the batch out sequence after sequence;
+* `apply_cache_ops` must move exactly the named blocks, in every layer, keys and values alike;
+* `execute` over several steps of mixed chunked prefills and decodes, with shuffled physical
+  blocks, a swap out and in, and a copy-on-write fork, must give the logits of a dense forward
+  pass over each sequence's whole context.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_models import dense_last_logits
+
+from minipaged.attention.reference import paged_attention, plan_attention
+from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.models.gpt2 import GPT2ForCausalLM
+from minipaged.models.llama import LlamaForCausalLM
+from minipaged.runner.backends import PagedAttentionBackend
+from minipaged.runner.model_runner import BatchEntry, CacheOps, ModelRunner
+
+VOCAB = 64
+
+
+def tiny_config(architecture: str = "llama") -> ModelConfig:
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2 if architecture == "llama" else 4,
+        head_dim=8,
+        intermediate_size=64,
+        max_position_embeddings=256,
+    )
+
+
+def tiny_model(architecture: str = "llama", seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cls = LlamaForCausalLM if architecture == "llama" else GPT2ForCausalLM
+    model = cls(tiny_config(architecture)).eval()
+    with torch.no_grad():  # norms start at 1: perturb them so a wrong layer shows in the logits
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def make_runner(model, num_gpu_blocks=32, num_cpu_blocks=16, block_size=4) -> ModelRunner:
+    return ModelRunner(
+        model,
+        model.config,
+        block_size=block_size,
+        num_gpu_blocks=num_gpu_blocks,
+        num_cpu_blocks=num_cpu_blocks,
+    )
+
+
+# -- the flat batch -------------------------------------------------------------------------------
+
+
+@st.composite
+def batches(draw):
+    """Random entries over a pool of blocks: any start (prefix cached or chunked prefill), any
+    number of new tokens, block tables in any order and possibly longer than needed."""
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    num_blocks = 48
+    entries = []
+    for _ in range(draw(st.integers(1, 6))):
+        end = draw(st.integers(1, 40))
+        start = draw(st.integers(0, end - 1))
+        needed = -(-end // block_size)
+        extra = draw(st.integers(0, 2))
+        table = draw(
+            st.lists(
+                st.integers(0, num_blocks - 1),
+                min_size=needed + extra,
+                max_size=needed + extra,
+                unique=True,
+            )
+        )
+        n = end - start
+        tokens = draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n))
+        entries.append(BatchEntry(tokens, start, table, draw(st.booleans())))
+    return block_size, num_blocks, entries
+
+
+def reference_flat_batch(entries: list[BatchEntry], block_size: int) -> dict[str, list]:
+    """The flat batch by definition: a block table lists a sequence's slots block by block."""
+    ref = {"input_ids": [], "positions": [], "slot_mapping": [], "query_start_loc": [0]}
+    ref["seq_lens"], ref["block_tables"] = [], []
+    width = max(len(e.block_table) for e in entries)
+    for e in entries:
+        slots = [b * block_size + offset for b in e.block_table for offset in range(block_size)]
+        context = e.start_position + len(e.token_ids)
+        ref["input_ids"] += list(e.token_ids)
+        ref["positions"] += list(range(e.start_position, context))
+        ref["slot_mapping"] += slots[e.start_position : context]
+        ref["query_start_loc"].append(ref["query_start_loc"][-1] + len(e.token_ids))
+        ref["seq_lens"].append(context)
+        ref["block_tables"].append(list(e.block_table) + [-1] * (width - len(e.block_table)))
+    return ref
+
+
+@given(batches())
+@settings(max_examples=60)
+def test_prepare_equals_reference(batch):
+    block_size, num_blocks, entries = batch
+    runner = ModelRunner(
+        torch.nn.Identity(), tiny_config(), block_size=block_size, num_gpu_blocks=num_blocks
+    )
+    input_ids, positions, md = runner.prepare(entries)
+    ref = reference_flat_batch(entries, block_size)
+    assert input_ids.tolist() == ref["input_ids"] and input_ids.dtype == torch.int64
+    assert positions.tolist() == ref["positions"] and positions.dtype == torch.int64
+    assert md.slot_mapping.tolist() == ref["slot_mapping"] and md.slot_mapping.dtype == torch.int64
+    assert md.query_start_loc.tolist() == ref["query_start_loc"]
+    assert md.query_start_loc.dtype == torch.int32
+    assert md.seq_lens.tolist() == ref["seq_lens"] and md.seq_lens.dtype == torch.int32
+    assert md.block_tables.tolist() == ref["block_tables"] and md.block_tables.dtype == torch.int32
+    assert md.max_query_len == max(len(e.token_ids) for e in entries)
+    assert md.max_seq_len == max(ref["seq_lens"])
+
+
+def test_prepare_rejects_a_block_table_too_short():
+    runner = ModelRunner(torch.nn.Identity(), tiny_config(), block_size=4, num_gpu_blocks=8)
+    with pytest.raises(ValueError, match="cannot hold 9 tokens"):
+        runner.prepare([BatchEntry([1, 2, 3], 6, [0, 1])])
+
+
+def test_check_metadata_rejects_a_block_outside_the_cache():
+    runner = make_runner(tiny_model(), num_gpu_blocks=8)
+    _, _, md = runner.prepare([BatchEntry([1, 2, 3], 0, [9])])
+    with pytest.raises(ValueError, match="outside"):
+        runner.check_metadata(md, 3)
+
+
+def test_the_step_plan_groups_decodes_and_attends_as_one_call_per_sequence():
+    """The plan a step's backend makes once for every layer cuts this batch into five chunks,
+    and attending chunk by chunk gives what attending each sequence on its own gives."""
+    model = tiny_model()
+    runner = make_runner(model, num_gpu_blocks=40, block_size=4)
+    for cache in runner.kv_caches:
+        cache.normal_()
+    rng = random.Random(3)
+    entries = []
+    free = list(range(40))
+    rng.shuffle(free)
+    for start, n in [(3, 1), (30, 1), (0, 9), (12, 1), (5, 6), (60, 1)]:
+        table = [free.pop() for _ in range(-(-(start + n) // 4))]
+        entries.append(BatchEntry([rng.randrange(VOCAB) for _ in range(n)], start, table))
+    _, _, md = runner.prepare(entries)
+    plan = plan_attention(md.block_tables, md.seq_lens, md.query_start_loc, runner.kv_caches[0][0])
+    assert len(plan) == 5  # decodes of contexts 4 | 13 | 31 and 61; two prefills
+    q = torch.randn(len(md.slot_mapping), 4, 8)
+    k, v = torch.randn(2, len(md.slot_mapping), 2, 8)
+    backend = PagedAttentionBackend(runner.kv_caches, md, runner.layer_ops)
+    with torch.inference_mode():  # as in `execute` (the reference's gather buffer is shared)
+        out = backend(0, q, k, v, 0.3)
+        cache = runner.kv_caches[0]
+        starts = md.query_start_loc.tolist()
+        alone = torch.cat([
+            paged_attention(q[starts[i] : starts[i + 1]], cache[0], cache[1],
+                            md.block_tables[i : i + 1], md.seq_lens[i : i + 1],
+                            torch.tensor([0, starts[i + 1] - starts[i]], dtype=torch.int32), 0.3)
+            for i in range(len(entries))
+        ])
+    torch.testing.assert_close(out, alone)
+
+
+# -- block movements ------------------------------------------------------------------------------
+
+
+@st.composite
+def cache_ops(draw, num_gpu_blocks=12, num_cpu_blocks=8):
+    """A step's swaps and copies as the KV cache manager could produce them: distinct
+    destinations, no block both copied from and to, swap-out destinations free on the host."""
+    host = draw(st.permutations(range(num_cpu_blocks)))
+    device = draw(st.permutations(range(num_gpu_blocks)))
+    n_out = draw(st.integers(0, 3))
+    n_in = draw(st.integers(0, 3))
+    n_copy = draw(st.integers(0, 3))
+    swap_out = list(zip(device[:n_out], host[:n_out], strict=True))
+    # Swap-ins read other host blocks and may reuse a block just swapped out (it is free now).
+    swap_in = list(zip(host[n_out : n_out + n_in], device[:n_in], strict=True))
+    rest = device[max(n_out, n_in) :]
+    n_copy = min(n_copy, len(rest) // 2)
+    copy = list(zip(rest[:n_copy], rest[n_copy : 2 * n_copy], strict=True))
+    return CacheOps(swap_in=swap_in, swap_out=swap_out, copy=copy)
+
+
+@given(cache_ops())
+@settings(max_examples=40)
+def test_cache_ops_move_exactly_the_named_blocks(ops):
+    runner = make_runner(tiny_model(), num_gpu_blocks=12, num_cpu_blocks=8)
+    torch.manual_seed(1)
+    for cache in runner.kv_caches + runner.host_caches:
+        cache.normal_()
+    device_before = [c.clone() for c in runner.kv_caches]
+    host_before = [c.clone() for c in runner.host_caches]
+    runner.apply_cache_ops(ops)
+    for layer in range(len(runner.kv_caches)):
+        dev, host = device_before[layer].clone(), host_before[layer].clone()
+        # The documented order: swap out, swap in, copy.
+        for d, h in ops.swap_out:
+            host[:, h] = dev[:, d]
+        for h, d in ops.swap_in:
+            dev[:, d] = host[:, h]
+        for src, dst in ops.copy:
+            dev[:, dst] = dev[:, src]
+        assert torch.equal(runner.kv_caches[layer], dev)
+        assert torch.equal(runner.host_caches[layer], host)
+
+
+def test_swap_out_then_in_restores_a_block_elsewhere():
+    runner = make_runner(tiny_model(), num_gpu_blocks=6, num_cpu_blocks=2)
+    for cache in runner.kv_caches:
+        cache.normal_()
+    saved = [c[:, 3].clone() for c in runner.kv_caches]
+    runner.apply_cache_ops(CacheOps(swap_out=[(3, 1)]))
+    for cache in runner.kv_caches:
+        cache[:, 3] = 0.0  # the device block is reused by someone else
+    runner.apply_cache_ops(CacheOps(swap_in=[(1, 5)]))
+    for cache, block in zip(runner.kv_caches, saved, strict=True):
+        assert torch.equal(cache[:, 5], block)
+
+
+# -- execute against dense logits -----------------------------------------------------------------
+
+
+class PagedSequences:
+    """Just enough block bookkeeping for a test: each sequence owns a list of physical blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, rng: random.Random) -> None:
+        self.free = list(range(num_blocks))
+        rng.shuffle(self.free)  # physical blocks in no particular order
+        self.block_size = block_size
+        self.tokens: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        self.tables: dict[str, list[int]] = {}
+
+    def add(self, name: str, tokens: list[int]) -> None:
+        self.tokens[name], self.computed[name], self.tables[name] = list(tokens), 0, []
+
+    def entry(self, name: str, n: int) -> BatchEntry:
+        start = self.computed[name]
+        end = start + n
+        while len(self.tables[name]) * self.block_size < end:
+            self.tables[name].append(self.free.pop())
+        return BatchEntry(
+            self.tokens[name][start:end], start, list(self.tables[name]),
+            needs_logits=end == len(self.tokens[name]),
+        )
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+def test_execute_over_steps_equals_dense_logits(architecture):
+    model = tiny_model(architecture)
+    block_size = 4
+    runner = make_runner(model, num_gpu_blocks=40, num_cpu_blocks=8, block_size=block_size)
+    for cache in runner.host_caches:  # the host pool is not zeroed: nothing may read a block
+        cache.fill_(float("nan"))  # before the swap-out that writes it
+    rng = random.Random(0)
+    seqs = PagedSequences(40, block_size, rng)
+    for name, length in (("a", 11), ("b", 3), ("c", 17)):
+        seqs.add(name, [rng.randrange(VOCAB) for _ in range(length)])
+
+    def step(plan: dict[str, int], ops: CacheOps | None = None) -> None:
+        entries = [seqs.entry(name, n) for name, n in plan.items()]
+        logits = runner.execute(entries, ops or CacheOps())
+        sampled = [name for name, e in zip(plan, entries, strict=True) if e.needs_logits]
+        assert logits.shape == (len(sampled), VOCAB)
+        for name, row in zip(sampled, logits, strict=True):
+            torch.testing.assert_close(row, dense_last_logits(model, seqs.tokens[name]),
+                                       rtol=1e-4, atol=1e-4)
+        for name, n in plan.items():
+            seqs.computed[name] += n
+        for name in sampled:  # append a next token (any token: the check is the logits)
+            seqs.tokens[name].append(rng.randrange(VOCAB))
+
+    step({"a": 11, "b": 3, "c": 6})  # two whole prompts and a chunk of the third
+    step({"a": 1, "b": 1, "c": 11})  # decodes next to the rest of a chunked prefill
+    step({"a": 1, "b": 1, "c": 1})
+    # Swap "a" out to the host, then back into different device blocks.
+    host = list(range(len(seqs.tables["a"])))
+    runner.apply_cache_ops(CacheOps(swap_out=list(zip(seqs.tables["a"], host, strict=True))))
+    new_blocks = [seqs.free.pop() for _ in host]
+    seqs.free += seqs.tables["a"]
+    seqs.tables["a"] = new_blocks
+    step({"a": 1, "c": 1}, CacheOps(swap_in=list(zip(host, new_blocks, strict=True))))
+    # Fork "c" into "d" (parallel sampling): shared full blocks, a private copy of the last one.
+    shared, last = seqs.tables["c"][:-1], seqs.tables["c"][-1]
+    copy_to = seqs.free.pop()
+    seqs.add("d", seqs.tokens["c"][:-1] + [(seqs.tokens["c"][-1] + 1) % VOCAB])
+    seqs.computed["d"], seqs.tables["d"] = seqs.computed["c"], shared + [copy_to]
+    step({"a": 1, "b": 1, "c": 1, "d": 1}, CacheOps(copy=[(last, copy_to)]))
+    step({"c": 1, "d": 1})
+
+
+def test_execute_with_nothing_scheduled_still_moves_blocks():
+    runner = make_runner(tiny_model(), num_gpu_blocks=4, num_cpu_blocks=2)
+    for cache in runner.kv_caches:
+        cache.normal_()
+    logits = runner.execute([], CacheOps(swap_out=[(2, 0)]))
+    assert logits.shape == (0, VOCAB)
+    for device, host in zip(runner.kv_caches, runner.host_caches, strict=True):
+        assert torch.equal(host[:, 0], device[:, 2])
+
+
+# -- bfloat16 against the float32 oracle -------------------------------------------------------
+
+# bfloat16 keeps 8 bits of mantissa: through SmolLM2's 30 layers its logits (magnitude ~30) stay
+# within 0.85 of float32's on these prompts; the bound leaves headroom for other prompts.
+BF16_LOGIT_ATOL = 1.5
+
+
+def test_bfloat16_runner_follows_the_float32_oracle_up_to_near_ties(bundled_model):
+    """The bundled model served in bfloat16 (CPU attention, bf16 KV cache): over a prefill and
+    six greedy decode steps its logits stay within `BF16_LOGIT_ATOL` of the float32 dense
+    model's on the same context, and each greedy token is float32's choice unless float32's top
+    two were within that tolerance (a near-tie that bfloat16 rounding may flip)."""
+    model, config = bundled_model
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    runner = ModelRunner(bf16, config, block_size=16, num_gpu_blocks=16, dtype=torch.bfloat16)
+    assert runner.ops.name == "cpu" and runner.kv_caches[0].dtype == torch.bfloat16
+    rng = random.Random(0)
+    tokens = [[rng.randrange(17, config.vocab_size) for _ in range(n)] for n in (41, 7)]
+    tables = [list(range(i * 4, i * 4 + 4)) for i in range(len(tokens))]
+    computed = [0] * len(tokens)
+    for _ in range(7):
+        entries = [BatchEntry(t[c:], c, table)
+                   for t, c, table in zip(tokens, computed, tables, strict=True)]
+        logits = runner.execute(entries)
+        assert logits.dtype == torch.float32
+        for i, row in enumerate(logits):
+            oracle = dense_last_logits(model, tokens[i])
+            torch.testing.assert_close(row, oracle, rtol=0, atol=BF16_LOGIT_ATOL)
+            ours, best = int(row.argmax()), int(oracle.argmax())
+            assert ours == best or oracle[best] - oracle[ours] < BF16_LOGIT_ATOL
+            computed[i] = len(tokens[i])
+            tokens[i].append(ours)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+def test_the_gemm_choice_is_made_when_the_runner_starts_not_in_a_step(architecture):
+    from minipaged.models.layers import Linear, onednn_is_faster
+
+    onednn_is_faster.cache_clear()  # earlier tests' choices must not stand in for this one's
+    model = tiny_model(architecture, seed=5)
+    runner = make_runner(model)
+    measured = onednn_is_faster.cache_info().misses
+    for module in model.modules():  # every weight shape's choice is already made
+        if isinstance(module, Linear):
+            onednn_is_faster(*module.weight.shape, module.weight.dtype)
+    runner.execute([BatchEntry([1, 2, 3], 0, [0])])
+    assert onednn_is_faster.cache_info().misses == measured  # no step measured anything
