@@ -104,7 +104,8 @@ def simulation_settings(max_num_seqs: int, chunked_prefill: bool) -> dict:
         enable_chunked_prefill=chunked_prefill,
     )
     return dict(
-        num_blocks=OPT_13B_A100_KV_BLOCKS, block_size=16, num_host_blocks=HOST_BLOCKS, config=config
+        num_gpu_blocks=OPT_13B_A100_KV_BLOCKS, block_size=16, num_cpu_blocks=HOST_BLOCKS,
+        config=config
     )
 
 
@@ -274,7 +275,7 @@ def real_engine(num_requests: int, loads: list[float], seed: int) -> dict:
                       clock=time.thread_time)
     cost = profile_engine(probe, max_prefill=64, max_batch=4)
     sim_kwargs = dict(
-        num_blocks=48, block_size=8, num_host_blocks=96, config=probe.scheduler.config
+        num_gpu_blocks=48, block_size=8, num_cpu_blocks=96, config=probe.scheduler.config
     )
     saturated = simulate(base, cost, FCFSScheduler, **sim_kwargs).throughput
     overrides = {"starvation_bound": 0.5}

@@ -120,11 +120,11 @@ def scheduler_for(system: str, block_size: int = 16, prefix_caching: bool = Fals
         return build_scheduler(
             "fcfs",
             SIM_SCHEDULER,
-            num_device_blocks=CAPACITY_SLOTS // block_size,
+            num_gpu_blocks=CAPACITY_SLOTS // block_size,
             block_size=block_size,
             enable_prefix_caching=prefix_caching,
         )
-    return build_scheduler(system, SIM_SCHEDULER, num_device_blocks=CAPACITY_SLOTS, block_size=1)
+    return build_scheduler(system, SIM_SCHEDULER, num_gpu_blocks=CAPACITY_SLOTS, block_size=1)
 
 
 def run_sampling(quick: bool) -> dict:
@@ -262,9 +262,9 @@ def run_swap(quick: bool) -> dict:
             scheduler = build_scheduler(
                 "fcfs",
                 config,
-                num_device_blocks=CAPACITY_SLOTS // bs,
+                num_gpu_blocks=CAPACITY_SLOTS // bs,
                 block_size=bs,
-                num_host_blocks=CAPACITY_SLOTS // bs,
+                num_cpu_blocks=CAPACITY_SLOTS // bs,
                 enable_prefix_caching=False,
             )
             trace = TRACES["sharegpt"](num, rate=rate, seed=0, max_seq_len=MAX_SEQ_LEN)

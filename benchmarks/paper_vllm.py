@@ -140,7 +140,7 @@ def simulate_groups(
         cost_model,
         lambda _config, _kv: scheduler,
         config=scheduler.config,
-        kv_cache=scheduler.kv_cache,
+        kv_manager=scheduler.kv_manager,
         groups=groups,
         on_sample=sample,
         record_steps=True,
@@ -197,7 +197,7 @@ def simulate_system(system: str, trace: list[TraceRequest]) -> RunStats:
         return build_scheduler(
             scheduler_name(system),
             config,
-            num_device_blocks=kv.num_blocks,
+            num_gpu_blocks=kv.num_gpu_blocks,
             block_size=kv.block_size,
             enable_prefix_caching=False,
         )
@@ -206,7 +206,7 @@ def simulate_system(system: str, trace: list[TraceRequest]) -> RunStats:
         trace,
         OPT_13B_A100,
         factory,
-        num_blocks=num_blocks,
+        num_gpu_blocks=num_blocks,
         block_size=block_size,
         config=SIM_SCHEDULER,
         record_steps=True,

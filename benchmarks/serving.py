@@ -295,7 +295,7 @@ def simulated(trace: list[TraceRequest], scheduler: str, cost: CostModel) -> dic
         factory,
         num_blocks=ENGINE["num_gpu_blocks"],
         block_size=ENGINE["block_size"],
-        num_host_blocks=ENGINE["num_cpu_blocks"],
+        num_cpu_blocks=ENGINE["num_cpu_blocks"],
         config=config,
     )
     ttft = [r.ttft for r in result.requests]

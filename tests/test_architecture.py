@@ -51,7 +51,7 @@ FRONT_END = {"__main__": "cli", "": "cli"}
 
 # Names an object outside the engine must never be given by assignment.
 ENGINE_PARTS = frozenset(
-    {"scheduler", "kv_manager", "kv_cache", "runner", "sampler", "processor", "tokenizer", "model"}
+    {"scheduler", "kv_manager", "runner", "sampler", "processor", "tokenizer", "model"}
 )
 ENGINE_MODULES = frozenset({"minipaged.engine.engine"})
 

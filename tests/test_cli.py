@@ -275,7 +275,8 @@ def test_ctrl_c_stops_the_answer_aborts_its_request_and_keeps_the_chat(
     assert unfinished_at_prompt == [0, 0, 0]  # nothing left running after the interrupt
     engine = loads.engines[0]
     assert not engine.has_unfinished_requests()
-    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks  # its blocks came back
+    kv = engine.kv_manager
+    assert kv.num_free_blocks == kv.num_gpu_blocks  # its blocks came back
     assert not engine.abort_request(interrupted[0])  # already aborted
     answers = [line.removeprefix("bot> ") for line in out.splitlines() if line.startswith("bot> ")]
     assert answers[-1] == ANSWER  # the one-shot answer: the stopped turn is not in the chat

@@ -95,8 +95,8 @@ def tiny_engine(parts: tuple[torch.nn.Module, ModelConfig], **engine_config: Any
 
 def assert_engine_drained(engine: LLMEngine) -> None:
     """Nothing left to run, the KV cache consistent and every block free again."""
-    engine.kv_cache.check_invariants()
-    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    engine.kv_manager.check_invariants()
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_gpu_blocks
     assert not engine.has_unfinished_requests()
 
 

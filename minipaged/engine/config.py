@@ -62,7 +62,7 @@ class EngineConfig:
     """Everything `LLM(...)` / `LLMEngine.from_pretrained(...)` accepts besides the model path.
 
     `num_gpu_blocks` and `num_cpu_blocks` are vLLM's names for the device and host pools of KV
-    blocks (`KVCacheManager`'s `num_blocks` and `num_host_blocks`).
+    blocks (`KVCacheManager`'s `num_gpu_blocks` and `num_cpu_blocks`).
     """
 
     dtype: str = "float32"  # or "bfloat16", "float16", "auto" (bfloat16 where native)

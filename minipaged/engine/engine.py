@@ -87,8 +87,8 @@ class LLMEngine:
         )
         if scheduler is not None:
             self.max_model_len = min(self.max_model_len, scheduler.config.max_model_len)
-            num_gpu_blocks = scheduler.kv_cache.num_blocks
-            num_cpu_blocks = scheduler.kv_cache.num_host_blocks
+            num_gpu_blocks = scheduler.kv_manager.num_gpu_blocks
+            num_cpu_blocks = scheduler.kv_manager.num_cpu_blocks
         else:
             num_gpu_blocks = config.num_gpu_blocks or blocks_that_fit(
                 model_config, config.block_size, dtype, device,
@@ -107,7 +107,7 @@ class LLMEngine:
             tensor_parallel_size=config.tensor_parallel_size,
             tensor_parallel_timeout=config.tensor_parallel_timeout,
             attention_backend=config.attention_backend,
-            block_size=config.block_size if scheduler is None else scheduler.kv_cache.block_size,
+            block_size=config.block_size if scheduler is None else scheduler.kv_manager.block_size,
             num_gpu_blocks=num_gpu_blocks,
             num_cpu_blocks=num_cpu_blocks,
         )
@@ -125,15 +125,15 @@ class LLMEngine:
                     enable_chunked_prefill=config.enable_chunked_prefill,
                     preemption_mode=config.preemption_mode,
                 ),
-                num_device_blocks=num_gpu_blocks,
+                num_gpu_blocks=num_gpu_blocks,
                 block_size=config.block_size,
-                num_host_blocks=num_cpu_blocks,
+                num_cpu_blocks=num_cpu_blocks,
                 enable_prefix_caching=config.enable_prefix_caching,
                 mlfq=config.mlfq,
                 cost_model=cost_model,
             )
         self.scheduler = scheduler
-        self.kv_cache = scheduler.kv_cache  # the scheduler's manager, named for reading
+        self.kv_manager = scheduler.kv_manager  # the scheduler's manager, named for reading
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer and tokenizer.eos_token_id is not None else set()

@@ -11,8 +11,8 @@ each sequence's table covers), reference counts, block hashes, the free lists an
 pool. A sequence's token ids and how many of them are computed belong to its `Sequence`
 (`minipaged.sampling.sequence`); a call that needs them (`allocate`, `mark_computed`) is given them.
 
-**The two pools** are the *device* pool (`num_blocks` blocks, where attention reads; vLLM and
-`EngineConfig` call its size `num_gpu_blocks`) and the *host* pool (`num_host_blocks`, CPU
+**The two pools** are the *device* pool (`num_gpu_blocks` blocks, where attention reads; vLLM and
+`EngineConfig` call its size `num_gpu_blocks`) and the *host* pool (`num_cpu_blocks`, CPU
 memory for swapped-out blocks; `num_cpu_blocks` in `EngineConfig`).
 
 Every mutating call either succeeds or raises with the state untouched: `NoFreeBlocksError`
@@ -113,7 +113,7 @@ class KVManager(Protocol):
     """
 
     block_size: int  # token slots per block
-    num_blocks: int  # blocks in the device pool
+    num_gpu_blocks: int  # blocks in the device pool
     watermark_blocks: int  # device blocks admission leaves free, so running sequences can grow
 
     @property
@@ -132,7 +132,7 @@ class KVManager(Protocol):
     def blocks_for_request(self, prompt_len: int, max_len: int, width: int) -> int:
         """The most device blocks one request can hold at once: `width` sequences (parallel
         samples or beams) grown from one prompt to at most `max_len` tokens each. A request
-        needing more than `num_blocks` can never run."""
+        needing more than `num_gpu_blocks` can never run."""
 
     # -- admission and growth ---------------------------------------------------------------------
 

@@ -52,30 +52,30 @@ class KVCacheManager:
 
     def __init__(
         self,
-        num_blocks: int,
+        num_gpu_blocks: int,
         block_size: int,
-        num_host_blocks: int = 0,
+        num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
     ) -> None:
         for name, value, low in (
-            ("num_blocks", num_blocks, 1),
+            ("num_gpu_blocks", num_gpu_blocks, 1),
             ("block_size", block_size, 1),
-            ("num_host_blocks", num_host_blocks, 0),
+            ("num_cpu_blocks", num_cpu_blocks, 0),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
-        self.num_blocks = num_blocks
+        self.num_gpu_blocks = num_gpu_blocks
         self.block_size = block_size
-        self.num_host_blocks = num_host_blocks
+        self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark = watermark
         # Blocks admission keeps free so running sequences can grow without instant preemption.
-        self.watermark_blocks = int(watermark * num_blocks)
-        self._pool = BlockPool(num_blocks, block_size)
-        self._host = HostPool(num_host_blocks)
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self._pool = BlockPool(num_gpu_blocks, block_size)
+        self._host = HostPool(num_cpu_blocks)
         self._tables: dict[SeqId, BlockTable] = {}
         # Prefix-cache counters, in blocks looked up by `allocate`.
         self.prefix_cache_hits = 0
@@ -93,7 +93,7 @@ class KVCacheManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._pool.free)
+        return self.num_gpu_blocks - len(self._pool.free)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -140,7 +140,7 @@ class KVCacheManager:
         used_slots = self.num_used_blocks * self.block_size
         token_slots = self._pool.num_token_slots
         return MemoryUsage(
-            total_slots=self.num_blocks * self.block_size,
+            total_slots=self.num_gpu_blocks * self.block_size,
             token_slots=token_slots,
             internal_fragmentation_slots=used_slots - token_slots,
         )
@@ -283,8 +283,8 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Check every structural invariant; raise AssertionError describing the first broken:
         each table on its own, then ref counts equal to table references in both pools."""
-        refs = [0] * self.num_blocks
-        host_refs = [0] * self.num_host_blocks
+        refs = [0] * self.num_gpu_blocks
+        host_refs = [0] * self.num_cpu_blocks
         fills: dict[int, int] = {}
         for seq_id, table in self._tables.items():
             table.check_invariants(repr(seq_id), self._host, refs, host_refs, fills)

@@ -107,23 +107,23 @@ class _Member:
 
 
 class ReservationKVCacheManager:
-    """Contiguous reservations in `num_blocks` blocks of `block_size` slots: `policy` "max",
+    """Contiguous reservations in `num_gpu_blocks` blocks of `block_size` slots: `policy` "max",
     "pow2" or "oracle"; `max_seq_len` is what Max reserves (and the longest request); with
     `static_batch`, chunks come back only once no sequence is left."""
 
     watermark_blocks = 0  # no admission reserve: a reservation is never outgrown
-    num_host_blocks = 0  # no host pool: nothing is swapped
+    num_cpu_blocks = 0  # no host pool: nothing is swapped
 
     def __init__(
         self,
-        num_blocks: int,
+        num_gpu_blocks: int,
         block_size: int,
         policy: str = "max",
         max_seq_len: int = 2048,
         static_batch: bool = False,
     ) -> None:
         for name, value in (
-            ("num_blocks", num_blocks),
+            ("num_gpu_blocks", num_gpu_blocks),
             ("block_size", block_size),
             ("max_seq_len", max_seq_len),
         ):
@@ -131,17 +131,17 @@ class ReservationKVCacheManager:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        if next_power_of_two(math.ceil(max_seq_len / block_size)) > num_blocks:
+        if next_power_of_two(math.ceil(max_seq_len / block_size)) > num_gpu_blocks:
             raise ValueError(
-                f"{num_blocks} blocks of {block_size} tokens cannot hold even one chunk of "
+                f"{num_gpu_blocks} blocks of {block_size} tokens cannot hold even one chunk of "
                 f"max_seq_len {max_seq_len} (rounded up to a power of two)"
             )
-        self.num_blocks = num_blocks
+        self.num_gpu_blocks = num_gpu_blocks
         self.block_size = block_size
         self.policy = policy
         self.max_seq_len = max_seq_len
         self.static_batch = static_batch
-        self.allocator = BuddyAllocator(num_blocks)
+        self.allocator = BuddyAllocator(num_gpu_blocks)
         self._expected: dict[SeqId, _Expected] = {}
         self._members: dict[SeqId, _Member] = {}
         self._dead: list[_Request] = []  # finished requests a static batch still holds
@@ -322,7 +322,7 @@ class ReservationKVCacheManager:
             internal += chunk.reserved_blocks * bs
             external += (chunk.num_blocks - chunk.reserved_blocks) * bs
         return MemoryUsage(
-            total_slots=self.num_blocks * bs,
+            total_slots=self.num_gpu_blocks * bs,
             token_slots=tokens,
             reserved_slots=reserved,
             internal_fragmentation_slots=internal,
@@ -332,7 +332,7 @@ class ReservationKVCacheManager:
     def check_invariants(self) -> None:
         """Chunks are disjoint, inside the pool, account for every used block, and hold their
         sequences' tokens; raise AssertionError describing the first broken invariant."""
-        covered = [0] * self.num_blocks
+        covered = [0] * self.num_gpu_blocks
         chunk_blocks = 0
         for request in self._live_requests() + self._dead:
             assert len(request.chunks) == request.expected.width, "a request lost a chunk"
@@ -345,7 +345,7 @@ class ReservationKVCacheManager:
                     f"{chunk.reserved_blocks} reserved is not the buddy rounding"
                 )
                 assert chunk.offset % chunk.num_blocks == 0, "a buddy chunk is aligned"
-                assert 0 <= chunk.offset and chunk.offset + chunk.num_blocks <= self.num_blocks
+                assert 0 <= chunk.offset and chunk.offset + chunk.num_blocks <= self.num_gpu_blocks
                 for b in range(chunk.offset, chunk.offset + chunk.num_blocks):
                     covered[b] += 1
                 chunk_blocks += chunk.num_blocks
@@ -356,7 +356,7 @@ class ReservationKVCacheManager:
                 assert 0 < member.num_tokens <= total, f"sequence {seq_id!r} outgrew its length"
         assert not self._dead or self.static_batch, "dead chunks outside a static batch"
         assert all(c <= 1 for c in covered), "two chunks overlap"
-        used = self.num_blocks - self.num_free_blocks
+        used = self.num_gpu_blocks - self.num_free_blocks
         assert chunk_blocks == used, f"chunks cover {chunk_blocks} blocks, the allocator {used}"
 
     # -- internals --------------------------------------------------------------------------------

@@ -42,15 +42,15 @@ class Scheduler:
     Invariant: every unfinished group is in exactly one queue, by where its blocks are --
     `waiting` (none: new, or preempted by recomputation), `running` (on the device; a policy
     may leave a running group out of a step, it keeps its blocks) or `swapped` (on the host).
-    Only the moves below change the queues and, through `kv_cache`, the block tables.
+    Only the moves below change the queues and, through `kv_manager`, the block tables.
     """
 
     # Whether the policy predicts step times (`cost_model`), as skip-join MLFQ does.
     needs_cost_model = False
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVManager) -> None:
         self.config = config
-        self.kv_cache = kv_cache
+        self.kv_manager = kv_manager
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
@@ -79,14 +79,14 @@ class Scheduler:
                     f"{limit}={getattr(self.config, limit)} in one step"
                 )
         # Admission, swap-in and re-admission all leave the watermark free: so must a request.
-        kv = self.kv_cache
+        kv = self.kv_manager
         needed = kv.blocks_for_request(prompt_len, max_len, width)
-        usable = kv.num_blocks - kv.watermark_blocks
+        usable = kv.num_gpu_blocks - kv.watermark_blocks
         if needed > usable:
             raise RequestRejectedError(
                 f"request {group.request_id}: needs up to {needed} KV blocks of "
                 f"{kv.block_size} tokens ({width} x up to {max_len} tokens) but the cache has "
-                f"only {usable} usable ({kv.num_blocks} less the watermark); lower max_tokens "
+                f"only {usable} usable ({kv.num_gpu_blocks} less the watermark); lower max_tokens "
                 "or n, or enlarge the cache"
             )
 
@@ -113,7 +113,7 @@ class Scheduler:
     def fork_sequence(self, group: SequenceGroup, parent: Sequence, child: Sequence) -> None:
         """Add `child` to `group`, sharing every block of `parent` (parallel sampling and beam
         search, vLLM paper §4.4): the sampler forks sequences, the scheduler their blocks."""
-        self.kv_cache.fork(parent.seq_id, child.seq_id)
+        self.kv_manager.fork(parent.seq_id, child.seq_id)
         group.add(child)
 
     def free_sequence(self, group: SequenceGroup, seq: Sequence) -> None:
@@ -143,7 +143,7 @@ class Scheduler:
         )
         self.choose(now, out, budget)
         for item in out.scheduled:
-            item.block_table = self.kv_cache.block_table(item.seq.seq_id)
+            item.block_table = self.kv_manager.block_table(item.seq.seq_id)
         return out
 
     def choose(self, now: float, out: SchedulerOutput, budget: StepBudget) -> None:
@@ -161,7 +161,7 @@ class Scheduler:
             tokens = seq.get_token_ids()
             if seq.num_computed_tokens < len(tokens):
                 tokens = tokens[: seq.num_computed_tokens]
-            self.kv_cache.mark_computed(seq.seq_id, tokens)
+            self.kv_manager.mark_computed(seq.seq_id, tokens)
 
     def finish_step(self) -> list[SequenceGroup]:
         """Free the blocks of sequences that finished this step; return the finished groups.
@@ -180,7 +180,7 @@ class Scheduler:
 
     def can_grow(self, seqs: list[Sequence]) -> bool:
         """Whether every running sequence of a group gets the slots of its pending tokens."""
-        kv = self.kv_cache
+        kv = self.kv_manager
         needed = sum(
             kv.num_blocks_to_append(s.seq_id, s.get_len() - kv.num_tokens(s.seq_id)) for s in seqs
         )
@@ -188,7 +188,7 @@ class Scheduler:
 
     def can_swap_in(self, seqs: list[Sequence]) -> bool:
         """Whether a swapped group fits back in *and* can then take its pending tokens."""
-        kv = self.kv_cache
+        kv = self.kv_manager
         if not kv.can_swap_in([s.seq_id for s in seqs]):
             return False
         return kv.num_free_blocks - self.swap_in_blocks(seqs) >= 0
@@ -196,7 +196,7 @@ class Scheduler:
     def swap_in_blocks(self, seqs: list[Sequence]) -> int:
         """Device blocks a swapped group takes to come back and take its pending tokens: each
         shared host block once, plus growth and at most one copy-on-write copy a sequence."""
-        kv = self.kv_cache
+        kv = self.kv_manager
         tables = {s.seq_id: kv.block_table(s.seq_id) for s in seqs}
         uses = Counter(block for table in tables.values() for block in table)
         growth = 0
@@ -210,7 +210,7 @@ class Scheduler:
 
     def can_admit(self, seqs: list[Sequence]) -> bool:
         """Whether admitting these waiting sequences leaves the watermark free."""
-        kv = self.kv_cache
+        kv = self.kv_manager
         if len(seqs) == 1:  # token ids let the manager count prefix-cache hits
             return kv.can_allocate(seqs[0].seq_id, seqs[0].get_token_ids())
         # Several sequences come back only after recomputation; `admit` shares their prompt's
@@ -220,11 +220,11 @@ class Scheduler:
     def admit_blocks(self, seqs: list[Sequence]) -> int:
         """Device blocks `admit` takes for these waiting sequences (no prefix hits counted)."""
         shared = self.shared_prompt_blocks(seqs)
-        return shared + sum(self.kv_cache.num_blocks_for(s.get_len()) - shared for s in seqs)
+        return shared + sum(self.kv_manager.num_blocks_for(s.get_len()) - shared for s in seqs)
 
     def shared_prompt_blocks(self, seqs: list[Sequence]) -> int:
         """Full prompt blocks that the sequences of one group share (none for a single one)."""
-        return seqs[0].get_prompt_len() // self.kv_cache.block_size if len(seqs) > 1 else 0
+        return seqs[0].get_prompt_len() // self.kv_manager.block_size if len(seqs) > 1 else 0
 
     def fits(self, seqs: list[Sequence]) -> bool:
         """Whether a group can compute its pending tokens now, wherever its blocks are."""
@@ -238,7 +238,7 @@ class Scheduler:
     def blocks_needed(self, seqs: list[Sequence]) -> int:
         """Free device blocks a group needs before it can compute its pending tokens, shared
         blocks counted once (prefix-cache hits not counted: an upper bound for a waiting one)."""
-        kv = self.kv_cache
+        kv = self.kv_manager
         status = seqs[0].status
         if status is SequenceStatus.RUNNING:
             return sum(
@@ -262,11 +262,11 @@ class Scheduler:
         elif status is SequenceStatus.SWAPPED:
             self.swap_in(group, out)
         for seq in seqs:
-            pending = seq.get_len() - self.kv_cache.num_tokens(seq.seq_id)
+            pending = seq.get_len() - self.kv_manager.num_tokens(seq.seq_id)
             if pending:
-                out.copy.extend(self.kv_cache.append_slots(seq.seq_id, pending))
+                out.copy.extend(self.kv_manager.append_slots(seq.seq_id, pending))
         # After a re-admission the others read the shared prompt blocks the first one writes.
-        shared, written = self.shared_prompt_blocks(seqs) * self.kv_cache.block_size, 0
+        shared, written = self.shared_prompt_blocks(seqs) * self.kv_manager.block_size, 0
         for i, seq in enumerate(seqs):
             n = budget.chunk(seq.get_len() - seq.num_computed_tokens)
             if n <= 0 or (i and written < shared):
@@ -286,15 +286,15 @@ class Scheduler:
         first_admission = group.metrics.first_scheduled_time is None
         self.waiting.remove(group)
         seqs = group.get_unfinished_seqs()
-        shared = self.shared_prompt_blocks(seqs) * self.kv_cache.block_size
+        shared = self.shared_prompt_blocks(seqs) * self.kv_manager.block_size
         if shared:  # samples or beams back from recomputation: one copy of the prompt blocks
             first = seqs[0]
-            cached = self.kv_cache.allocate(first.seq_id, first.get_token_ids()[:shared])
+            cached = self.kv_manager.allocate(first.seq_id, first.get_token_ids()[:shared])
             for seq in seqs[1:]:
-                self.kv_cache.fork(first.seq_id, seq.seq_id)
+                self.kv_manager.fork(first.seq_id, seq.seq_id)
         for i, seq in enumerate(seqs):
             if not shared:
-                cached = self.kv_cache.allocate(seq.seq_id, seq.get_token_ids())
+                cached = self.kv_manager.allocate(seq.seq_id, seq.get_token_ids())
             seq.num_computed_tokens = shared if i and shared else cached  # `run` orders them
             if first_admission:
                 group.metrics.num_cached_tokens += cached
@@ -304,7 +304,7 @@ class Scheduler:
     def swap_in(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Swapped -> running: copy the group's blocks back to the device (copies in `out`)."""
         seqs = group.get_seqs(SequenceStatus.SWAPPED)
-        out.swap_in.extend(self.kv_cache.swap_in([s.seq_id for s in seqs]))
+        out.swap_in.extend(self.kv_manager.swap_in([s.seq_id for s in seqs]))
         for seq in seqs:
             seq.status = SequenceStatus.RUNNING
         self.swapped.remove(group)
@@ -315,9 +315,9 @@ class Scheduler:
         when the host pool cannot take them."""
         seqs = group.get_seqs(SequenceStatus.RUNNING)
         ids = [s.seq_id for s in seqs]
-        if not self.kv_cache.can_swap_out(ids):
+        if not self.kv_manager.can_swap_out(ids):
             return False
-        out.swap_out.extend(self.kv_cache.swap_out(ids))
+        out.swap_out.extend(self.kv_manager.swap_out(ids))
         for seq in seqs:
             seq.status = SequenceStatus.SWAPPED
         self.running.remove(group)
@@ -351,8 +351,8 @@ class Scheduler:
         out.preempted.append(group)
 
     def _release(self, seq: Sequence) -> None:
-        if seq.seq_id in self.kv_cache:
-            self.kv_cache.free(seq.seq_id)
+        if seq.seq_id in self.kv_manager:
+            self.kv_manager.free(seq.seq_id)
 
 
 # What a registry or the simulator holds: builds a scheduler over a given KV manager.

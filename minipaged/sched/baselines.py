@@ -31,13 +31,13 @@ class OrcaScheduler(FCFSScheduler):
     `ignore_eos`, as in the benchmarks.
     """
 
-    kv_cache: ReservationKVCacheManager  # built so by `minipaged.sched.registry`
+    kv_manager: ReservationKVCacheManager  # built so by `minipaged.sched.registry`
 
     def add(self, group: SequenceGroup) -> None:
         super().add(group)
         prompt_len = group.seqs[0].get_prompt_len()
         output_len = min(group.sampling_params.max_tokens, self.config.max_model_len - prompt_len)
-        self.kv_cache.expect(group.seqs[0].seq_id, prompt_len, output_len, group.max_width)
+        self.kv_manager.expect(group.seqs[0].seq_id, prompt_len, output_len, group.max_width)
 
 
 class StaticBatchScheduler(OrcaScheduler):

@@ -138,11 +138,11 @@ class SkipJoinMLFQScheduler(Scheduler):
     def __init__(
         self,
         config: SchedulerConfig,
-        kv_cache: KVManager,
+        kv_manager: KVManager,
         mlfq: MLFQConfig | None = None,
         cost_model: CostModel | None = None,
     ) -> None:
-        super().__init__(config, kv_cache)
+        super().__init__(config, kv_manager)
         self.mlfq = dataclasses.replace(mlfq) if mlfq is not None else MLFQConfig()
         self.cost_model = cost_model
         self.jobs: dict[str, JobState] = {}
@@ -315,12 +315,12 @@ class SkipJoinMLFQScheduler(Scheduler):
             return False
 
         held = sum(
-            len(self.kv_cache.block_table(s.seq_id))
+            len(self.kv_manager.block_table(s.seq_id))
             for g in victims
             for s in g.get_seqs()
-            if s.seq_id in self.kv_cache
+            if s.seq_id in self.kv_manager
         )
-        if self.kv_cache.num_free_blocks + held < self.blocks_needed(seqs):
+        if self.kv_manager.num_free_blocks + held < self.blocks_needed(seqs):
             return False
         while victims and not self.fits(seqs):
             self.preempt(victims.pop(), out, self.preemption_mode)
@@ -332,7 +332,7 @@ class SkipJoinMLFQScheduler(Scheduler):
         """Proactive swapping (§4.2): restore the free-block reserve by swapping out the
         resident jobs expected to run last, then swap in the swapped jobs expected to run next
         while the reserve stays free."""
-        kv, reserve = self.kv_cache, self.reserve_blocks
+        kv, reserve = self.kv_manager, self.reserve_blocks
         chosen = set(map(id, selected))
         idle = [g for g in order if id(g) not in chosen]
         moved = len(out.swap_in) + len(out.swap_out)

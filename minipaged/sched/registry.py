@@ -8,7 +8,7 @@ choose from. Each name is a policy over the KV memory it runs on:
   contiguous reservations (`ReservationKVCacheManager`), which have no host pool and no prefix
   cache.
 
-`build_scheduler` builds the scheduler with its KV manager (`scheduler.kv_cache`). A name added
+`build_scheduler` builds the scheduler with its KV manager (`scheduler.kv_manager`). A name added
 to `SCHEDULERS` (a `(SchedulerConfig, KVManager) -> Scheduler` constructor) runs over the paged
 manager.
 """
@@ -52,36 +52,36 @@ def build_scheduler(
     name: str,
     config: SchedulerConfig,
     *,
-    num_device_blocks: int,
+    num_gpu_blocks: int,
     block_size: int,
-    num_host_blocks: int = 0,
+    num_cpu_blocks: int = 0,
     enable_prefix_caching: bool = True,
     mlfq: MLFQConfig | None = None,
     cost_model: CostModel | None = None,
 ) -> Scheduler:
-    """The scheduler `name` over a KV manager of `num_device_blocks` blocks of `block_size`
+    """The scheduler `name` over a KV manager of `num_gpu_blocks` blocks of `block_size`
     tokens. The host pool and prefix caching apply to the paged schedulers only; `mlfq`
     replaces an MLFQ variant's settings and `cost_model` gives it its step-time predictions."""
     mlfq_scheduler = needs_cost_model(name)  # also checks the name
     if (mlfq is not None or cost_model is not None) and not mlfq_scheduler:
         raise ValueError(f"mlfq settings and a cost model need an MLFQ scheduler, got {name!r}")
-    kv_cache: KVManager
+    kv_manager: KVManager
     if name in RESERVATIONS:
         policy, static_batch = RESERVATIONS[name]
-        kv_cache = ReservationKVCacheManager(
-            num_device_blocks, block_size, policy, config.max_model_len, static_batch
+        kv_manager = ReservationKVCacheManager(
+            num_gpu_blocks, block_size, policy, config.max_model_len, static_batch
         )
     else:
-        kv_cache = KVCacheManager(
-            num_device_blocks,
+        kv_manager = KVCacheManager(
+            num_gpu_blocks,
             block_size,
-            num_host_blocks=num_host_blocks,
+            num_cpu_blocks=num_cpu_blocks,
             enable_prefix_caching=enable_prefix_caching,
         )
     factory = SCHEDULERS[name]
     if mlfq_scheduler:
         factory = mlfq_factory(mlfq or MLFQ_VARIANTS[name], cost_model)
-    return factory(config, kv_cache)
+    return factory(config, kv_manager)
 
 
 def _check_name(name: str) -> str:

@@ -61,14 +61,14 @@ class EngineStats:
 
 def read_engine_stats(engine: Any) -> EngineStats:
     """The engine's state, through its public attributes (the loop thread calls this)."""
-    scheduler, kv_cache = engine.scheduler, engine.kv_cache
+    scheduler, kv_manager = engine.scheduler, engine.kv_manager
     return EngineStats(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
         num_swapped=len(scheduler.swapped),
-        num_blocks=kv_cache.num_blocks,
-        num_free_blocks=kv_cache.num_free_blocks,
-        prefix_cache_hit_rate=kv_cache.prefix_cache_hit_rate,
+        num_blocks=kv_manager.num_gpu_blocks,
+        num_free_blocks=kv_manager.num_free_blocks,
+        prefix_cache_hit_rate=kv_manager.prefix_cache_hit_rate,
         num_preemptions=scheduler.num_preemptions,
     )
 

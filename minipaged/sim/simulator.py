@@ -155,40 +155,40 @@ def simulate(
     cost: CostModel,
     scheduler: SchedulerFactory = FCFSScheduler,
     *,
-    num_blocks: int | None = None,
+    num_gpu_blocks: int | None = None,
     block_size: int = 16,
-    num_host_blocks: int = 0,
+    num_cpu_blocks: int = 0,
     config: SchedulerConfig | None = None,
     record_steps: bool = False,
     max_steps: int = 10_000_000,
     groups: Collection[SequenceGroup] | None = None,
-    kv_cache: KVCacheManager | None = None,
+    kv_manager: KVCacheManager | None = None,
     on_sample: SampleHook | None = None,
 ) -> SimulationResult:
-    """Serve `trace` with `scheduler(config, kv_cache)` and return what happened.
+    """Serve `trace` with `scheduler(config, kv_manager)` and return what happened.
 
     The requests come either as a `trace` (made-up prompts, fixed output lengths) or, with
     `trace=None`, as ready `groups`: real prompt tokens, so requests can share a prefix, and any
-    sampling parameters. The KV cache is a fresh `KVCacheManager(num_blocks, block_size)` without
-    prefix caching, or `kv_cache` as given (prefix caching on, say). `on_sample`, called after each
-    step's tokens are appended, is the sampler's part of parallel sampling and beam search: it
-    forks and drops sequences (vLLM §4.4); stops are then checked on every unfinished sequence of
-    each group that sampled.
+    sampling parameters. The KV cache is a fresh `KVCacheManager(num_gpu_blocks, block_size)`
+    without prefix caching, or `kv_manager` as given (prefix caching on, say). `on_sample`, called
+    after each step's tokens are appended, is the sampler's part of parallel sampling and beam
+    search: it forks and drops sequences (vLLM §4.4); stops are then checked on every unfinished
+    sequence of each group that sampled.
 
     A scheduler that wants a cost model (`needs_cost_model`) and has none gets `cost`. Requests
     the cache can never hold are rejected by the scheduler's `add` (`RequestRejectedError`).
     """
     requests = _requests(trace, groups)
-    if kv_cache is None:
-        if num_blocks is None:
-            raise ValueError("simulate needs num_blocks (or a ready kv_cache)")
-        kv_cache = KVCacheManager(
-            num_blocks, block_size, num_host_blocks=num_host_blocks, enable_prefix_caching=False
+    if kv_manager is None:
+        if num_gpu_blocks is None:
+            raise ValueError("simulate needs num_gpu_blocks (or a ready kv_manager)")
+        kv_manager = KVCacheManager(
+            num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=False
         )
     if config is None:
         longest = max(g.seqs[0].get_prompt_len() + g.sampling_params.max_tokens for g in requests)
         config = SchedulerConfig(max_model_len=longest + 1)
-    sched = scheduler(config, kv_cache)
+    sched = scheduler(config, kv_manager)
     if sched.needs_cost_model and getattr(sched, "cost_model", None) is None:
         sched.cost_model = cost  # type: ignore[attr-defined]
     position = {g.request_id: i for i, g in enumerate(requests)}

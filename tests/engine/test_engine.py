@@ -100,7 +100,7 @@ def test_prefix_cache_hits_and_same_outputs(tiny):
     assert [finals[i].outputs[0].token_ids for i in ids] == expected
     cached = [finals[i].metrics.num_cached_tokens for i in ids]
     assert cached[0] == 0 and all(c == 24 for c in cached[1:])  # 3 full blocks of 8
-    assert engine.kv_cache.prefix_cache_hits >= 3 * 7
+    assert engine.kv_manager.prefix_cache_hits >= 3 * 7
     assert_engine_drained(engine)
 
 
@@ -295,13 +295,13 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def allocator_consistent(self):
-        self.engine.kv_cache.check_invariants()
+        self.engine.kv_manager.check_invariants()
 
     def teardown(self):
         for out in self.engine.run_until_done().values():
             self.live.discard(out.request_id)
         assert not self.live
-        assert self.engine.kv_cache.num_free_blocks == self.engine.kv_cache.num_blocks
+        assert self.engine.kv_manager.num_free_blocks == self.engine.kv_manager.num_gpu_blocks
 
 
 def test_engine_state_machine(tiny):
@@ -352,7 +352,7 @@ def recording_engine(tiny, num_blocks: int, **config) -> tuple[LLMEngine, Record
     model, model_config = tiny
     scheduler = RecordingScheduler(
         SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=512, **config),
-        KVCacheManager(num_blocks, 8, num_host_blocks=64, enable_prefix_caching=False),
+        KVCacheManager(num_blocks, 8, num_cpu_blocks=64, enable_prefix_caching=False),
     )
     return LLMEngine(model, model_config, scheduler=scheduler), scheduler
 
@@ -360,7 +360,7 @@ def recording_engine(tiny, num_blocks: int, **config) -> tuple[LLMEngine, Record
 def test_a_scheduler_given_at_construction_serves_the_engine(tiny, batch_and_oracle):
     prompts, expected = batch_and_oracle
     engine, scheduler = recording_engine(tiny, num_blocks=24, preemption_mode="swap")
-    assert engine.scheduler is scheduler and engine.kv_cache is scheduler.kv_cache
+    assert engine.scheduler is scheduler and engine.kv_manager is scheduler.kv_manager
     assert engine.runner.kv_caches[0].shape[1] == 24  # the pools take the scheduler's sizes
     assert run_greedy(engine, prompts[:12], max_tokens=12) == expected[:12]
     assert len(scheduler.outputs) > 0 and scheduler.num_preemptions > 0

@@ -77,10 +77,10 @@ def small():
 
 
 def drained(engine: LLMEngine) -> bool:
-    engine.kv_cache.check_invariants()
+    engine.kv_manager.check_invariants()
     return (
         not engine.has_unfinished_requests()
-        and engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+        and engine.kv_manager.num_free_blocks == engine.kv_manager.num_gpu_blocks
     )
 
 
@@ -415,7 +415,7 @@ class RequestContract(RuleBasedStateMachine):
 
     # -- helpers --
     def kv(self):
-        return self.engine.kv_cache
+        return self.engine.kv_manager
 
     def snapshot(self) -> tuple:
         return (self.engine.get_num_unfinished_requests(), self.kv().num_free_blocks)
@@ -564,7 +564,7 @@ class RequestContract(RuleBasedStateMachine):
             self.engine.step()
         assert not self.engine.has_unfinished_requests(), "a request never finished"
         assert not self.live, f"requests that never reported finishing: {sorted(self.live)}"
-        assert self.kv().num_free_blocks == self.kv().num_blocks
+        assert self.kv().num_free_blocks == self.kv().num_gpu_blocks
 
 
 # MLFQ's queue levels come from predicted step times; a toy cost spares the engine's profiling.

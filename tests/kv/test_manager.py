@@ -48,7 +48,7 @@ def snapshot(m: KVCacheManager) -> tuple:
         {s: (m.block_table(s), m.num_tokens(s), m.is_swapped(s)) for s in m.seq_ids()},
         m.num_free_blocks,
         m.num_free_host_blocks,
-        [m.ref_count(b) for b in range(m.num_blocks)],
+        [m.ref_count(b) for b in range(m.num_gpu_blocks)],
         m.num_cached_blocks,
     )
 
@@ -349,7 +349,7 @@ class Owner:
 
 
 def test_entire_prompt_hit_still_computes_the_last_block() -> None:
-    m = KVCacheManager(num_blocks=8, block_size=4)
+    m = KVCacheManager(num_gpu_blocks=8, block_size=4)
     own = Owner(m)
     prompt = list(range(8))  # exactly two full blocks, both cached after A
     own.allocate("a", prompt)
@@ -369,7 +369,7 @@ def test_entire_prompt_hit_still_computes_the_last_block() -> None:
 
 
 def test_no_hit_on_blocks_another_sequence_fills_in_the_same_step() -> None:
-    m = KVCacheManager(num_blocks=8, block_size=4)
+    m = KVCacheManager(num_gpu_blocks=8, block_size=4)
     own = Owner(m)
     prompt = list(range(9))
     assert own.allocate("a", prompt) == 0
@@ -384,7 +384,7 @@ def test_no_hit_on_blocks_another_sequence_fills_in_the_same_step() -> None:
 
 
 def test_partly_computed_prompt_publishes_only_computed_blocks() -> None:
-    m = KVCacheManager(num_blocks=8, block_size=4)
+    m = KVCacheManager(num_gpu_blocks=8, block_size=4)
     own = Owner(m)
     prompt = list(range(13))
     own.allocate("a", prompt)
@@ -395,7 +395,7 @@ def test_partly_computed_prompt_publishes_only_computed_blocks() -> None:
 
 
 def test_preempted_sequence_hits_its_own_freed_blocks() -> None:
-    m = KVCacheManager(num_blocks=10, block_size=4)
+    m = KVCacheManager(num_gpu_blocks=10, block_size=4)
     own = Owner(m)
     prompt = list(range(10))
     own.allocate("a", prompt)
@@ -416,7 +416,7 @@ def test_preempted_sequence_hits_its_own_freed_blocks() -> None:
 
 
 def test_swapped_out_blocks_stay_cached_and_swap_in_is_a_fresh_copy() -> None:
-    m = KVCacheManager(num_blocks=6, block_size=4, num_host_blocks=4)
+    m = KVCacheManager(num_gpu_blocks=6, block_size=4, num_cpu_blocks=4)
     own = Owner(m)
     prompt = list(range(9))
     own.allocate("a", prompt)
@@ -439,7 +439,7 @@ def test_swapped_out_blocks_stay_cached_and_swap_in_is_a_fresh_copy() -> None:
 
 
 def test_fork_shares_blocks_and_copy_on_write_splits_the_last_one() -> None:
-    m = KVCacheManager(num_blocks=8, block_size=4)
+    m = KVCacheManager(num_gpu_blocks=8, block_size=4)
     own = Owner(m)
     own.allocate("p", list(range(6)))
     own.compute("p")
@@ -455,7 +455,7 @@ def test_fork_shares_blocks_and_copy_on_write_splits_the_last_one() -> None:
 
 
 def test_fork_at_a_block_boundary_needs_no_copy() -> None:
-    m = KVCacheManager(num_blocks=8, block_size=4)
+    m = KVCacheManager(num_gpu_blocks=8, block_size=4)
     own = Owner(m)
     own.allocate("p", list(range(8)))
     own.compute("p")
@@ -465,7 +465,7 @@ def test_fork_at_a_block_boundary_needs_no_copy() -> None:
 
 
 def test_group_swap_copies_each_shared_block_once() -> None:
-    m = KVCacheManager(num_blocks=8, block_size=4, num_host_blocks=8)
+    m = KVCacheManager(num_gpu_blocks=8, block_size=4, num_cpu_blocks=8)
     own = Owner(m)
     own.allocate("p", list(range(6)))
     own.compute("p")
@@ -495,7 +495,7 @@ def test_free_queue_is_o1_and_ordered() -> None:
 
 
 def test_eviction_takes_uncached_blocks_then_least_recently_freed() -> None:
-    m = KVCacheManager(num_blocks=4, block_size=2, watermark=0.0)
+    m = KVCacheManager(num_gpu_blocks=4, block_size=2, watermark=0.0)
     own = Owner(m)
     own.allocate("a", [1, 1, 1])  # block 0 full (cacheable), block 1 partial
     own.allocate("b", [2, 2, 2])
@@ -516,7 +516,7 @@ def test_eviction_takes_uncached_blocks_then_least_recently_freed() -> None:
 
 def test_hit_is_confirmed_against_tokens_on_a_hash_collision(monkeypatch) -> None:
     monkeypatch.setattr(block_pool_module, "hash_block", lambda parent, tokens: b"x" * 16)
-    m = KVCacheManager(num_blocks=8, block_size=2)
+    m = KVCacheManager(num_gpu_blocks=8, block_size=2)
     own = Owner(m)
     own.allocate("a", [1, 2, 3])
     own.compute("a")
@@ -544,7 +544,7 @@ def test_block_hash_is_chained_and_the_same_in_every_process() -> None:
 
 
 def test_hit_and_miss_counters() -> None:
-    m = KVCacheManager(num_blocks=16, block_size=2)
+    m = KVCacheManager(num_gpu_blocks=16, block_size=2)
     own = Owner(m)
     own.allocate("a", [1, 2, 3, 4, 5])  # two eligible blocks, cache empty
     assert (m.prefix_cache_hits, m.prefix_cache_misses) == (0, 2)
@@ -555,7 +555,7 @@ def test_hit_and_miss_counters() -> None:
 
 
 def test_prefix_caching_can_be_disabled() -> None:
-    m = KVCacheManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    m = KVCacheManager(num_gpu_blocks=8, block_size=2, enable_prefix_caching=False)
     own = Owner(m)
     own.allocate("a", [1, 2, 3])
     own.compute("a")
@@ -568,7 +568,7 @@ def test_prefix_caching_can_be_disabled() -> None:
 
 
 def test_exhaustion_reports_and_leaves_state_untouched() -> None:
-    m = KVCacheManager(num_blocks=4, block_size=2, num_host_blocks=1, watermark=0.0)
+    m = KVCacheManager(num_gpu_blocks=4, block_size=2, num_cpu_blocks=1, watermark=0.0)
     own = Owner(m)
     own.allocate("a", [1, 2, 3])
     own.compute("a")
@@ -598,7 +598,7 @@ def test_exhaustion_reports_and_leaves_state_untouched() -> None:
 
 
 def test_watermark_applies_to_admission_not_to_growth() -> None:
-    m = KVCacheManager(num_blocks=10, block_size=2, watermark=0.2)  # keep 2 blocks at admission
+    m = KVCacheManager(num_gpu_blocks=10, block_size=2, watermark=0.2)  # keep 2 blocks at admission
     own = Owner(m)
     assert m.watermark_blocks == 2
     assert m.can_allocate("a", [0] * 16) and not m.can_allocate("a", [0] * 17)
@@ -609,7 +609,7 @@ def test_watermark_applies_to_admission_not_to_growth() -> None:
 
 
 def test_bad_input_is_rejected_with_clear_errors() -> None:
-    m = KVCacheManager(num_blocks=4, block_size=2, num_host_blocks=2)
+    m = KVCacheManager(num_gpu_blocks=4, block_size=2, num_cpu_blocks=2)
     with pytest.raises(KVCacheError, match="at least one token"):
         m.allocate("a", [])
     with pytest.raises(KVCacheError, match="non-negative integers"):
@@ -629,9 +629,9 @@ def test_bad_input_is_rejected_with_clear_errors() -> None:
     with pytest.raises(KVCacheError, match="already swapped out"):
         m.swap_out("a")
     with pytest.raises(ValueError, match="block_size"):
-        KVCacheManager(num_blocks=4, block_size=0)
+        KVCacheManager(num_gpu_blocks=4, block_size=0)
     with pytest.raises(ValueError, match="watermark"):
-        KVCacheManager(num_blocks=4, block_size=2, watermark=1.5)
+        KVCacheManager(num_gpu_blocks=4, block_size=2, watermark=1.5)
 
 
 # --------------------------------------------------------------------------------------------
@@ -641,7 +641,7 @@ def test_bad_input_is_rejected_with_clear_errors() -> None:
 
 @pytest.mark.parametrize(
     "manager",
-    [KVCacheManager(8, 4, num_host_blocks=4), ReservationKVCacheManager(8, 4, "max", 32)],
+    [KVCacheManager(8, 4, num_cpu_blocks=4), ReservationKVCacheManager(8, 4, "max", 32)],
     ids=["paged", "reservation"],
 )
 def test_both_managers_implement_the_kv_protocol(manager) -> None:

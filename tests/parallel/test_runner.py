@@ -260,7 +260,7 @@ def assert_engine_matches_tp1(
         assert engine.scheduler.num_preemptions > 0
         shared = random_prompts(4, vocab, seed=2, shared_prefix=12)
         assert greedy(engine, shared, 4) == greedy(reference, shared, 4)
-        assert engine.kv_cache.prefix_cache_hits > 0
+        assert engine.kv_manager.prefix_cache_hits > 0
     except BaseException:
         engine.close()
         raise

@@ -28,9 +28,9 @@ from minipaged.sched.fcfs import FCFSScheduler
 BLOCK = 4
 
 
-def make_scheduler(num_blocks=32, num_host_blocks=32, **config) -> FCFSScheduler:
+def make_scheduler(num_gpu_blocks=32, num_cpu_blocks=32, **config) -> FCFSScheduler:
     config.setdefault("max_model_len", 256)
-    kv = KVCacheManager(num_blocks, BLOCK, num_host_blocks=num_host_blocks)
+    kv = KVCacheManager(num_gpu_blocks, BLOCK, num_cpu_blocks=num_cpu_blocks)
     return FCFSScheduler(SchedulerConfig(**config), kv)
 
 
@@ -48,7 +48,7 @@ def run_step(scheduler: FCFSScheduler, now: float = 0.0) -> SchedulerOutput:
     """What the engine does around the model: compute (nothing), sample (a made-up token)."""
     out = scheduler.schedule(now)
     for item in out.scheduled:  # the table covers what the step writes
-        table = scheduler.kv_cache.block_table(item.seq.seq_id)
+        table = scheduler.kv_manager.block_table(item.seq.seq_id)
         assert item.block_table == table  # the step's tables ride on its output
         assert len(table) * BLOCK >= item.start + item.num_new_tokens
     scheduler.mark_computed(out)
@@ -70,7 +70,7 @@ def run_to_completion(scheduler: FCFSScheduler, max_steps: int = 10_000) -> int:
 
 
 def test_first_come_first_served_admission():
-    scheduler = make_scheduler(num_blocks=7)  # room for `first` and `second`, not `big`
+    scheduler = make_scheduler(num_gpu_blocks=7)  # room for `first` and `second`, not `big`
     first, second = make_group(16, 2), make_group(4, 2)
     big = make_group(20, 2)
     scheduler.add(first)
@@ -96,13 +96,13 @@ def test_chunked_prefill_respects_the_token_budget_and_covers_the_prompt():
 
 @pytest.mark.parametrize("mode", [PreemptionMode.RECOMPUTE, PreemptionMode.SWAP])
 def test_preemption_takes_the_latest_arrival_and_resumes_it(mode):
-    scheduler = make_scheduler(num_blocks=4, preemption_mode=mode)
+    scheduler = make_scheduler(num_gpu_blocks=4, preemption_mode=mode)
     early, late = make_group(4, 6), make_group(4, 6)
     scheduler.add(early)
     scheduler.add(late)
     run_step(scheduler)  # both prefilled: one full block each
     out = run_step(scheduler)  # both take their second block: none left
-    assert not out.preempted and scheduler.kv_cache.num_free_blocks == 0
+    assert not out.preempted and scheduler.kv_manager.num_free_blocks == 0
     for _ in range(4):  # the second blocks fill up; the fourth step needs a third block
         out = run_step(scheduler)
     assert out.preempted == [late]
@@ -118,11 +118,11 @@ def test_preemption_takes_the_latest_arrival_and_resumes_it(mode):
     assert late.metrics.num_preemptions >= 1
     # Recomputation re-finds the request's own blocks; that is not a prefix-cache hit.
     assert late.metrics.num_cached_tokens == 0
-    assert scheduler.kv_cache.num_free_blocks == 4
+    assert scheduler.kv_manager.num_free_blocks == 4
 
 
 def test_swapped_groups_come_back_before_new_admissions():
-    scheduler = make_scheduler(num_blocks=4, preemption_mode=PreemptionMode.SWAP)
+    scheduler = make_scheduler(num_gpu_blocks=4, preemption_mode=PreemptionMode.SWAP)
     early, late = make_group(4, 8), make_group(4, 8)
     scheduler.add(early)
     scheduler.add(late)
@@ -143,7 +143,7 @@ def test_swapped_groups_come_back_before_new_admissions():
 def test_scheduled_sequences_carry_the_block_tables_the_step_will_find():
     """The tables on the output are the manager's once the step's swaps and copies are done,
     also in the step that swaps a preempted group back in."""
-    scheduler = make_scheduler(num_blocks=4, preemption_mode=PreemptionMode.SWAP)
+    scheduler = make_scheduler(num_gpu_blocks=4, preemption_mode=PreemptionMode.SWAP)
     early, late = make_group(4, 8), make_group(4, 8)
     scheduler.add(early)
     scheduler.add(late)
@@ -151,7 +151,7 @@ def test_scheduled_sequences_carry_the_block_tables_the_step_will_find():
     while scheduler.has_unfinished():
         out = scheduler.schedule(0.0)
         for item in out.scheduled:
-            assert item.block_table == scheduler.kv_cache.block_table(item.seq.seq_id)
+            assert item.block_table == scheduler.kv_manager.block_table(item.seq.seq_id)
             assert len(item.block_table) * BLOCK >= item.start + item.num_new_tokens
         swapped_in_steps += bool(out.swap_in)
         scheduler.mark_computed(out)
@@ -161,17 +161,17 @@ def test_scheduled_sequences_carry_the_block_tables_the_step_will_find():
 
 
 def test_requests_that_can_never_fit_are_rejected_untouched():
-    scheduler = make_scheduler(num_blocks=8, max_model_len=64)
+    scheduler = make_scheduler(num_gpu_blocks=8, max_model_len=64)
     with pytest.raises(RequestRejectedError, match="context"):
         scheduler.add(make_group(64, 1))
     with pytest.raises(RequestRejectedError, match="KV blocks"):
         scheduler.add(make_group(20, 30))
     assert not scheduler.has_unfinished()
-    assert scheduler.kv_cache.num_free_blocks == 8
+    assert scheduler.kv_manager.num_free_blocks == 8
 
 
 def test_abort_anywhere_returns_every_block():
-    scheduler = make_scheduler(num_blocks=6, preemption_mode=PreemptionMode.SWAP)
+    scheduler = make_scheduler(num_gpu_blocks=6, preemption_mode=PreemptionMode.SWAP)
     groups = [make_group(4, 10) for _ in range(3)]
     for g in groups:
         scheduler.add(g)
@@ -182,9 +182,9 @@ def test_abort_anywhere_returns_every_block():
         assert all(s.status is SequenceStatus.FINISHED_ABORTED for s in g.seqs)
     assert scheduler.abort("nobody") is None
     assert not scheduler.has_unfinished()
-    scheduler.kv_cache.check_invariants()
-    assert scheduler.kv_cache.num_free_blocks == 6
-    assert scheduler.kv_cache.num_free_host_blocks == scheduler.kv_cache.num_host_blocks
+    scheduler.kv_manager.check_invariants()
+    assert scheduler.kv_manager.num_free_blocks == 6
+    assert scheduler.kv_manager.num_free_host_blocks == scheduler.kv_manager.num_cpu_blocks
 
 
 # -- random traces --------------------------------------------------------------------------------
@@ -200,7 +200,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     )
     def start(self, mode, host_blocks):
         self.scheduler = make_scheduler(
-            num_blocks=12, num_host_blocks=host_blocks, preemption_mode=mode, **self.config
+            num_gpu_blocks=12, num_cpu_blocks=host_blocks, preemption_mode=mode, **self.config
         )
         self.live: list[str] = []
 
@@ -231,13 +231,13 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def allocator_consistent(self):
-        self.scheduler.kv_cache.check_invariants()
+        self.scheduler.kv_manager.check_invariants()
         running = {s.seq_id for g in self.scheduler.running for s in g.seqs if not s.is_finished()}
-        assert running <= set(self.scheduler.kv_cache.seq_ids())
+        assert running <= set(self.scheduler.kv_manager.seq_ids())
 
     def teardown(self):
         run_to_completion(self.scheduler)
-        assert self.scheduler.kv_cache.num_free_blocks == self.scheduler.kv_cache.num_blocks
+        assert self.scheduler.kv_manager.num_free_blocks == self.scheduler.kv_manager.num_gpu_blocks
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase

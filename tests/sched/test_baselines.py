@@ -46,9 +46,9 @@ def run_step(scheduler) -> None:
     """The engine around the model, with made-up tokens; then the adapter's invariants."""
     out = scheduler.schedule(0.0)
     for item in out.scheduled:
-        table = scheduler.kv_cache.block_table(item.seq.seq_id)
+        table = scheduler.kv_manager.block_table(item.seq.seq_id)
         assert item.block_table == table  # the step's tables ride on its output
-        assert len(table) * scheduler.kv_cache.block_size >= item.start + item.num_new_tokens
+        assert len(table) * scheduler.kv_manager.block_size >= item.start + item.num_new_tokens
     scheduler.mark_computed(out)
     for item in out.scheduled:
         if item.needs_logits:
@@ -57,7 +57,7 @@ def run_step(scheduler) -> None:
             if decision is not None:
                 item.seq.finish(decision)
     scheduler.finish_step()
-    scheduler.kv_cache.check_invariants()
+    scheduler.kv_manager.check_invariants()
 
 
 # -- under the schedulers -------------------------------------------------------------------------
@@ -101,7 +101,7 @@ def test_orca_serves_every_request_and_returns_all_memory(policy, block_size, re
     for group, (_, output_len, _) in zip(groups, requests, strict=True):
         assert group.seqs[0].get_output_len() == output_len
     assert scheduler.num_preemptions == 0  # a reservation is never outgrown
-    assert kv.num_free_blocks == kv.num_blocks and not kv.seq_ids()
+    assert kv.num_free_blocks == kv.num_gpu_blocks and not kv.seq_ids()
     starts = [g.metrics.first_scheduled_time for g in groups]
     assert all(s is not None for s in starts)
 
@@ -130,7 +130,7 @@ def test_static_batching_never_admits_into_a_running_batch(requests, rows, block
     added: list[str] = []
     groups = serve(scheduler, requests, added)
     assert all(g.is_finished() for g in groups)
-    assert kv.num_free_blocks == kv.num_blocks
+    assert kv.num_free_blocks == kv.num_gpu_blocks
     # The batches partition the requests in the order they arrived (first come, first served).
     position = {rid: i for i, rid in enumerate(added)}
     assert [rid for b in batches for rid in sorted(b, key=position.get)] == added
@@ -183,14 +183,14 @@ def test_engine_greedy_tokens_equal_dense_under_every_system(tiny, system):
 def test_every_system_is_built_at_the_capacity_asked_for():
     config = SchedulerConfig(max_model_len=MAX_LEN)
     for system in SCHEDULERS:
-        scheduler = build_scheduler(system, config, num_device_blocks=48, block_size=4)
-        assert scheduler.kv_cache.num_blocks == 48 and scheduler.kv_cache.block_size == 4
-        assert scheduler.kv_cache.num_free_blocks == 48
-        reservations = isinstance(scheduler.kv_cache, ReservationKVCacheManager)
+        scheduler = build_scheduler(system, config, num_gpu_blocks=48, block_size=4)
+        assert scheduler.kv_manager.num_gpu_blocks == 48 and scheduler.kv_manager.block_size == 4
+        assert scheduler.kv_manager.num_free_blocks == 48
+        reservations = isinstance(scheduler.kv_manager, ReservationKVCacheManager)
         assert reservations == (system in SYSTEMS[:4])
         assert needs_cost_model(system) == (system in MLFQ_VARIANTS)
     with pytest.raises(ValueError, match="scheduler must be one of"):
-        build_scheduler("vllm", config, num_device_blocks=64, block_size=1)
+        build_scheduler("vllm", config, num_gpu_blocks=64, block_size=1)
 
 
 def test_the_registry_hands_mlfq_its_settings_and_cost_model_at_construction():
@@ -198,11 +198,11 @@ def test_the_registry_hands_mlfq_its_settings_and_cost_model_at_construction():
     cost = CostModel(base=1e-3, per_prefill_token=1e-4, per_decode_seq=0.0, per_context_token=0)
     mlfq = MLFQConfig(num_levels=3, skip_join=False)
     scheduler = build_scheduler(
-        "mlfq-naive", config, num_device_blocks=16, block_size=4, mlfq=mlfq, cost_model=cost
+        "mlfq-naive", config, num_gpu_blocks=16, block_size=4, mlfq=mlfq, cost_model=cost
     )
     assert isinstance(scheduler, SkipJoinMLFQScheduler)
     assert scheduler.mlfq == mlfq and scheduler.cost_model is cost
-    default = build_scheduler("mlfq-fixed", config, num_device_blocks=16, block_size=4)
+    default = build_scheduler("mlfq-fixed", config, num_gpu_blocks=16, block_size=4)
     assert default.mlfq == MLFQ_VARIANTS["mlfq-fixed"] and default.cost_model is None
     with pytest.raises(ValueError, match="MLFQ scheduler"):
-        build_scheduler("fcfs", config, num_device_blocks=16, block_size=4, mlfq=mlfq)
+        build_scheduler("fcfs", config, num_gpu_blocks=16, block_size=4, mlfq=mlfq)

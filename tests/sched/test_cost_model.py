@@ -119,7 +119,7 @@ def test_profiling_an_engine_leaves_it_idle_with_its_own_scheduler(tiny):
     cost = profile_engine(engine, max_prefill=32, max_batch=4)
     assert engine.scheduler is scheduler
     assert not engine.has_unfinished_requests()
-    assert engine.kv_cache.num_free_blocks == 64
+    assert engine.kv_manager.num_free_blocks == 64
     assert cost.base >= 0 and cost.per_prefill_token >= 0 and cost.per_swap_block > 0
     # Not idle: refused.
     engine.add_request(None, [5, 6, 7], SamplingParams(max_tokens=2))

@@ -34,10 +34,10 @@ COST = CostModel(base=1 * MS, per_prefill_token=1 * MS, per_decode_seq=0.0, per_
 
 
 def make_scheduler(
-    mlfq: MLFQConfig | None = None, num_blocks=64, num_host_blocks=64, cost=COST, **config
+    mlfq: MLFQConfig | None = None, num_gpu_blocks=64, num_cpu_blocks=64, cost=COST, **config
 ) -> SkipJoinMLFQScheduler:
     config.setdefault("max_model_len", 256)
-    kv = KVCacheManager(num_blocks, BLOCK, num_host_blocks=num_host_blocks)
+    kv = KVCacheManager(num_gpu_blocks, BLOCK, num_cpu_blocks=num_cpu_blocks)
     return SkipJoinMLFQScheduler(SchedulerConfig(**config), kv, mlfq or MLFQConfig(), cost)
 
 
@@ -66,10 +66,10 @@ class Driver:
         scheduler = self.scheduler
         out = scheduler.schedule(self.now)
         for item in out.scheduled:
-            table = scheduler.kv_cache.block_table(item.seq.seq_id)
+            table = scheduler.kv_manager.block_table(item.seq.seq_id)
             assert item.block_table == table  # the step's tables ride on its output
             assert len(table) * BLOCK >= item.start + item.num_new_tokens
-            assert not scheduler.kv_cache.is_swapped(item.seq.seq_id)
+            assert not scheduler.kv_manager.is_swapped(item.seq.seq_id)
         self.check_cache_contents(out)
         scheduler.mark_computed(out)
         start = self.now
@@ -127,7 +127,7 @@ def test_skip_join_enters_the_first_queue_whose_quantum_covers_the_prefill(
     prompt_len, expected_level
 ):
     mlfq = MLFQConfig(num_levels=4, base_quantum=10 * MS)
-    scheduler = make_scheduler(mlfq, max_model_len=512, num_blocks=128)
+    scheduler = make_scheduler(mlfq, max_model_len=512, num_gpu_blocks=128)
     group = make_group(prompt_len, 1)
     scheduler.add(group)
     assert level_of(scheduler, group) == expected_level
@@ -170,9 +170,10 @@ def test_a_job_is_demoted_after_its_quantum_and_a_newcomer_overtakes_it():
     assert scheduled_groups(out) == [short]  # Q1 beats Q2
     # The preempted job kept its blocks on the device.
     assert (
-        long.seqs[0].status is SequenceStatus.RUNNING and long.seqs[0].seq_id in scheduler.kv_cache
+        long.seqs[0].status is SequenceStatus.RUNNING and long.seqs[0].seq_id in
+        scheduler.kv_manager
     )
-    assert not scheduler.kv_cache.is_swapped(long.seqs[0].seq_id)
+    assert not scheduler.kv_manager.is_swapped(long.seqs[0].seq_id)
     driver.run()
     assert long.is_finished() and short.is_finished()
     assert scheduler.num_demotions >= 1
@@ -190,7 +191,7 @@ def test_one_iteration_longer_than_several_quanta_demotes_several_levels(
     prompt_len, expected_level
 ):
     mlfq = MLFQConfig(num_levels=5, base_quantum=10 * MS, skip_join=False)
-    scheduler = make_scheduler(mlfq, max_model_len=512, num_blocks=128)
+    scheduler = make_scheduler(mlfq, max_model_len=512, num_gpu_blocks=128)
     driver = Driver(scheduler)
     job = make_group(prompt_len, 20)
     scheduler.add(job)
@@ -278,7 +279,7 @@ def test_fixed_priority_never_changes_levels():
 
 def test_proactive_swapping_keeps_the_reserve_and_swaps_in_ahead():
     mlfq = MLFQConfig(base_quantum=2 * MS, reserve_blocks=3)
-    scheduler = make_scheduler(mlfq, num_blocks=12, num_host_blocks=32, max_num_seqs=2)
+    scheduler = make_scheduler(mlfq, num_gpu_blocks=12, num_cpu_blocks=32, max_num_seqs=2)
     driver = Driver(scheduler)
     for _ in range(5):
         scheduler.add(make_group(6, 12))
@@ -289,17 +290,17 @@ def test_proactive_swapping_keeps_the_reserve_and_swaps_in_ahead():
         residents_not_running = [g for g in scheduler.running if g not in scheduled_groups(out)]
         # Below the reserve only when no idle resident was left to swap out (or the step
         # swapped in: no swap-out may follow a swap-in within a step).
-        if scheduler.kv_cache.num_free_blocks < 3 and not out.swap_in:
+        if scheduler.kv_manager.num_free_blocks < 3 and not out.swap_in:
             assert not residents_not_running
-        scheduler.kv_cache.check_invariants()
+        scheduler.kv_manager.check_invariants()
     assert ahead > 0 and scheduler.num_swap_blocks_ahead == ahead
-    assert scheduler.kv_cache.num_free_blocks == 12
+    assert scheduler.kv_manager.num_free_blocks == 12
 
 
 @pytest.mark.parametrize("policy", list(SwapPolicy))
 def test_swap_policies_differ_in_how_they_make_room(policy):
     mlfq = MLFQConfig(base_quantum=2 * MS, swap_policy=policy, reserve_blocks=2)
-    scheduler = make_scheduler(mlfq, num_blocks=10, num_host_blocks=40, max_num_seqs=2)
+    scheduler = make_scheduler(mlfq, num_gpu_blocks=10, num_cpu_blocks=40, max_num_seqs=2)
     driver = Driver(scheduler)
     for _ in range(4):
         scheduler.add(make_group(6, 14))
@@ -352,14 +353,14 @@ def _memory_held_by_a_demoted_job(policy: SwapPolicy):
         starvation_bound=None,
     )
     scheduler = make_scheduler(
-        mlfq, num_blocks=12, num_host_blocks=32, max_num_seqs=4, max_model_len=48
+        mlfq, num_gpu_blocks=12, num_cpu_blocks=32, max_num_seqs=4, max_model_len=48
     )
     driver = Driver(scheduler)
     old = make_group(3, 30)
     scheduler.add(old)
     while level_of(scheduler, old) < 2:
         driver.step()
-    return scheduler, driver, old, scheduler.kv_cache.num_free_blocks
+    return scheduler, driver, old, scheduler.kv_manager.num_free_blocks
 
 
 def _bigger_than(free_blocks: int, arrival: float) -> SequenceGroup:
@@ -402,7 +403,7 @@ def test_a_preempted_job_returns_when_its_blocks_fit_without_evicting_others(pol
     driver.run()
     assert old.is_finished()
     assert not scheduler.jobs
-    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
+    assert scheduler.kv_manager.num_free_blocks == scheduler.kv_manager.num_gpu_blocks
 
 
 def test_quanta_sized_to_a_cost_model_start_at_the_shortest_iteration():
@@ -426,14 +427,14 @@ jobs_strategy = st.lists(
 @given(
     jobs=jobs_strategy,
     variant=st.sampled_from(sorted(MLFQ_VARIANTS)),
-    num_blocks=st.integers(10, 24),
+    num_gpu_blocks=st.integers(10, 24),
     host_blocks=st.sampled_from([0, 6, 40]),
     token_budget=st.integers(4, 32),
     chunked=st.booleans(),
 )
 @settings(max_examples=60)
 def test_random_traces_finish_within_budgets_and_invariants(
-    jobs, variant, num_blocks, host_blocks, token_budget, chunked
+    jobs, variant, num_gpu_blocks, host_blocks, token_budget, chunked
 ):
     if not chunked:  # a whole prefill must fit one step
         token_budget = max(token_budget, 64)
@@ -443,8 +444,8 @@ def test_random_traces_finish_within_budgets_and_invariants(
         mlfq.starvation_bound = 40 * MS
     scheduler = make_scheduler(
         mlfq,
-        num_blocks=num_blocks,
-        num_host_blocks=host_blocks,
+        num_gpu_blocks=num_gpu_blocks,
+        num_cpu_blocks=host_blocks,
         max_num_seqs=3,
         max_num_batched_tokens=token_budget,
         max_model_len=64,
@@ -471,20 +472,20 @@ def test_random_traces_finish_within_budgets_and_invariants(
         assert out.num_batched_tokens <= token_budget
         assert len(out.scheduled) <= 3
         assert len({s.seq.seq_id for s in out.scheduled}) == len(out.scheduled)
-        scheduler.kv_cache.check_invariants()
+        scheduler.kv_manager.check_invariants()
         for group in scheduler.running:
-            assert all(s.seq_id in scheduler.kv_cache for s in group.get_unfinished_seqs())
+            assert all(s.seq_id in scheduler.kv_manager for s in group.get_unfinished_seqs())
         assert len(driver.steps) < 5000, "no progress"
     for group in admitted:
         assert group.is_finished()
         assert group.seqs[0].get_output_len() == group.sampling_params.max_tokens
-    assert scheduler.kv_cache.num_free_blocks == num_blocks
+    assert scheduler.kv_manager.num_free_blocks == num_gpu_blocks
     assert not scheduler.jobs
 
 
-@given(jobs=jobs_strategy, num_blocks=st.integers(12, 24))
+@given(jobs=jobs_strategy, num_gpu_blocks=st.integers(12, 24))
 @settings(max_examples=40)
-def test_no_job_waits_past_the_starvation_bound_plus_one_quantum(jobs, num_blocks):
+def test_no_job_waits_past_the_starvation_bound_plus_one_quantum(jobs, num_gpu_blocks):
     """Waits between a job's steps are bounded when memory, not the batch, is short.
 
     The batch has room for every job (seqs and tokens), so only the KV cache keeps jobs out; a
@@ -496,8 +497,8 @@ def test_no_job_waits_past_the_starvation_bound_plus_one_quantum(jobs, num_block
     mlfq = MLFQConfig(base_quantum=200 * MS, starvation_bound=bound, reserve_blocks=2)
     scheduler = make_scheduler(
         mlfq,
-        num_blocks=num_blocks,
-        num_host_blocks=64,
+        num_gpu_blocks=num_gpu_blocks,
+        num_cpu_blocks=64,
         max_num_seqs=8,
         max_num_batched_tokens=8 * 24,
         max_model_len=64,

@@ -37,7 +37,7 @@ def config(**kwargs) -> SchedulerConfig:
 
 
 def test_one_request_takes_one_step_per_output_token():
-    result = simulate([TraceRequest(0.0, 10, 5)], UNIT, num_blocks=16, block_size=4)
+    result = simulate([TraceRequest(0.0, 10, 5)], UNIT, num_gpu_blocks=16, block_size=4)
     (r,) = result.requests
     assert r.ttft == 1.0  # the prefill step samples the first token
     assert r.jct == 5.0 and r.normalized_latency == 1.0
@@ -47,12 +47,13 @@ def test_one_request_takes_one_step_per_output_token():
 def test_fcfs_head_of_line_blocking_and_mlfq_relief():
     # One sequence per step. A long job arrives first, three short ones just after.
     trace = [TraceRequest(0.0, 4, 20)] + [TraceRequest(0.5, 4, 2) for _ in range(3)]
-    fcfs = simulate(trace, UNIT, num_blocks=64, block_size=4, config=config(max_num_seqs=1))
+    fcfs = simulate(trace, UNIT, num_gpu_blocks=64, block_size=4, config=config(max_num_seqs=1))
     # Run to completion: the long job ends at 20, the short ones at 22, 24, 26.
     assert [r.finished_time for r in fcfs.requests] == [20.0, 22.0, 24.0, 26.0]
     mlfq = MLFQConfig(base_quantum=1.0, starvation_bound=None)
     fast = simulate(
-        trace, UNIT, mlfq_factory(mlfq), num_blocks=64, block_size=4, config=config(max_num_seqs=1)
+        trace, UNIT, mlfq_factory(mlfq), num_gpu_blocks=64, block_size=4,
+        config=config(max_num_seqs=1)
     )
     # The long job is demoted after its first quantum; the short ones overtake it.
     assert max(r.finished_time for r in fast.requests[1:]) < fast.requests[0].finished_time
@@ -85,9 +86,9 @@ def test_every_request_is_served_with_its_output_length(lengths, rate, scheduler
         trace,
         cost,
         factory,
-        num_blocks=20,
+        num_gpu_blocks=20,
         block_size=4,
-        num_host_blocks=40,
+        num_cpu_blocks=40,
         config=config(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=80),
     )
     assert [r.output_len for r in result.requests] == [o for _, o in lengths]
@@ -103,7 +104,7 @@ def test_record_steps_and_levels():
     cost = CostModel(0.01, 0.001, 0.0, 0.0)
     mlfq = MLFQConfig(base_quantum=0.02)
     result = simulate(
-        trace, cost, mlfq_factory(mlfq), num_blocks=32, block_size=4, record_steps=True
+        trace, cost, mlfq_factory(mlfq), num_gpu_blocks=32, block_size=4, record_steps=True
     )
     assert len(result.steps) == result.num_steps
     first = result.steps[0]
@@ -135,7 +136,7 @@ def test_groups_serve_like_the_trace_of_their_lengths(lengths, seed):
         group(i, rng.integers(3, 1000, r.prompt_len).tolist(), r.output_len, r.arrival_time)
         for i, r in enumerate(trace)
     ]
-    kwargs = dict(num_blocks=20, block_size=4, config=config(max_num_seqs=4, max_model_len=80))
+    kwargs = dict(num_gpu_blocks=20, block_size=4, config=config(max_num_seqs=4, max_model_len=80))
     cost = CostModel(0.01, 1e-4, 1e-3, 1e-6)
     from_trace = simulate(trace, cost, **kwargs)
     from_groups = simulate(None, cost, groups=groups, **kwargs)
@@ -151,10 +152,10 @@ def test_a_given_kv_cache_with_prefix_caching_skips_the_shared_prefix():
         group(0, prefix + [7, 8, 9, 10], 1, 0.0),
         group(1, prefix + [11, 12, 13, 14], 1, 100.0),  # arrives long after the first is done
     ]
-    plain = simulate(None, cost, groups=groups(), num_blocks=32, block_size=4)
+    plain = simulate(None, cost, groups=groups(), num_gpu_blocks=32, block_size=4)
     assert [r.ttft for r in plain.requests] == [1.0 + 36, 1.0 + 36]
     kv = KVCacheManager(32, 4, enable_prefix_caching=True)
-    cached = simulate(None, cost, groups=groups(), kv_cache=kv)
+    cached = simulate(None, cost, groups=groups(), kv_manager=kv)
     # The second request finds the prefix's 8 blocks in the cache and computes only its own 4.
     assert [r.ttft for r in cached.requests] == [1.0 + 36, 1.0 + 4]
 
@@ -171,7 +172,7 @@ def test_the_sampling_hook_forks_parallel_samples_that_all_finish():
         None,
         UNIT,
         groups=[served],
-        num_blocks=32,
+        num_gpu_blocks=32,
         block_size=4,
         on_sample=fork_samples,
         record_steps=True,
@@ -187,13 +188,14 @@ def test_the_sampling_hook_forks_parallel_samples_that_all_finish():
 def test_bad_arguments_are_named():
     trace = [TraceRequest(0.0, 4, 2)]
     with pytest.raises(ValueError, match="exactly one of trace and groups"):
-        simulate(trace, UNIT, groups=[group(0, [5, 6], 2, 0.0)], num_blocks=8)
+        simulate(trace, UNIT, groups=[group(0, [5, 6], 2, 0.0)], num_gpu_blocks=8)
     with pytest.raises(ValueError, match="exactly one of trace and groups"):
-        simulate(None, UNIT, num_blocks=8)
-    with pytest.raises(ValueError, match="num_blocks"):
+        simulate(None, UNIT, num_gpu_blocks=8)
+    with pytest.raises(ValueError, match="num_gpu_blocks"):
         simulate(trace, UNIT)
     with pytest.raises(ValueError, match="distinct request_id"):
-        simulate(None, UNIT, groups=[group(0, [5], 1, 0.0), group(0, [6], 1, 0.0)], num_blocks=8)
+        simulate(None, UNIT, groups=[group(0, [5], 1, 0.0), group(0, [6], 1, 0.0)],
+        num_gpu_blocks=8)
 
 
 def test_gamma_arrivals_have_the_asked_for_rate_and_burstiness():
@@ -296,9 +298,9 @@ def test_the_simulator_makes_the_real_engines_decisions(tiny, policy):
         trace,
         REPLAY_COST,
         factory,
-        num_blocks=24,
+        num_gpu_blocks=24,
         block_size=8,
-        num_host_blocks=64,
+        num_cpu_blocks=64,
         config=engine.scheduler.config,
         record_steps=True,
     )
