@@ -1,8 +1,21 @@
 """`SamplingParams`: how a request chooses its tokens, named, defaulted and validated as in vLLM.
 
-Every out-of-range value, and every combination that cannot mean anything (beam search with a
-temperature, `n > 1` with greedy sampling, ...), raises a `ValueError` naming the field and the
-allowed values, before the request reaches the engine. The sampler that applies these settings is
+Every value of the wrong type, every out-of-range value, and every combination that cannot mean
+anything (beam search with a temperature, `n > 1` with greedy sampling, ...), raises a
+`ValueError` naming the field and the allowed values, before the request reaches the engine.
+The ranges are what the sampler and the model can compute with, so that no request's settings
+can make a step fail (and end the other requests of its batch):
+
+* integers fit an int64 (`MAX_INT64`): the sampler builds int64 tensors of them;
+* seeds lie in [0, 2**64), what `torch.Generator.manual_seed` takes without wrapping (it
+  refuses 2**64 and beyond with "Overflow when unpacking long long");
+* floats are finite; penalties lie in vLLM's ranges (presence and frequency in [-2, 2],
+  repetition > 0); `length_penalty` in [-10, 10], so `seq_len ** length_penalty` stays a
+  finite, non-zero float for any context an int32 position can index;
+* `logprobs` asks for at most `MAX_LOGPROBS` alternatives (vLLM's default `max_logprobs`).
+
+What needs the model is checked when a request is admitted (`minipaged.engine.requests`:
+`top_k` and stop token ids up to the vocabulary). The sampler that applies these settings is
 `minipaged.sampling.sampler`; beam search's scoring is `minipaged.sampling.beam_scoring`.
 """
 
@@ -19,6 +32,10 @@ SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 # Range of the seeds `torch.Generator.manual_seed` accepts without wrapping.
 MAX_SEED = 2**64
+# The largest integer an int64 tensor holds: the bound of every integer setting.
+MAX_INT64 = 2**63 - 1
+# The bound of |length_penalty|: (2**31) ** 10 is finite in float64, its inverse non-zero.
+MAX_LENGTH_PENALTY = 10.0
 
 
 class SamplingType(enum.Enum):
@@ -70,37 +87,36 @@ class SamplingParams:
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
         _check_int("n", self.n, low=1)
         _check_float("temperature", self.temperature, "temperature >= 0", lambda x: x >= 0)
-        _check_int("top_k", self.top_k, low=-1, allowed="-1 or 0 (off) or an integer >= 1")
+        _check_int("top_k", self.top_k, low=-1, allowed="-1 or 0 (off) or an integer in [1, 2**63)")
         if self.top_k == -1:
             self.top_k = 0
         _check_float("top_p", self.top_p, "0 < top_p <= 1", lambda x: 0 < x <= 1)
         _check_float("min_p", self.min_p, "0 <= min_p <= 1", lambda x: 0 <= x <= 1)
         if self.seed is not None:
-            _check_int("seed", self.seed, low=0, allowed="None or an integer in [0, 2**64)")
-            if self.seed >= MAX_SEED:
-                raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed}")
+            _check_int("seed", self.seed, low=0, high=MAX_SEED - 1,
+                       allowed="None or an integer in [0, 2**64)")
         _check_int("max_tokens", self.max_tokens, low=1)
         _check_int("min_tokens", self.min_tokens, low=0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        _check_bool("ignore_eos", self.ignore_eos)
         if self.logprobs is not None:
-            allowed = f"None or an integer in [0, {MAX_LOGPROBS}]"
-            _check_int("logprobs", self.logprobs, low=0, allowed=allowed)
-            if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be {allowed}, got {self.logprobs}")
+            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS,
+                       allowed=f"None or an integer in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             _check_float(name, getattr(self, name), f"-2 <= {name} <= 2", lambda x: -2 <= x <= 2)
         _check_float(
             "repetition_penalty", self.repetition_penalty, "repetition_penalty > 0", lambda x: x > 0
         )
-        if not isinstance(self.use_beam_search, bool):
-            raise ValueError(f"use_beam_search must be a bool, got {self.use_beam_search!r}")
+        _check_bool("use_beam_search", self.use_beam_search)
         _check_int("beam_width", self.beam_width, low=1)
-        _check_float("length_penalty", self.length_penalty, "a finite float", lambda x: True)
+        bound = MAX_LENGTH_PENALTY
+        _check_float(
+            "length_penalty", self.length_penalty, f"|length_penalty| <= {bound}",
+            lambda x: abs(x) <= bound,
+        )
         if self.use_beam_search:
             self._check_beam_search()
         else:
@@ -161,20 +177,31 @@ class SamplingParams:
         )
 
 
-def _check_int(name: str, value: object, low: int, allowed: str | None = None) -> None:
-    allowed = allowed or f"an integer >= {low}"
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+def _check_int(
+    name: str, value: object, low: int, high: int = MAX_INT64, allowed: str | None = None
+) -> None:
+    """`value` is an int (not a bool) in [low, high], else a ValueError naming `name`."""
+    if allowed is None:
+        allowed = f"an integer in [{low}, {high}]"
+        if high == MAX_INT64:
+            allowed = f"an integer >= {low} that fits an int64 (<= 2**63 - 1)"
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be {allowed}, got {shown(value)}")
 
 
 def _check_float(name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or not ok(value)
-    ):
-        raise ValueError(f"{name} must be a finite number with {allowed}, got {value!r}")
+    """`value` is a finite int or float (not a bool) that `ok` accepts, else a ValueError."""
+    try:  # an int beyond the floats' range (10**400) is not finite either
+        finite = isinstance(value, (int, float)) and math.isfinite(value)
+    except OverflowError:
+        finite = False
+    if isinstance(value, bool) or not finite or not ok(value):  # type: ignore[arg-type]
+        raise ValueError(f"{name} must be a finite number with {allowed}, got {shown(value)}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool (True or False), got {shown(value)}")
 
 
 def _normalise_stop(stop: object) -> list[str]:
@@ -182,7 +209,7 @@ def _normalise_stop(stop: object) -> list[str]:
         return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
-        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {shown(stop)}")
     return list(stops)
 
 
@@ -190,7 +217,21 @@ def _normalise_stop_token_ids(ids: object) -> list[int]:
     if ids is None:
         return []
     if not isinstance(ids, (list, tuple)) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT64 for t in ids
     ):
-        raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {ids!r}")
+        raise ValueError(
+            f"stop_token_ids must be a list of token ids in [0, 2**63), got {shown(ids)}"
+        )
     return list(ids)
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """`repr(value)` cut to `limit` characters for an error message; an int too long to print
+    (Python refuses more than 4,300 digits) is shown by its size."""
+    if isinstance(value, int) and value.bit_length() > 256:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except Exception:  # a repr that fails must not hide the field's name
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

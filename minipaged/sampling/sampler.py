@@ -11,6 +11,12 @@ users expect:
 Everything is vectorised over the batch; the only Python loop over rows draws the random noise
 of seeded rows from their own `torch.Generator`, which is what makes a seeded request give the
 same tokens whichever other requests share its batch.
+
+No row's settings can make the sampler raise, whatever `SamplingParams` lets through: each
+setting enters its tensor within what that tensor holds (`top_k` cut to the vocabulary,
+temperature and repetition penalty to float32's positive range), a banned id outside the
+vocabulary bans nothing, and the logits stay computable (`finite_logits`): an extreme penalty or
+temperature can push a logit to +-inf, a row that bans every token leaves none to draw.
 """
 
 from __future__ import annotations
@@ -120,9 +126,11 @@ def min_tokens_banned_ids(
 
 
 def apply_bans(logits: Tensor, banned: Sequence[Sequence[int]]) -> Tensor:
-    """Set the banned tokens of each row to -inf."""
-    rows = [i for i, ids in enumerate(banned) for _ in ids]
-    cols = [t for ids in banned for t in ids]
+    """Set the banned tokens of each row to -inf (ids outside the vocabulary ban nothing)."""
+    vocab_size = logits.shape[1]
+    inside = [[t for t in ids if 0 <= t < vocab_size] for ids in banned]
+    rows = [i for i, ids in enumerate(inside) for _ in ids]
+    cols = [t for ids in inside for t in ids]
     if not cols:
         return logits
     out = logits.clone()
@@ -214,6 +222,18 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
     return logits.masked_fill(probs < threshold, -math.inf)
 
 
+def finite_logits(logits: Tensor, fallback: Tensor) -> Tensor:
+    """`logits` that softmax can take: NaN becomes -inf, +inf the largest finite value, and a
+    row with no finite logit left (every token banned, or pushed to -inf) takes its `fallback`
+    row. Finite logits and -inf (a banned or cut token) stay as they are."""
+    top = torch.finfo(logits.dtype).max
+    out = logits.nan_to_num(nan=-math.inf, posinf=top, neginf=-math.inf)
+    dead = ~out.isfinite().any(dim=-1)
+    if bool(dead.any()):
+        out[dead] = fallback[dead].nan_to_num(nan=0.0, posinf=top, neginf=-top)
+    return out
+
+
 # --- the sampler -------------------------------------------------------------------------------
 
 
@@ -256,33 +276,33 @@ class Sampler:
             raise ValueError(f"logits must be a float [B, V] tensor, got {tuple(logits.shape)}")
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} rows of logits but {len(rows)} sampling rows")
-        logits = logits.float()
-        logits = apply_bans(logits, [row.banned_token_ids for row in rows])
+        raw = logits.float()
+        logits = apply_bans(raw, [row.banned_token_ids for row in rows])
         if any(row.params.has_penalties for row in rows):
             logits = apply_penalties(
                 logits,
                 [row.prompt_token_ids for row in rows],
                 [row.output_token_ids for row in rows],
-                self._column(rows, "presence_penalty", torch.float32),
-                self._column(rows, "frequency_penalty", torch.float32),
-                self._column(rows, "repetition_penalty", torch.float32),
+                self._column(rows, "presence_penalty"),
+                self._column(rows, "frequency_penalty"),
+                self._column(rows, "repetition_penalty", positive=True),
             )
-        return logits
+        return finite_logits(logits, fallback=raw)
 
     def beam_logprobs(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
         """[B, V] log-probabilities that beam search extends its beams with."""
         return torch.log_softmax(self.process_logits(logits, rows), dim=-1)
 
     def _sample_random(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
-        logits = apply_temperature(logits, self._column(rows, "temperature", torch.float32))
+        scaled = apply_temperature(logits, self._column(rows, "temperature", positive=True))
+        logits = finite_logits(scaled, fallback=logits)
         if any(row.params.top_k > 0 or row.params.top_p < 1.0 for row in rows):
-            logits = apply_top_k_top_p(
-                logits,
-                self._column(rows, "top_k", torch.int64),
-                self._column(rows, "top_p", torch.float32),
-            )
+            vocab_size = logits.shape[1]
+            top_k = torch.tensor([min(row.params.top_k, vocab_size) for row in rows])
+            top_p = self._column(rows, "top_p", positive=True)
+            logits = apply_top_k_top_p(logits, top_k, top_p)
         if any(row.params.min_p > 0.0 for row in rows):
-            logits = apply_min_p(logits, self._column(rows, "min_p", torch.float32))
+            logits = apply_min_p(logits, self._column(rows, "min_p"))
         probs = logits.softmax(dim=-1)
         return (probs / self._exponential_noise(probs, rows)).argmax(dim=-1)
 
@@ -301,5 +321,10 @@ class Sampler:
         return noise.clamp_(min=torch.finfo(probs.dtype).tiny)
 
     @staticmethod
-    def _column(rows: Sequence[SamplingRow], name: str, dtype: torch.dtype) -> Tensor:
-        return torch.tensor([getattr(row.params, name) for row in rows], dtype=dtype)
+    def _column(rows: Sequence[SamplingRow], name: str, positive: bool = False) -> Tensor:
+        """The float32 [B] column of setting `name`, each value clamped into float32's finite
+        range (`positive`: its positive range, so that a value that is > 0 stays > 0)."""
+        info = torch.finfo(torch.float32)
+        values = [float(getattr(row.params, name)) for row in rows]
+        column = torch.tensor(values, dtype=torch.float64)
+        return column.clamp(info.tiny if positive else -info.max, info.max).float()
