@@ -4,12 +4,13 @@
   (`data: {json}` chunks, then `data: [DONE]`) or answered whole;
 * `GET /v1/models`, `GET /health` (503 once the engine loop has died), `GET /metrics`.
 
-A handler parses and validates the body (`protocol`), submits its prompts to the engine loop,
-and turns the loop's outputs into OpenAI's shapes (`responses`). Every error is OpenAI's /
-vLLM's `{"error": {"message", "type", "param", "code"}}`. A client that goes away aborts its
-request: a stream's generator is cancelled (Starlette listens for the disconnect), a whole
-answer's wait is raced against the disconnect; either way the engine loop drops the request
-before its next step.
+A handler reads the body under its size cap, has the worker pool parse, validate, template
+and tokenize it (`preprocess`, `protocol`), submits the token ids to the engine loop, and turns
+the loop's outputs into OpenAI's shapes (`responses`). Every error is OpenAI's / vLLM's
+`{"error": {"message", "type", "param", "code"}}`. A client that goes away aborts its request:
+a stream's generator is cancelled (Starlette listens for the disconnect), a whole answer's wait
+is raced against the disconnect, a body cut off is dropped; either way the engine loop drops
+the request before its next step, and the log shows the one access line of the request.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 from typing import Any
@@ -26,16 +27,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
-from minipaged.sampling.params import SamplingParams
 from minipaged.server.engine_loop import EngineLoop, EngineLoopError, Submission
 from minipaged.server.metrics import CONTENT_TYPE, ServerMetrics
+from minipaged.server.preprocess import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    ClientDisconnected,
+    Prepared,
+    Preprocessor,
+    read_body,
+)
 from minipaged.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestError,
-    not_found,
-    parse_body,
     service_unavailable,
 )
 from minipaged.server.responses import (
@@ -53,34 +59,34 @@ from minipaged.server.responses import (
 
 DONE = "data: [DONE]\n\n"
 
-
-class ClientDisconnected(Exception):
-    """The client closed the connection before its answer was ready."""
-
-
 # -- the routes' logic ----------------------------------------------------------------------------
 
 
 class OpenAIServing:
-    """The endpoints of one served model. Reads the engine's tokenizer and context length;
-    everything else goes through the engine loop."""
+    """The endpoints of one served model. Reads the engine's tokenizer, vocabulary and
+    context length (for the worker pool); everything else goes through the engine loop."""
 
-    def __init__(self, loop: EngineLoop, model_name: str) -> None:
+    def __init__(self, loop: EngineLoop, model_name: str, max_request_body_bytes: int) -> None:
         self.loop = loop
         self.model_name = model_name
         self.tokenizer = loop.engine.tokenizer
         self.max_model_len = loop.engine.max_model_len
+        self.max_request_body_bytes = max_request_body_bytes
+        vocab_size = loop.engine.model_config.vocab_size
+        self.preprocessor = Preprocessor(
+            model_name, self.tokenizer, self.max_model_len, vocab_size
+        )
         self.created = now()
 
     # -- completions ------------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        body = parse_body(CompletionRequest, await request.body())
-        self._check_model(body.model)
-        params = body.sampling_params()
+        raw = await read_body(request, self.max_request_body_bytes)
+        prepared = await self.preprocessor.run(self.preprocessor.completion, raw)
+        body = prepared.body
         request_id = new_id("cmpl")
-        submission = await self._submit(request_id, body.prompts(), params, arrival, "prompt")
+        submission = await self._submit(request_id, prepared, arrival, "prompt")
         created = now()
         if body.stream:
             return self._event_stream(
@@ -117,19 +123,11 @@ class OpenAIServing:
 
     async def chat(self, request: Request) -> Response:
         arrival = time.monotonic()
-        body = parse_body(ChatCompletionRequest, await request.body())
-        self._check_model(body.model)
-        if self.tokenizer is None:
-            raise RequestError("this model has no tokenizer, so no chat template", "messages")
-        try:
-            prompt = self.tokenizer.apply_chat_template(
-                body.conversation(), add_generation_prompt=True, tokenize=True
-            )
-        except ValueError as exc:
-            raise RequestError(f"messages: {exc}", "messages") from None
-        params = body.sampling_params(len(prompt), self.max_model_len)
+        raw = await read_body(request, self.max_request_body_bytes)
+        prepared = await self.preprocessor.run(self.preprocessor.chat, raw)
+        body = prepared.body
         request_id = new_id("chatcmpl")
-        submission = await self._submit(request_id, [prompt], params, arrival, "messages")
+        submission = await self._submit(request_id, prepared, arrival, "messages")
         created = now()
         top_k = body.top_logprobs or 0
         if body.stream:
@@ -182,25 +180,18 @@ class OpenAIServing:
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise not_found(f"The model `{model}` does not exist.", "model")
-
     async def _submit(
-        self,
-        request_id: str,
-        prompts: Sequence[str | list[int]],
-        params: SamplingParams,
-        arrival: float,
-        prompt_field: str,
+        self, request_id: str, prepared: Prepared, arrival: float, prompt_field: str
     ) -> Submission:
         """Hand the prompts to the engine loop; the engine's refusal is the client's 400."""
         try:
-            return await self.loop.submit(request_id, prompts, params, arrival)
+            return await self.loop.submit(
+                request_id, prepared.prompts, prepared.params, arrival, prepared.texts
+            )
         except EngineLoopError as exc:
             raise service_unavailable(str(exc)) from None
-        except ValueError as exc:  # prompt too long, empty, outside the vocabulary, ...
-            raise RequestError(str(exc), prompt_field) from None
+        except (ValueError, TypeError) as exc:  # empty, outside the vocabulary, too wide, ...
+            raise RequestError(str(exc), _engine_field(str(exc), prompt_field)) from None
 
     def _event_stream(self, events: AsyncIterator[str], submission: Submission) -> Response:
         """SSE: the events, an error event if the engine loop stops, then `[DONE]`. The
@@ -242,11 +233,20 @@ class OpenAIServing:
 # -- the application ------------------------------------------------------------------------------
 
 
-def build_app(engine: Any, served_model_name: str = "minipaged") -> FastAPI:
-    """The ASGI app serving `engine` (an `LLMEngine`) under `served_model_name`. The engine
-    loop starts and stops with the app (its lifespan); `app.state.engine_loop` is the loop."""
+def build_app(
+    engine: Any,
+    served_model_name: str = "minipaged",
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+) -> FastAPI:
+    """The ASGI app serving `engine` (an `LLMEngine`) under `served_model_name`, refusing
+    bodies over `max_request_body_bytes` (413). The engine loop and the worker pool start and
+    stop with the app (its lifespan); `app.state.engine_loop` is the loop."""
+    if isinstance(max_request_body_bytes, bool) or not isinstance(max_request_body_bytes, int):
+        raise TypeError(f"max_request_body_bytes must be an int, got {max_request_body_bytes!r}")
+    if max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes}")
     loop = EngineLoop(engine, ServerMetrics())
-    serving = OpenAIServing(loop, served_model_name)
+    serving = OpenAIServing(loop, served_model_name, max_request_body_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -255,6 +255,7 @@ def build_app(engine: Any, served_model_name: str = "minipaged") -> FastAPI:
             yield
         finally:
             loop.stop()
+            serving.preprocessor.close()
 
     app = FastAPI(title="minipaged", summary="An OpenAI-compatible server", lifespan=lifespan)
     app.state.engine_loop = loop
@@ -266,6 +267,7 @@ def build_app(engine: Any, served_model_name: str = "minipaged") -> FastAPI:
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(ClientDisconnected, _client_gone)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(Exception, _internal_error)
     return app
 
@@ -292,6 +294,15 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     status = HTTPStatus.INTERNAL_SERVER_ERROR
     error = RequestError(f"{type(exc).__name__}: {exc}", None, status, "InternalServerError")
     return JSONResponse(error.body(), status_code=status)
+
+
+def _engine_field(message: str, prompt_field: str) -> str:
+    """The body field an engine refusal is about: its messages name `n=` / `beam_width=` or
+    `stop_token_ids` where those are the cause, else it is the prompt."""
+    for name in ("stop_token_ids", "n", "beam_width"):
+        if f" {name}=" in f" {message}" or message.startswith(name):
+            return "n" if name == "beam_width" else name
+    return prompt_field
 
 
 def _event(chunk: dict[str, Any], with_usage: bool = False) -> str:

@@ -113,8 +113,10 @@ class EngineLoop:
         prompts: Sequence[str | list[int]],
         params: SamplingParams,
         arrival_time: float | None = None,
+        texts: Sequence[str | None] | None = None,
     ) -> Submission:
-        """Add every prompt of a request to the engine, all or none.
+        """Add every prompt of a request to the engine, all or none (`texts`: the text each
+        token-id prompt was made from, reported as its output's `prompt`).
 
         Raises the engine's `ValueError` (a prompt too long, out of the vocabulary, ...) with
         nothing left behind, or `EngineLoopError` when the loop is not running.
@@ -124,12 +126,16 @@ class EngineLoop:
             engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         submission = Submission(request_id, engine_ids, asyncio.get_running_loop())
         accepted: concurrent.futures.Future = concurrent.futures.Future()
+        texts = [None] * len(prompts) if texts is None else texts
 
         def add() -> None:
             added: list[str] = []
             try:
                 for index, (engine_id, prompt) in enumerate(zip(engine_ids, prompts, strict=True)):
-                    self.engine.add_request(engine_id, prompt, params, arrival_time)
+                    text = texts[index] if not isinstance(prompt, str) else None
+                    self.engine.add_request(
+                        engine_id, prompt, params, arrival_time, prompt_text=text
+                    )
                     added.append(engine_id)
                     self._routes[engine_id] = _Route(submission, index)
             except Exception as exc:

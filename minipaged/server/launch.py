@@ -3,9 +3,11 @@
 `serve` is the command's main loop. On SIGINT / SIGTERM uvicorn stops accepting connections
 and waits for the open ones; requests still running `shutdown_timeout` seconds later are ended
 by stopping the engine loop, which aborts them in the engine and ends each response cleanly (a
-stream with an error event and `[DONE]`, a whole answer with a 503). Then the app's shutdown
-runs and the process returns. uvicorn re-raises the signal it caught once it is done; the
-handlers installed here receive it, so the process exits with status 0 instead of by the signal.
+stream with an error event and `[DONE]`, a whole answer with a 503). A second signal, of either
+kind, ends the grace period at once the same way. Then the app's shutdown runs and the process
+returns with status 0, whatever sequence of signals came: `Server` records signals instead of
+letting uvicorn re-raise them, and `serve` leaves recording handlers installed, so a signal
+that arrives while the process exits is recorded too, never fatal.
 
 `ServerThread` runs the same server on a thread, on a free port of 127.0.0.1 (the tests and
 the notebook): a context manager that starts it, waits until it answers and always stops it.
@@ -20,7 +22,7 @@ import socket
 import subprocess
 import threading
 import time
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
 import httpx
@@ -32,8 +34,9 @@ BACKSTOP = 5.0
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server; `shutdown_timeout` seconds into a shutdown it stops the app's engine
-    loop (`app.state.engine_loop`), which ends the requests still open."""
+    """uvicorn's server; `shutdown_timeout` seconds into a shutdown, or at a second signal, it
+    stops the app's engine loop (`app.state.engine_loop`), which ends the requests still open.
+    `signals` lists the SIGINT / SIGTERM it received."""
 
     def __init__(self, app: Any, shutdown_timeout: float, **config: Any) -> None:
         super().__init__(
@@ -41,6 +44,17 @@ class Server(uvicorn.Server):
         )
         self.engine_loop = app.state.engine_loop
         self.shutdown_timeout = shutdown_timeout
+        self.signals: list[int] = []
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """uvicorn's signal handler, without its two exits by the signal: it neither re-raises
+        the signals once the server is done (that would end the process by the signal) nor
+        force-quits at a second SIGINT (that would skip the app's shutdown). The first signal
+        starts the graceful shutdown; any later one aborts what is still running now."""
+        self.signals.append(sig)
+        if self.should_exit:
+            self.engine_loop.stop(0.0)
+        self.should_exit = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         timer = asyncio.get_running_loop().call_later(
@@ -53,18 +67,16 @@ class Server(uvicorn.Server):
 
 
 def serve(app: Any, host: str, port: int, shutdown_timeout: float = 5.0) -> list[int]:
-    """Serve `app` until SIGINT or SIGTERM; return the signals that ended it."""
-    received: list[int] = []
-    previous = {
-        sig: signal.signal(sig, lambda number, frame: received.append(number))
-        for sig in (signal.SIGINT, signal.SIGTERM)
-    }
-    try:
-        Server(app, shutdown_timeout, host=host, port=port, log_level="info").run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return received
+    """Serve `app` until SIGINT or SIGTERM; return the signals received until it returned.
+
+    Meant to end the process: SIGINT and SIGTERM stay recorded (and ignored) after it returns,
+    so a late one cannot kill the process on its way out."""
+    late: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda number, frame: late.append(number))
+    server = Server(app, shutdown_timeout, host=host, port=port, log_level="info")
+    server.run()
+    return server.signals + late
 
 
 class ServerThread:

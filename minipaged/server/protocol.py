@@ -1,10 +1,15 @@
 """What clients may send: the OpenAI request bodies, their validation, and `SamplingParams`.
 
-Validation happens in two places, each the single owner of its rules: pydantic checks the
-*shape* of a body (JSON, field types, required fields), and `SamplingParams` checks the
-*values* (ranges, combinations), exactly as it does for the offline `LLM`. Either failure
-becomes a `RequestError`: HTTP 400 with OpenAI's / vLLM's error body
-`{"error": {"message", "type", "param", "code"}}`, `param` naming the field.
+Validation happens in three places, each the single owner of its rules: pydantic checks the
+*shape* of a body (JSON, field types, required fields, 64-bit integers, finite numbers, the
+message roles and their content, at most `MAX_STOP_STRINGS` stop strings); `SamplingParams`
+checks the *values* (ranges, combinations), exactly as it does for the offline `LLM`; and
+`check_model_limits` / `check_context` check what depends on the served model: `top_k` and
+`stop_token_ids` against its vocabulary, prompt plus `max_tokens` against its context (vLLM's
+"This model's maximum context length is N tokens. However, you requested M tokens (P in the
+messages, Q in the completion)"). Every failure becomes a `RequestError`: HTTP 400 with
+OpenAI's / vLLM's error body `{"error": {"message", "type", "param", "code"}}`, `param` naming
+the field.
 
 Field names, defaults and extras follow vLLM's OpenAI server: `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos` and `stop_token_ids` are accepted beside
@@ -16,9 +21,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from minipaged.sampling.params import SamplingParams
 
@@ -26,7 +38,17 @@ from minipaged.sampling.params import SamplingParams
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # The most alternatives per token a request may ask for (vLLM's default `max_logprobs`).
 MAX_LOGPROBS = 20
+# The most stop strings a request may give (OpenAI allows 4; vLLM sets no cap). Each one is
+# searched for in the new text of every step, so they cost every step of the request.
+MAX_STOP_STRINGS = 16
+# The roles a chat message may have (OpenAI's), and those whose message must have content.
+ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES_WITH_CONTENT = frozenset({"system", "developer", "user", "tool"})
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+
+# JSON numbers as the sampler and the engine hold them: integers in int64, finite floats.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 # -- errors ---------------------------------------------------------------------------------------
 
@@ -79,23 +101,30 @@ class _SamplingRequest(BaseModel):
     model: str | None = None  # None: the one model this server serves
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    n: int = 1
-    temperature: float | None = None  # None: SamplingParams' default (1.0, as OpenAI)
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
+    max_tokens: Int64 | None = None
+    n: Int64 = 1
+    temperature: Finite | None = None  # None: SamplingParams' default (1.0, as OpenAI)
+    top_p: Finite = 1.0
+    top_k: Int64 = 0
+    min_p: Finite = 0.0
+    seed: int | None = None  # SamplingParams checks [0, 2**64)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    stop_token_ids: list[Int64] | None = None
+    presence_penalty: Finite = 0.0
+    frequency_penalty: Finite = 0.0
+    repetition_penalty: Finite = 1.0
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
     # OpenAI fields this server cannot honour; a request that sets one is refused.
     logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        return stop
 
     @property
     def include_usage(self) -> bool:
@@ -111,6 +140,25 @@ class _SamplingRequest(BaseModel):
             )
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream=true", "stream_options")
+
+    def check_model_limits(self, vocab_size: int) -> None:
+        """What only the served model bounds: `top_k` and `stop_token_ids` index its logits."""
+        if self.top_k > vocab_size:
+            raise RequestError(
+                f"top_k must be -1 or 0 (off) or at most the vocabulary size {vocab_size}, "
+                f"got {self.top_k}",
+                "top_k",
+            )
+        bad = [t for t in self.stop_token_ids or () if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(
+                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+                "stop_token_ids",
+            )
+
+    def max_tokens_field(self) -> str:
+        """The name of the field that gave `max_tokens` (chat has two spellings)."""
+        return "max_tokens"
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """`SamplingParams` of this body; its `ValueError` names the field, so does ours."""
@@ -154,7 +202,7 @@ class CompletionRequest(_SamplingRequest):
     """`POST /v1/completions`: one prompt or a batch (text or token ids)."""
 
     prompt: Any = Field(...)
-    logprobs: int | None = None
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -176,7 +224,8 @@ class CompletionRequest(_SamplingRequest):
             return [self.prompt]
         return list(self.prompt)
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, prompt_lens: list[int], max_model_len: int) -> SamplingParams:
+        """Without `max_tokens` a completion has 16 tokens, or what the context leaves."""
         self.check_supported()
         if self.echo:
             raise RequestError("echo is not supported", "echo")
@@ -186,7 +235,12 @@ class CompletionRequest(_SamplingRequest):
             raise RequestError(
                 f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}", "logprobs"
             )
-        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        for prompt_len in prompt_lens:
+            check_context(prompt_len, self.max_tokens, max_model_len, "prompt", "max_tokens")
+        max_tokens = self.max_tokens
+        if max_tokens is None:
+            room = max_model_len - max(prompt_lens, default=0)
+            max_tokens = max(1, min(DEFAULT_COMPLETION_MAX_TOKENS, room))
         return self._sampling_params(max_tokens, self.logprobs)
 
 
@@ -200,9 +254,15 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    role: str
+    role: Literal[ROLES]  # type: ignore[valid-type]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _check_content(self) -> ChatMessage:
+        if self.content is None and self.role in ROLES_WITH_CONTENT:
+            raise ValueError(f"content is required in a {self.role} message")
+        return self
 
     def as_template_message(self) -> dict[str, str]:
         """The `{"role", "content"}` dict chat templates read; text parts are joined."""
@@ -216,9 +276,9 @@ class ChatCompletionRequest(_SamplingRequest):
     """`POST /v1/chat/completions`: a conversation, answered with the model's chat template."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -227,6 +287,9 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
         return names
+
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def conversation(self) -> list[dict[str, str]]:
         return [message.as_template_message() for message in self.messages]
@@ -249,10 +312,42 @@ class ChatCompletionRequest(_SamplingRequest):
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
-        if max_tokens is None:  # whatever the context leaves; a too-long prompt fails later
-            max_tokens = max(1, max_model_len - prompt_len)
+        check_context(prompt_len, max_tokens, max_model_len, "messages", self.max_tokens_field())
+        if max_tokens is None:  # whatever the context leaves
+            max_tokens = max_model_len - prompt_len
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
+
+
+# -- lengths --------------------------------------------------------------------------------------
+
+
+def check_context(
+    prompt_len: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    prompt_field: str,
+    tokens_field: str,
+    at_least: str = "",
+) -> None:
+    """Refuse a prompt that leaves no room in the context, or that with `max_tokens` (when the
+    client gave it) overflows the context, in vLLM's words. `at_least` qualifies the prompt's
+    length where it is a lower bound (the prompt is not tokenized yet)."""
+    where = "messages" if prompt_field == "messages" else "prompt"
+    head = f"This model's maximum context length is {max_model_len} tokens. However, "
+    if prompt_len >= max_model_len:
+        raise RequestError(
+            f"{head}you requested {at_least}{prompt_len} tokens in the {where}, which leaves "
+            f"no room for the completion. Please reduce the length of the {where}.",
+            prompt_field,
+        )
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise RequestError(
+            f"{head}you requested {at_least}{prompt_len + max_tokens} tokens ({at_least}"
+            f"{prompt_len} in the {where}, {max_tokens} in the completion; {tokens_field}="
+            f"{max_tokens}). Please reduce the length of the {where} or completion.",
+            tokens_field,
+        )
 
 
 # -- parsing --------------------------------------------------------------------------------------

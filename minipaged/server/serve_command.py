@@ -1,8 +1,8 @@
 """`minipaged serve`: its flags and its run function (`minipaged.cli` registers them).
 
 The engine flags are the other subcommands' (the caller passes its `add_engine_flags`, so the
-two stay one list); the server's own are `--host`, `--port`, `--served-model-name` and
-`--shutdown-timeout`.
+two stay one list); the server's own are `--host`, `--port`, `--served-model-name`,
+`--shutdown-timeout` and `--max-request-body-bytes`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,12 @@ def add_serve_parser(
         default=5.0,
         help="seconds in-flight requests may run on after SIGINT/SIGTERM before being aborted",
     )
+    server.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=None,
+        help="larger request bodies are refused with HTTP 413 (default: 4 MiB)",
+    )
     add_engine_flags(serve)
     return serve
 
@@ -57,10 +63,15 @@ def run_serve(args: argparse.Namespace, load_engine: Callable[[], Any]) -> None:
         raise ValueError(f"port must be in 1..65535, got {args.port}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    body_limit = args.max_request_body_bytes
+    if body_limit is not None and body_limit < 1:
+        raise ValueError(f"max-request-body-bytes must be >= 1, got {body_limit}")
     try:
         from minipaged.server.app import build_app
         from minipaged.server.launch import serve
+        from minipaged.server.preprocess import DEFAULT_MAX_REQUEST_BODY_BYTES
     except ModuleNotFoundError as exc:
         raise ValueError(f"`minipaged serve` needs {exc.name}: {INSTALL_HINT}") from None
-    app = build_app(load_engine(), served_model_name(args))
+    body_limit = DEFAULT_MAX_REQUEST_BODY_BYTES if body_limit is None else body_limit
+    app = build_app(load_engine(), served_model_name(args), body_limit)
     serve(app, args.host, args.port, args.shutdown_timeout)
