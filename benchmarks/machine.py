@@ -24,6 +24,8 @@ def machine_info(**extra: object) -> dict[str, object]:
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_model": _cpu_model(),
+        "cpuinfo_flags": " ".join(sorted(_cpuinfo_flags())),
+        "last_level_cache_bytes": last_level_cache_bytes(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
@@ -48,6 +50,27 @@ def _cpu_model() -> str | None:
     except OSError:
         pass
     return None
+
+
+def _cpuinfo_flags() -> frozenset[str]:
+    """Every feature flag of the CPU in /proc/cpuinfo (minipaged's own reader)."""
+    from minipaged.engine.config import cpu_flags
+
+    return cpu_flags()
+
+
+def last_level_cache_bytes() -> int | None:
+    """Bytes of CPU 0's largest cache, from sysfs (Linux): a buffer that must come from memory,
+    not from a cache, has to be larger than this."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text(encoding="utf-8").strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes, default=None)
 
 
 def report_header(**machine_extra: object) -> dict[str, object]:

@@ -28,16 +28,18 @@ Writes benchmarks/results/roofline.json; `benchmarks/throughput.py` measures it 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from machine import report_header, save_report
+from machine import last_level_cache_bytes, report_header, save_report
 
 from minipaged.checkpoint.model_config import ModelConfig
-from minipaged.engine.config import cpu_flags, native_bfloat16
+from minipaged.engine.config import DTYPES, cpu_flags, native_bfloat16
 from minipaged.models.layers import linear
 
 RESULTS = Path(__file__).parent / "results" / "roofline.json"
@@ -127,6 +129,51 @@ def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
     return round(2 * src.numel() * src.element_size() / best / 1e9, 2)
 
 
+def read_bandwidth(nbytes: int, threads: int = 1, repeats: int = 5) -> float:
+    """GB/s of `buffer.sum()` over a float32 buffer of `nbytes` on `threads` torch threads, the
+    best of `repeats` after a warm-up: how fast this machine streams that many bytes, over and
+    over, into the cores.
+
+    A sum is a pure read: torch's reduction is vectorised (AVX2 / AVX-512) and does one add per
+    4 bytes read, a few per cent of what a core can add, so its time is the memory's. A buffer
+    larger than the last-level cache (`machine.last_level_cache_bytes`) measures DRAM; one the
+    size of a model's weights measures what a decode step can get, cache included
+    (`cache_resident_sum_rate` shows how far above the memory's speed the sum itself runs)."""
+    buffer = torch.ones(max(1, nbytes // 4))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        best = _best_s(buffer.sum, repeats)
+    finally:
+        torch.set_num_threads(before)
+    return round(buffer.numel() * 4 / best / 1e9, 2)
+
+
+def cache_resident_sum_rate(threads: int = 1) -> float:
+    """GB/s of the same sum over 256 KiB, a buffer that stays in the L2 cache: the rate of the
+    sum's arithmetic, which must be far above `read_bandwidth` for that to measure memory."""
+    return read_bandwidth(256 << 10, threads, repeats=200)
+
+
+def dram_bytes() -> int:
+    """A read-bandwidth buffer that no cache holds: 4x the last-level cache, at least 1 GiB."""
+    return max(1 << 30, 4 * (last_level_cache_bytes() or 0))
+
+
+def stream_read_report(working_sets: dict[str, int], threads: int) -> dict[str, object]:
+    """Read GB/s from DRAM on one thread and on `threads`, of the cache-resident sum, and of a
+    buffer of each named working set's size (one thread)."""
+    return {
+        "method": "torch float32 buffer.sum(), best of 5 after a warm-up (see read_bandwidth)",
+        "dram_buffer_bytes": dram_bytes(),
+        "dram_gbs_1_thread": read_bandwidth(dram_bytes(), 1),
+        f"dram_gbs_{threads}_threads": read_bandwidth(dram_bytes(), threads),
+        "cache_resident_sum_gbs_1_thread": cache_resident_sum_rate(1),
+        "working_set_gbs_1_thread": {name: read_bandwidth(n, 1)
+                                     for name, n in working_sets.items()},
+    }
+
+
 def measure(config: ModelConfig, dtype: torch.dtype, rows=ROWS) -> Roofline:
     """This machine's roofline in `dtype` (bandwidth is the same for every dtype)."""
     return Roofline(str(dtype).removeprefix("torch."), tuple(rows),
@@ -152,6 +199,149 @@ def step_floor(config: ModelConfig, roof: Roofline, shape: StepShape,
             "overlapped_floor_s": max(compute, memory)}
 
 
+# -- decode steps of the engine at few rows, against both floors -----------------------------
+
+DECODE_ROWS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class EngineVariant:
+    """An engine's weight format: the model `dtype` and its weight-only `quantization`."""
+
+    dtype: str
+    quantization: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.quantization or self.dtype
+
+    def engine_kwargs(self) -> dict[str, object]:
+        return {"dtype": self.dtype} | ({"quantization": self.quantization}
+                                        if self.quantization else {})
+
+
+def quantization_available() -> bool:
+    """Whether this minipaged's engine takes a weight-only `quantization` option."""
+    from minipaged.engine.config import EngineConfig
+
+    return any(f.name == "quantization" for f in dataclasses.fields(EngineConfig))
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights a decode step reads whole, in their stored format: every parameter,
+    buffer and tensor field of a dataclass a module holds (the int8 values and scales of a
+    quantised layer, `minipaged.cpu.gemv.Int8Weight`), each storage once (a tied head and its
+    embedding share one), except the rotary tables and an embedding table no other module
+    holds, of which a step reads only its tokens' rows."""
+    from minipaged.models.layers import RotaryEmbedding
+
+    holders: dict[int, tuple[int, set[bool]]] = {}
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            continue
+        fields = [vars(v).values() for v in vars(module).values()
+                  if dataclasses.is_dataclass(v) and not isinstance(v, type)]
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False),
+                   *(t for f in fields for t in f if isinstance(t, torch.Tensor))]
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            nbytes, kinds = holders.setdefault(storage.data_ptr(), (storage.nbytes(), set()))
+            kinds.add(isinstance(module, torch.nn.Embedding))
+    return sum(nbytes for nbytes, kinds in holders.values() if False in kinds)
+
+
+def kv_bytes(config: ModelConfig, context_tokens: int, element_size: int) -> int:
+    """Bytes of K and V, all layers, of `context_tokens` cached tokens."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * context_tokens \
+        * element_size
+
+
+@dataclass
+class _DecodeSteps:
+    """A step observer keeping (total s, runner s, context tokens) of decode-only steps."""
+
+    steps: list[tuple[float, float, int]]
+
+    def __call__(self, record) -> None:
+        work = record.scheduled
+        if work and all(w.num_new_tokens == 1 for w in work) and record.timings is not None:
+            self.steps.append((record.timings.total_s, record.timings.forward_s,
+                               sum(w.start + 1 for w in work)))
+
+
+def time_decode_steps(engine, rows: int, context: int, steps: int = 12) -> dict[str, float]:
+    """Median seconds of an engine step (whole, and the runner's forward pass) while `rows`
+    requests of `context` prompt tokens decode together, and their context tokens then."""
+    from minipaged.sampling.params import SamplingParams
+
+    gen = np.random.default_rng(rows)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 3, ignore_eos=True)
+    for _ in range(rows):
+        engine.add_request(None, gen.integers(17, engine.model_config.vocab_size,
+                                              context).tolist(), params)
+    log = _DecodeSteps([])
+    engine.add_step_observer(log)
+    try:
+        engine.run_until_done()
+    finally:
+        engine.remove_step_observer(log)
+    full = [s for s in log.steps[1:] if s[2] >= rows * (context + 1)]  # all rows, warm
+    return {"step_s": float(np.median([s[0] for s in full])),
+            "forward_s": float(np.median([s[1] for s in full])),
+            "context_tokens": int(np.median([s[2] for s in full]))}
+
+
+def decode_floors(variant: EngineVariant, config: ModelConfig, roof: Roofline | None,
+                  bandwidth: dict[str, object], context: int, rows=DECODE_ROWS) -> dict:
+    """Decode steps of one engine variant at each row count, against the bandwidth floor
+    (bytes / one-thread DRAM read rate, and / the read rate of a buffer that size) and, for an
+    unquantised dtype, against the GEMM-rate floor (`step_floor`)."""
+    from minipaged.engine.engine import LLMEngine
+
+    engine = LLMEngine.from_pretrained(**variant.engine_kwargs(), kv_cache_memory=0.25,
+                                       num_cpu_blocks=0)
+    weights = weight_bytes(engine.runner.model)
+    kv_size = engine.runner.kv_caches[0].element_size()
+    dram = float(bandwidth["dram_gbs_1_thread"])
+    sized = read_bandwidth(weights, 1)
+    table = []
+    for n in rows:
+        timed = time_decode_steps(engine, n, context)
+        step_bytes = weights + kv_bytes(config, timed["context_tokens"], kv_size)
+        floor_dram, floor_sized = step_bytes / (dram * 1e9), step_bytes / (sized * 1e9)
+        row = {"rows": n, "context_tokens": timed["context_tokens"],
+               "step_ms": round(timed["step_s"] * 1e3, 2),
+               "forward_ms": round(timed["forward_s"] * 1e3, 2),
+               "bytes_read": step_bytes,
+               "bandwidth_floor_ms": round(floor_dram * 1e3, 2),
+               "ratio_to_bandwidth_floor": round(timed["step_s"] / floor_dram, 3),
+               "same_size_read_floor_ms": round(floor_sized * 1e3, 2),
+               "ratio_to_same_size_read_floor": round(timed["step_s"] / floor_sized, 3)}
+        if roof is not None:
+            element = torch.tensor([], dtype=DTYPES[variant.dtype]).element_size()
+            shape = StepShape(n, n, timed["context_tokens"], timed["context_tokens"])
+            gemm = step_floor(config, roof, shape, element)["floor_s"]
+            row |= {"gemm_rate_floor_ms": round(gemm * 1e3, 2),
+                    "ratio_to_gemm_rate_floor": round(timed["step_s"] / gemm, 3)}
+        table.append(row)
+    engine.close()
+    return {"variant": variant.name, "dtype": variant.dtype,
+            "quantization": variant.quantization, "weight_bytes": weights,
+            "kv_element_size": kv_size, "same_size_read_gbs": sized, "steps": table}
+
+
+def print_decode_floors(result: dict) -> None:
+    print(f"{result['variant']}: weights {result['weight_bytes'] / 1e6:.1f} MB, "
+          f"same-size read {result['same_size_read_gbs']} GB/s")
+    for r in result["steps"]:
+        gemm = (f", GEMM-rate floor {r['gemm_rate_floor_ms']} ms ({r['ratio_to_gemm_rate_floor']}x)"
+                if "gemm_rate_floor_ms" in r else "")
+        print(f"  {r['rows']} rows: step {r['step_ms']} ms (forward {r['forward_ms']}); bandwidth "
+              f"floor {r['bandwidth_floor_ms']} ms ({r['ratio_to_bandwidth_floor']}x), same-size "
+              f"read {r['same_size_read_floor_ms']} ms ({r['ratio_to_same_size_read_floor']}x)"
+              + gemm)
+
+
 # -- where a decode step's time goes ----------------------------------------------------------
 
 # torch profiler op names -> the part of the roofline they are.
@@ -166,78 +356,105 @@ OP_KINDS = {
 }
 
 
-def profile_decode_step(dtype: torch.dtype, batch: int, context: int, backend: str,
+def profile_decode_step(dtype: str, batch: int, context: int, backend: str,
                         steps: int = 3) -> dict[str, object]:
-    """Self CPU time per op kind of a decode step of the bundled model: `batch` sequences of
-    `context` tokens in shuffled 16-token blocks, `backend` attention, under torch's profiler."""
-    import random
-
+    """Self CPU time per op kind of an engine step of the bundled model while `batch` requests
+    of `context` prompt tokens decode together with `backend` attention, under torch's
+    profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    from minipaged.models.registry import load_model
-    from minipaged.runner.model_runner import BatchEntry, ModelRunner
+    from minipaged.engine.engine import LLMEngine
+    from minipaged.sampling.params import SamplingParams
 
-    model, config = load_model(dtype=dtype, progress=False)
-    block_size, blocks_each = 16, -(-(context + 1) // 16)
-    runner = ModelRunner(model, config, block_size=block_size, attention_backend=backend,
-                         num_gpu_blocks=batch * blocks_each, dtype=dtype)
-    blocks = list(range(batch * blocks_each))
-    random.Random(0).shuffle(blocks)
-    entries = [BatchEntry([100 + i], context, blocks[i * blocks_each:(i + 1) * blocks_each])
-               for i in range(batch)]
-    for _ in range(2):
-        runner.execute(entries)
+    engine = LLMEngine.from_pretrained(dtype=dtype, attention_backend=backend, num_cpu_blocks=0)
+    gen = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(None, gen.integers(17, engine.model_config.vocab_size,
+                                              context).tolist(), params)
+    log = _DecodeSteps([])
+    engine.add_step_observer(log)
+    while len(log.steps) < 2:  # prompts done, one decode step warm
+        engine.step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
-            runner.execute(entries)
+            engine.step()
+    engine.close()
     self_ms = {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages()}
     total = sum(self_ms.values())
     kinds = {kind: sum(self_ms.get(op, 0.0) for op in ops) for kind, ops in OP_KINDS.items()}
     kinds["everything else"] = total - sum(kinds.values())
-    return {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": context,
+    return {"dtype": dtype, "batch": batch, "context": context,
             "attention_backend": backend, "step_ms": round(total, 1),
             "ms_by_kind": {k: round(v, 1) for k, v in kinds.items()},
             "share_by_kind": {k: round(v / total, 3) for k, v in kinds.items()}}
 
 
+def profiles(config: ModelConfig, roofs: dict[str, Roofline], batch: int, context: int
+             ) -> list[dict]:
+    """`profile_decode_step` per dtype and attention backend, each next to its floor."""
+    out = []
+    for dtype, roof in roofs.items():
+        for backend in ("torch", "cpu"):
+            prof = profile_decode_step(dtype, batch, context, backend)
+            shape = StepShape(batch, batch, batch * (context + 1), batch * (context + 1))
+            element = torch.tensor([], dtype=DTYPES[dtype]).element_size()
+            prof["floor_ms"] = round(step_floor(config, roof, shape, element)["floor_s"] * 1e3, 1)
+            prof["ratio"] = round(prof["step_ms"] / prof["floor_ms"], 2)
+            out.append(prof)
+            print(f"{dtype} {backend}: {prof['step_ms']} ms (floor {prof['floor_ms']}): "
+                  + ", ".join(f"{k} {v}" for k, v in prof["ms_by_kind"].items()))
+    return out
+
+
 def main() -> None:
     from minipaged.checkpoint.gguf_weights import gguf_checkpoint
     from minipaged.checkpoint.loader import default_model_path
+    from minipaged.models.registry import FAMILIES
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--decode-context", type=int, default=192,
+                        help="prompt tokens of each request in the few-row decode steps")
     parser.add_argument("--profile", type=int, nargs=2, default=[48, 230],
                         metavar=("BATCH", "CONTEXT"),
                         help="profile a decode step of this shape per dtype and backend")
+    parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    config, _ = gguf_checkpoint(default_model_path())
-    roofs = [measure(config, dtype) for dtype in (torch.float32, torch.bfloat16)]
-    for roof in roofs:
+    load_before = os.getloadavg()
+    config, _ = gguf_checkpoint(default_model_path(), FAMILIES)
+    roofs = {name: measure(config, DTYPES[name]) for name in ("float32", "bfloat16")}
+    for roof in roofs.values():
         print(f"{roof.dtype}: copy {roof.bandwidth_gbs} GB/s; GEMM GFLOP/s at rows "
               + ", ".join(f"{n}: {r}" for n, r in zip(roof.rows, roof.gemm_gflops, strict=True)))
-    profiles = []
-    for dtype in (torch.float32, torch.bfloat16):
-        roof = roofs[0] if dtype == torch.float32 else roofs[1]
-        for backend in ("torch", "cpu"):
-            prof = profile_decode_step(dtype, *args.profile, backend)
-            batch, context = args.profile
-            shape = StepShape(batch, batch, batch * (context + 1), batch * (context + 1))
-            floor = step_floor(config, roof, shape, torch.tensor([], dtype=dtype).element_size())
-            prof["floor_ms"] = round(floor["floor_s"] * 1e3, 1)
-            prof["ratio"] = round(prof["step_ms"] / prof["floor_ms"], 2)
-            profiles.append(prof)
-            print(f"{prof['dtype']} {backend}: {prof['step_ms']} ms (floor {prof['floor_ms']}): "
-                  + ", ".join(f"{k} {v}" for k, v in prof["ms_by_kind"].items()))
+    layers, head = weight_elements(config)
+    sets = {"float32_weights": 4 * (layers + head), "bfloat16_weights": 2 * (layers + head)}
+    bandwidth = stream_read_report(sets, os.cpu_count() or 1)
+    print("streaming read GB/s: " + ", ".join(f"{k} {v}" for k, v in bandwidth.items()
+                                              if k.endswith("thread") or k.endswith("threads")))
+    variants = [EngineVariant("float32"), EngineVariant("bfloat16")]
+    if quantization_available():
+        variants.append(EngineVariant("float32", "int8"))
+    decode = []
+    for variant in variants:
+        decode.append(decode_floors(variant, config, roofs.get(variant.name), bandwidth,
+                                    args.decode_context))
+        print_decode_floors(decode[-1])
+    profiled = [] if args.no_profile else profiles(config, roofs, *args.profile)
     save_report(args.out, {
         "benchmark": "roofline",
-        "what": "GFLOP/s of model_layers.linear over SmolLM2-135M's projection shapes (weights "
-                "hot) at each row count, GB/s of a 256 MiB copy (read + write), and a profiled "
-                "decode step (self CPU time by op kind) next to its floor",
-        **report_header(**cpu_features()),
-        "rooflines": [roof.__dict__ for roof in roofs],
-        "decode_step_profiles": profiles,
+        "what": "GFLOP/s of models.layers.linear over SmolLM2-135M's projection shapes (weights "
+                "hot) at each row count, GB/s of a 256 MiB copy (read + write), streaming read "
+                "GB/s (buffer.sum) from DRAM and of buffers the weights' size, engine decode "
+                "steps at 1-8 rows against the bandwidth floor (bytes read / read GB/s) and the "
+                "GEMM-rate floor, and a profiled decode step (self CPU time by op kind)",
+        **report_header(load_average_1min_before=round(load_before[0], 2), **cpu_features()),
+        "rooflines": [roof.__dict__ for roof in roofs.values()],
+        "stream_read": bandwidth,
+        "decode_steps": decode,
+        "decode_step_profiles": profiled,
     })
     print(f"wrote {args.out}")
 
