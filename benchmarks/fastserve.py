@@ -235,7 +235,7 @@ def real_engine(num_requests: int, loads: list[float], seed: int) -> dict:
     from minipaged.checkpoint.model_config import ModelConfig
     from minipaged.engine.config import EngineConfig
     from minipaged.engine.engine import LLMEngine
-    from minipaged.models.registry import build_model
+    from minipaged.models.registry import FAMILIES, build_model
     from minipaged.sim.profiling import profile_engine, replay_on_engine
 
     # The simulations before this leave millions of objects behind, and every full collection
@@ -256,7 +256,7 @@ def real_engine(num_requests: int, loads: list[float], seed: int) -> dict:
     )
     torch.manual_seed(0)
     hf_model = transformers.LlamaForCausalLM(hf_config).eval()
-    model_config = ModelConfig.from_hf_dict(hf_config.to_dict())
+    model_config = ModelConfig.from_hf_dict(hf_config.to_dict(), FAMILIES)
     model = build_model(model_config, hf_model.state_dict())
     engine_config = dict(
         num_gpu_blocks=48,

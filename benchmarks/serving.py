@@ -47,7 +47,7 @@ from machine import report_header, save_report
 from minipaged.checkpoint.loader import default_model_path
 from minipaged.checkpoint.model_config import ModelConfig
 from minipaged.engine.engine import EngineConfig, LLMEngine
-from minipaged.models.registry import build_model
+from minipaged.models.registry import FAMILIES, build_model
 from minipaged.sampling.params import SamplingParams
 from minipaged.sched.base import SchedulerConfig
 from minipaged.sched.cost_model import CostModel
@@ -107,7 +107,7 @@ def make_small_llama(path: Path) -> None:
 
     torch.manual_seed(0)
     hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL_LLAMA)).eval()
-    config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
+    config = ModelConfig.from_hf_dict(hf_model.config.to_dict(), FAMILIES)
     torch.save((config, build_model(config, hf_model.state_dict()).state_dict()), path)
 
 

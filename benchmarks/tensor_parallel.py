@@ -70,8 +70,9 @@ def write_model(folder: Path) -> None:
 
     from minipaged.checkpoint.model_config import ModelConfig
     from minipaged.checkpoint.weight_names import expected_shapes
+    from minipaged.models.registry import FAMILIES
 
-    config = ModelConfig.from_hf_dict(HF_CONFIG)
+    config = ModelConfig.from_hf_dict(HF_CONFIG, FAMILIES)
     generator = torch.Generator().manual_seed(0)
     state = {
         name: torch.randn(shape, generator=generator) * (0.02 if len(shape) == 2 else 1.0)
@@ -118,8 +119,9 @@ def engine_runner(path: Path, tp: int, blocks: int) -> LLMEngine:
         tensor_parallel_timeout=120,
     )
     from minipaged.checkpoint.loader import checkpoint_config
+    from minipaged.models.registry import FAMILIES
 
-    model_config = checkpoint_config(path)
+    model_config = checkpoint_config(path, FAMILIES)
     source = CheckpointShards(str(path))
     return LLMEngine(source, model_config, None, config)
 

@@ -58,8 +58,9 @@ def bundled_path() -> Path:
 def bundled_checkpoint(bundled_path: Path) -> tuple:
     """(ModelConfig, state dict) of the bundled model, dequantised once."""
     from minipaged.checkpoint.loader import load_checkpoint
+    from minipaged.models.registry import FAMILIES
 
-    return load_checkpoint(bundled_path, progress=False)
+    return load_checkpoint(bundled_path, FAMILIES, progress=False)
 
 
 @pytest.fixture(scope="session")

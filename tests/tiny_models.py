@@ -36,7 +36,7 @@ import torch
 from minipaged.checkpoint.model_config import ModelConfig
 from minipaged.engine.config import EngineConfig
 from minipaged.engine.engine import LLMEngine
-from minipaged.models.registry import build_model
+from minipaged.models.registry import FAMILIES, build_model
 from minipaged.testing.dense import DenseAttentionBackend, DenseKVCache
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ def random_gpt2(seed: int = 0, **config: Any) -> GPT2LMHeadModel:
 
 def minipaged_parts(hf_model: torch.nn.Module) -> tuple[torch.nn.Module, ModelConfig]:
     """(minipaged model, its config) holding the weights of a `transformers` model."""
-    config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
+    config = ModelConfig.from_hf_dict(hf_model.config.to_dict(), FAMILIES)
     return build_model(config, hf_model.state_dict()), config
 
 

@@ -1,41 +1,37 @@
 """GGUF checkpoints (llama.cpp's single-file format): metadata in, HF-named tensors out.
 
 Hyper-parameters live in the metadata (`llama.block_count`, `qwen3.attention.key_length`, ...)
-and weights are usually block-quantised. They are dequantised with the `gguf` package and renamed
-to Hugging Face's names through the `gguf` package's own name table (the one llama.cpp's
-converter writes with), so the names a family needs are those of
-`minipaged.checkpoint.weight_names`, nothing listed twice. Two conversions of llama.cpp's converter
-are undone:
+and weights are usually block-quantised. The family is the one whose `gguf_architecture` is the
+file's `general.architecture`; the keys every llama.cpp architecture has are read here, the
+family's own (`FamilySpec.from_gguf`) by the family. Tensors are dequantised with the `gguf`
+package and renamed to Hugging Face's names through the `gguf` package's own name table for that
+architecture (the one llama.cpp's converter writes with), so the names a family needs are those
+of its `shapes`, nothing listed twice. Two conversions of llama.cpp's converter are undone:
 
-* For `llama` files it permutes the rows of the query and key projections (weights and biases):
-  llama.cpp runs LLaMA with its interleaved rotary, which turns pairs (x0, x1), (x2, x3), ...,
-  while Hugging Face's `rotate_half` turns x_j with x_{j + d/2}. Qwen2 and Qwen3 run with the
-  NeoX rotary, which is `rotate_half`, and are stored unpermuted.
-* It stores GPT-2's `Conv1D` weights transposed, `(out, in)`.
+* For families with `gguf_permuted_qk` (LLaMA) it permutes the rows of the query and key
+  projections (weights and biases): llama.cpp runs LLaMA with its interleaved rotary, which
+  turns pairs (x0, x1), (x2, x3), ..., while Hugging Face's `rotate_half` turns x_j with
+  x_{j + d/2}. Qwen2 and Qwen3 run with the NeoX rotary, which is `rotate_half`, and are stored
+  unpermuted.
+* It stores the weights a family keeps `(in, out)` (GPT-2's `Conv1D`) transposed, `(out, in)`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from minipaged.checkpoint.model_config import (
-    SUPPORTED_ARCHITECTURES,
-    ModelConfig,
-    cap_to_sliding_window,
-    check_token_ids,
-    head_size,
-)
+from minipaged.checkpoint.model_config import FamilySpec, ModelConfig, check_token_ids
 from minipaged.checkpoint.weight_names import (
     CheckpointError,
     PendingTensor,
     check_layer_count,
     expected_shapes,
-    is_conv1d,
+    is_transposed,
 )
 from minipaged.tokenizer.gguf_file import (
     GGMLQuantizationType,
@@ -45,126 +41,85 @@ from minipaged.tokenizer.gguf_file import (
     read_gguf_file,
 )
 
-# The architectures whose Q/K rows llama.cpp's converter permutes (see the module docstring).
-PERMUTED_QK = ("llama",)
 # Rows of blocks joined to about this many bytes for `gguf.quants.dequantize` (below): it takes
 # 16 rows a step, whose float32 values then stay within a core's L2 (16 KiB rows: 10% slower,
 # 64 KiB: 75%).
 JOINED_ROW_BYTES = 1 << 12
 
+_MISSING = object()
 
-class _GGUFMetadata:
-    """Typed access to a GGUF file's key/value metadata, with errors that name the file."""
 
-    _MISSING = object()
+class GGUFMetadata:
+    """Typed access to a GGUF file's key/value metadata, with errors that name the file; what a
+    family's `from_gguf` reads."""
 
     def __init__(self, gguf_file: GGUFFile) -> None:
         self.values, self.file = gguf_file.metadata, gguf_file.path
+        self.architecture = self.get("general.architecture")
+        self.tensor_names = frozenset(t.name for t in gguf_file.tensors)
 
     def get(self, key: str, default: Any = _MISSING) -> Any:
         value = self.values.get(key, default)
-        if value is self._MISSING:
+        if value is _MISSING:
             raise CheckpointError(f"{self.file}: GGUF metadata key {key!r} missing")
         return value
 
+    def arch_get(self, key: str, default: Any = _MISSING) -> Any:
+        """The architecture's own `key` (`arch_get("block_count")`: `llama.block_count`)."""
+        return self.get(f"{self.architecture}.{key}", default)
 
-def config_from_gguf(source: str | Path | GGUFFile) -> ModelConfig:
-    """A `ModelConfig` from a GGUF file's metadata; `source` is a path or a read `GGUFFile`.
 
-    The head is tied to the token embedding exactly when the file has no `output.weight`; q/k/v
-    and output biases are there when the file has them (always for Qwen2), per-head q/k norms
-    for Qwen3.
+def config_from_gguf(
+    source: str | Path | GGUFFile, families: Mapping[str, FamilySpec]
+) -> ModelConfig:
+    """A `ModelConfig` from a GGUF file's metadata, as the one of `families` whose
+    `gguf_architecture` the file names; `source` is a path or a read `GGUFFile`.
+
+    The head is tied to the token embedding exactly when the file has no `output.weight`.
     """
     gguf_file = source if isinstance(source, GGUFFile) else open_gguf(Path(source))
-    file, meta = gguf_file.path, _GGUFMetadata(gguf_file)
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    file, meta = gguf_file.path, GGUFMetadata(gguf_file)
+    arch = meta.architecture
+    family = next((f for f in families.values() if f.gguf_architecture == arch), None)
+    if family is None or family.from_gguf is None:
+        known = [f.gguf_architecture for f in families.values() if f.gguf_architecture]
         raise CheckpointError(
             f"{file}: unsupported architecture {arch!r} (general.architecture); minipaged "
-            f"loads GGUF files of {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"loads GGUF files of {', '.join(known)}"
         )
-    tensor_names = {t.name for t in gguf_file.tensors}
     tokens = gguf_file.metadata.get("tokenizer.ggml.tokens")
-    vocab_size = len(tokens) if tokens is not None else meta.get(f"{arch}.vocab_size")
-    hidden = meta.get(f"{arch}.embedding_length")
-    num_heads = meta.get(f"{arch}.attention.head_count")
+    vocab_size = len(tokens) if tokens is not None else meta.arch_get("vocab_size")
     special = {
         name: meta.get(f"tokenizer.ggml.{name}", None)
         for name in ("bos_token_id", "eos_token_id", "padding_token_id")
     }
     try:
         check_token_ids(vocab_size, [(f"tokenizer.ggml.{k}", v) for k, v in special.items()])
-        if arch == "gpt2" or f"{arch}.attention.key_length" not in gguf_file.metadata:
-            head_dim = head_size(
-                hidden, num_heads, f"{arch}.embedding_length", f"{arch}.attention.head_count"
-            )
-        else:
-            head_dim = meta.get(f"{arch}.attention.key_length")
+        own = family.from_gguf(meta)
+    except CheckpointError:
+        raise
     except ValueError as exc:
         raise CheckpointError(f"{file}: {exc}") from exc
-    common = dict(
-        architecture=arch,
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        num_layers=meta.get(f"{arch}.block_count"),
-        num_heads=num_heads,
-        head_dim=head_dim,
-        intermediate_size=meta.get(f"{arch}.feed_forward_length"),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=special["bos_token_id"],
-        eos_token_ids=() if special["eos_token_id"] is None else (special["eos_token_id"],),
-        pad_token_id=special["padding_token_id"],
-    )
-    context = meta.get(f"{arch}.context_length")
+    except TypeError as exc:
+        raise CheckpointError(f"{file}: inconsistent GGUF metadata ({exc})") from exc
     try:
-        if arch == "gpt2":
-            return ModelConfig(
-                **common,
-                num_kv_heads=num_heads,
-                max_position_embeddings=context,
-                norm_eps=meta.get("gpt2.attention.layer_norm_epsilon", 1e-5),
-            )
-        rotary_dim = meta.get(f"{arch}.rope.dimension_count", head_dim)
-        if rotary_dim != head_dim:
-            raise CheckpointError(
-                f"{file}: {arch}.rope.dimension_count {rotary_dim} != head dim {head_dim}: "
-                f"partial rotary embeddings are not supported"
-            )
-        if "rope_freqs.weight" in tensor_names:
-            raise CheckpointError(
-                f"{file}: rope_freqs.weight (per-frequency rope factors, llama.cpp's form of "
-                f"llama3 rope scaling) is not supported"
-            )
-        window = meta.get(f"{arch}.attention.sliding_window", None)
         return ModelConfig(
-            **common,
-            num_kv_heads=meta.get(f"{arch}.attention.head_count_kv", num_heads),
-            max_position_embeddings=cap_to_sliding_window(context, window, str(file)),
-            norm_eps=meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
-            rope_theta=meta.get(f"{arch}.rope.freq_base", 10000.0),
-            rope_scaling=_gguf_rope_scaling(meta, arch),
-            qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
-            o_bias="blk.0.attn_output.bias" in tensor_names,
-            qk_norm=arch == "qwen3",
-            sliding_window=window,
+            family=family,
+            vocab_size=vocab_size,
+            hidden_size=meta.arch_get("embedding_length"),
+            num_layers=meta.arch_get("block_count"),
+            num_heads=meta.arch_get("attention.head_count"),
+            intermediate_size=meta.arch_get("feed_forward_length"),
+            tie_word_embeddings="output.weight" not in meta.tensor_names,
+            bos_token_id=special["bos_token_id"],
+            eos_token_ids=() if special["eos_token_id"] is None else (special["eos_token_id"],),
+            pad_token_id=special["padding_token_id"],
+            **own,
         )
     except (TypeError, ValueError) as exc:
         if isinstance(exc, CheckpointError):
             raise
         raise CheckpointError(f"{file}: inconsistent GGUF metadata ({exc})") from exc
-
-
-def _gguf_rope_scaling(meta: _GGUFMetadata, arch: str) -> dict[str, Any] | None:
-    """llama.cpp's `{arch}.rope.scaling.*` keys as Hugging Face's `rope_scaling` dict."""
-    kind = meta.get(f"{arch}.rope.scaling.type", None)
-    if kind in (None, "none"):
-        return None
-    factor = meta.get(f"{arch}.rope.scaling.factor")
-    scaling: dict[str, Any] = {"rope_type": kind, "factor": factor}
-    original = meta.get(f"{arch}.rope.scaling.original_context_length", None)
-    if original is not None:
-        scaling["original_max_position_embeddings"] = original
-    return scaling
 
 
 def open_gguf(file: Path) -> GGUFFile:
@@ -177,10 +132,12 @@ def open_gguf(file: Path) -> GGUFFile:
         raise CheckpointError(f"{file}: {exc}") from exc
 
 
-def gguf_checkpoint(file: Path) -> tuple[ModelConfig, dict[str, PendingTensor]]:
+def gguf_checkpoint(
+    file: Path, families: Mapping[str, FamilySpec]
+) -> tuple[ModelConfig, dict[str, PendingTensor]]:
     """The config of a GGUF file and each of its tensors under its Hugging Face name."""
     gguf_file = open_gguf(file)
-    config = config_from_gguf(gguf_file)
+    config = config_from_gguf(gguf_file, families)
     check_layer_count(config, len(gguf_file.tensors), f"{file}: {config.architecture}.block_count")
     names = _hf_names(config)
     pending: dict[str, PendingTensor] = {}
@@ -192,7 +149,7 @@ def gguf_checkpoint(file: Path) -> tuple[ModelConfig, dict[str, PendingTensor]]:
             )
         name = names[tensor.name]
         shape = tensor.shape  # (out, in)
-        if is_conv1d(config, name):
+        if is_transposed(config, name):
             shape = shape[::-1]
         read, read_part = _reader_fn(tensor, name, config, file)
         pending[name] = PendingTensor(shape, read, tensor.name, read_part)
@@ -203,7 +160,10 @@ def _hf_names(config: ModelConfig) -> dict[str, str]:
     """llama.cpp's name -> Hugging Face's, for every tensor the family needs."""
     import gguf  # imported here: only this format needs it
 
-    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == config.architecture)
+    gguf_arch = config.family.gguf_architecture
+    arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == gguf_arch), None)
+    if arch is None:
+        raise CheckpointError(f"the gguf package has no tensor names for {gguf_arch!r}")
     table = gguf.get_tensor_name_map(arch, config.num_layers)
     names = {}
     for hf_name in expected_shapes(config):
@@ -230,10 +190,10 @@ def _reader_fn(
                 f"gguf package cannot dequantise ({exc})"
             ) from exc
         array = np.asarray(array, dtype=np.float32)
-        permuted = config.architecture in PERMUTED_QK
-        if permuted and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+        qk = ".self_attn.q_proj." in name or ".self_attn.k_proj." in name
+        if config.family.gguf_permuted_qk and qk:
             array = unpermute_qk(array, array.shape[0] // config.head_dim)  # whole heads
-        elif is_conv1d(config, name):
+        elif is_transposed(config, name):
             array = array.T
         if not array.flags.writeable or not array.flags.c_contiguous:
             array = np.array(array, order="C")  # own the memory: the file is memory-mapped
@@ -243,7 +203,7 @@ def _reader_fn(
         return rows(slice(None))
 
     def read_part(index: tuple[slice, ...]) -> torch.Tensor:
-        if is_conv1d(config, name) or any(s != slice(None) for s in index[1:]):
+        if is_transposed(config, name) or any(s != slice(None) for s in index[1:]):
             return read()[index]
         return rows(index[0])
 

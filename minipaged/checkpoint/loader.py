@@ -3,31 +3,31 @@
 Two on-disk formats are read, so that the models never need to know where weights came from:
 
 * **Hugging Face safetensors** (`minipaged.checkpoint.safetensors_folder`): a folder with
-`config.json`
-  and `model.safetensors` (or shards listed in `model.safetensors.index.json`), or one
-  `.safetensors` file next to a `config.json`. Names are already Hugging Face's.
-* **GGUF** (`minipaged.checkpoint.gguf_weights`), llama.cpp's single-file format: hyper-parameters
-in
-  the metadata, weights usually block-quantised, dequantised and renamed to Hugging Face's names.
+  `config.json` and `model.safetensors` (or shards listed in `model.safetensors.index.json`), or
+  one `.safetensors` file next to a `config.json`. Names are already Hugging Face's.
+* **GGUF** (`minipaged.checkpoint.gguf_weights`), llama.cpp's single-file format:
+  hyper-parameters in the metadata, weights usually block-quantised, dequantised and renamed to
+  Hugging Face's names.
 
-The format is told by a file's first bytes, not its name. Whatever the format, every tensor is
-checked against the one table of the parameters each family needs
-(`minipaged.checkpoint.weight_names`) before any data is read, so a model built from the config can
-load the state dict strictly. Every problem raises `CheckpointError`, whose message names the file
-and what is wrong with it.
+The format is told by a file's first bytes, not its name. The file names its family (config.json's
+`model_type`, GGUF's `general.architecture`), found among the `FamilySpec`s the caller gives
+(`minipaged.models.FAMILIES`). Whatever the format, every tensor is checked against the table of
+the parameters its family needs (`minipaged.checkpoint.weight_names.expected_shapes`) before any
+data is read, so a model built from the config can load the state dict strictly. Every problem
+raises `CheckpointError`, whose message names the file and what is wrong with it.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from minipaged.checkpoint.gguf_weights import config_from_gguf, gguf_checkpoint, open_gguf
-from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.checkpoint.model_config import FamilySpec, ModelConfig
 from minipaged.checkpoint.safetensors_folder import (
     count_safetensors_tensors,
     read_config_json,
@@ -75,7 +75,8 @@ TensorReader = Callable[[ModelConfig, str, PendingTensor], torch.Tensor]
 
 
 def load_checkpoint(
-    path: str | Path | None = None,
+    path: str | Path | None,
+    families: Mapping[str, FamilySpec],
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
     read: TensorReader | None = None,
@@ -83,7 +84,9 @@ def load_checkpoint(
     """Load a model's config and its weights under Hugging Face parameter names.
 
     `path` is a Hugging Face folder (config.json + safetensors), a `.safetensors` file next to a
-    config.json, or a `.gguf` file; None means the bundled default model. Tensors are cast to
+    config.json, or a `.gguf` file; None means the bundled default model. `families` are the
+    model families it may be (`minipaged.models.FAMILIES`), one of which the file must name
+    (config.json's `model_type`, GGUF's `general.architecture`). Tensors are cast to
     `dtype` (GGUF weights are dequantised to float32 first). `progress` shows a tqdm bar.
     `read` reads each tensor once the whole file is checked (a tensor-parallel rank reads only
     its slices); by default every tensor is read whole.
@@ -97,7 +100,7 @@ def load_checkpoint(
     if path.is_dir():
         config_file, files = safetensors_folder(path)
     elif sniff(path) == "gguf":
-        config, pending = gguf_checkpoint(path)
+        config, pending = gguf_checkpoint(path, families)
         return config, _checked_and_read(config, pending, dtype, progress, path, read)
     else:
         config_file, files = path.parent / "config.json", [path]
@@ -106,7 +109,7 @@ def load_checkpoint(
                 f"{path} is a safetensors file, but {config_file} missing: safetensors files "
                 f"carry no hyper-parameters, so a config.json must sit next to them"
             )
-    config = read_config_json(config_file)
+    config = read_config_json(config_file, families)
     for file in files:
         if sniff(file) != "safetensors":
             raise CheckpointError(f"{file}: not a safetensors file (it is a GGUF file)")
@@ -117,16 +120,17 @@ def load_checkpoint(
     return config, _checked_and_read(config, pending, dtype, progress, path, read)
 
 
-def checkpoint_config(path: str | Path | None = None) -> ModelConfig:
-    """The `ModelConfig` of a checkpoint, without reading its tensors (GGUF: its header)."""
+def checkpoint_config(path: str | Path | None, families: Mapping[str, FamilySpec]) -> ModelConfig:
+    """The `ModelConfig` of a checkpoint (one of `families`, as `load_checkpoint`), without
+    reading its tensors (GGUF: its header)."""
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
         raise CheckpointError(f"{path} missing: no such file or directory")
     if path.is_dir():
-        return read_config_json(safetensors_folder(path)[0])
+        return read_config_json(safetensors_folder(path)[0], families)
     if sniff(path) == "gguf":
-        return config_from_gguf(open_gguf(path))
-    return read_config_json(path.parent / "config.json")
+        return config_from_gguf(open_gguf(path), families)
+    return read_config_json(path.parent / "config.json", families)
 
 
 def sniff(file: Path) -> str:

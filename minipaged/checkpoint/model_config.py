@@ -1,44 +1,33 @@
-"""The shape of a model: one `ModelConfig` for every supported architecture.
+"""The shape of a model: one `ModelConfig` for every family, and the `FamilySpec` each fills in.
 
-A checkpoint loader (`minipaged.checkpoint.loader`) fills it from a Hugging Face `config.json` or
-from GGUF metadata; the models (`minipaged.models.registry`) are built from it. Field names follow
-Hugging Face where they exist, so a reader can hold the two side by side.
+A model family (LLaMA, GPT-2, ...) is declared once, in its module of `minipaged.models`, as a
+`FamilySpec`: the `config.json` model types and the GGUF architecture it reads, how its config
+keys become `ModelConfig` fields, its parameters' names and shapes, how its checkpoints store
+them. This layer stays generic: its readers are *given* the families (`minipaged.models.FAMILIES`),
+pick the one a file names, and the `ModelConfig` they build carries it (`config.family`), so every
+later step asks the config rather than testing an architecture's name.
 
-Mistral, Qwen2 / Qwen2.5 and Qwen3 are LLaMA with a few switches, each a field here:
-`qkv_bias` (Qwen2), `qk_norm` and an explicit `head_dim` (Qwen3), `o_bias` (LLaMA's and Qwen3's
-`attention_bias`), `sliding_window` (Mistral). minipaged's attention sees every earlier token of
-a sequence, so a model with a sliding window is served only as far as the window reaches (see
-`cap_to_sliding_window`).
+Field names follow Hugging Face where they exist, so a reader can hold the two side by side.
+minipaged's attention sees every earlier token of a sequence, so a model with a sliding window
+is served only as far as the window reaches (see `cap_to_sliding_window`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# The LLaMA family (one model class, `minipaged.models.llama`) and GPT-2.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
-# Hugging Face `model_type` -> architecture. Mistral is LLaMA with a sliding window.
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-
-# The JSON type of each config.json key read (an int is not a bool; a number is an int or a
-# float; null is always allowed and means "not set"), checked before any is used.
-_HF_KEY_TYPES = {
-    **dict.fromkeys(
-        ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-         "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings",
-         "sliding_window", "bos_token_id", "pad_token_id", "n_embd", "n_head", "n_layer",
-         "n_inner", "n_positions"),
-        "int",
-    ),
-    **dict.fromkeys(("rms_norm_eps", "rope_theta", "layer_norm_epsilon"), "number"),
-    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"),
-                    "bool"),
-    **dict.fromkeys(("rope_scaling", "rope_parameters"), "object"),
+# The JSON type of each config.json key every family reads (an int is not a bool; a number is an
+# int or a float; null is always allowed and means "not set"), checked before any is used; a
+# family adds its own keys (`FamilySpec.hf_key_types`).
+HF_KEY_TYPES = {
+    **dict.fromkeys(("vocab_size", "bos_token_id", "pad_token_id"), "int"),
+    "tie_word_embeddings": "bool",
     "model_type": "string",
     "eos_token_id": "int or list of int",
 }
@@ -47,11 +36,42 @@ _POSITIVE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num
                     "head_dim", "intermediate_size", "max_position_embeddings")
 
 
+@dataclass(frozen=True, kw_only=True, repr=False, eq=False)
+class FamilySpec:
+    """Everything the checkpoint readers and the model builder need to know of one family.
+
+    The checkpoint layer reads all but the last two fields; `model_class` and `tp_splits` are
+    carried for the model layer (`minipaged.models.registry.build_model`,
+    `minipaged.models.tensor_parallel`). A family is one object: configs compare it by identity.
+    """
+
+    architecture: str  # `ModelConfig.architecture`, the family's key in the registry
+    hf_model_types: tuple[str, ...]  # the config.json `model_type`s read as this family
+    hf_key_types: Mapping[str, str]  # config.json key -> its JSON type (see HF_KEY_TYPES)
+    # config.json's contents -> the `ModelConfig` fields besides vocabulary and special tokens.
+    from_hf: Callable[[dict[str, Any]], dict[str, Any]]
+    # Every Hugging Face parameter name with its shape, in model order, lm_head left out.
+    shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
+    base_prefix: str = "model."  # the base model's prefix inside Hugging Face's ...ForCausalLM
+    transposed: re.Pattern[str] | None = None  # names stored (in, out), as GPT-2's Conv1D
+    gguf_architecture: str | None = None  # GGUF `general.architecture`; None: no GGUF files
+    # A GGUF file's metadata (`gguf_weights.GGUFMetadata`) -> `ModelConfig` fields, as `from_hf`.
+    from_gguf: Callable[[Any], dict[str, Any]] | None = None
+    gguf_permuted_qk: bool = False  # llama.cpp's converter permuted the Q/K rows (interleaved)
+    check: Callable[[ModelConfig], None] | None = None  # the family's own rules, ValueError
+    model_class: Any = None  # the `CausalLM` class that runs it (layer 3)
+    # Module parameter name pattern -> how tensor parallelism splits it (`split_of`).
+    tp_splits: Mapping[str, str] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return f"FamilySpec({self.architecture!r})"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a decoder-only transformer."""
+    """Hyper-parameters of a decoder-only transformer of one family."""
 
-    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    family: FamilySpec
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -74,11 +94,8 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {self.architecture!r}; "
-                f"minipaged implements {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        if not isinstance(self.family, FamilySpec):
+            raise ValueError(f"family must be a FamilySpec, got {self.family!r:.60}")
         for name in _POSITIVE_FIELDS:
             _check_positive_int(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads != 0:
@@ -86,18 +103,8 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
-        if self.architecture == "gpt2":
-            if self.num_heads * self.head_dim != self.hidden_size:
-                raise ValueError(
-                    f"gpt2 needs num_heads * head_dim == hidden_size, got "
-                    f"{self.num_heads} * {self.head_dim} != {self.hidden_size}"
-                )
-            switches = [n for n in ("qkv_bias", "o_bias", "qk_norm") if getattr(self, n)]
-            if switches or self.sliding_window is not None:
-                raise ValueError(
-                    f"{', '.join(switches) or 'sliding_window'}: LLaMA-family switches, "
-                    f"gpt2 has none of them"
-                )
+        if self.family.check is not None:
+            self.family.check(self)
         if self.norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError(
                 f"norm_eps ({self.norm_eps}) and rope_theta ({self.rope_theta}) must be positive"
@@ -118,87 +125,48 @@ class ModelConfig:
         )
 
     @property
+    def architecture(self) -> str:
+        return self.family.architecture
+
+    @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from the contents of a Hugging Face `config.json`."""
+    def from_hf_dict(cls, cfg: dict[str, Any], families: Mapping[str, FamilySpec]) -> ModelConfig:
+        """Build from the contents of a Hugging Face `config.json`, as the one of `families`
+        whose `hf_model_types` has its `model_type`."""
         if not isinstance(cfg, dict):
             raise ValueError(f"config.json must hold a JSON object, not {type(cfg).__name__}")
-        _check_hf_key_types(cfg)
+        _check_hf_key_types(cfg, HF_KEY_TYPES)
         model_type = cfg.get("model_type", "")
-        if model_type != "gpt2" and model_type not in HF_MODEL_TYPES:
+        family = next((f for f in families.values() if model_type in f.hf_model_types), None)
+        if family is None:
+            known = [name for f in families.values() for name in f.hf_model_types]
             raise ValueError(
                 f"unsupported model_type {model_type!r} in config.json; minipaged implements "
-                f"{', '.join([*HF_MODEL_TYPES, 'gpt2'])}"
+                f"{', '.join(known)}"
             )
+        _check_hf_key_types(cfg, family.hf_key_types)
         eos = cfg.get("eos_token_id")
-        common = dict(
-            vocab_size=_required(cfg, "vocab_size"),
+        return cls(
+            family=family,
+            vocab_size=required(cfg, "vocab_size"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
             pad_token_id=cfg.get("pad_token_id"),
-        )
-        if model_type == "gpt2":
-            hidden, num_heads = _required(cfg, "n_embd"), _required(cfg, "n_head")
-            return cls(
-                architecture="gpt2",
-                hidden_size=hidden,
-                num_layers=_required(cfg, "n_layer"),
-                num_heads=num_heads,
-                num_kv_heads=num_heads,
-                head_dim=head_size(hidden, num_heads, "n_embd", "n_head"),
-                intermediate_size=cfg.get("n_inner") or 4 * hidden,
-                max_position_embeddings=_required(cfg, "n_positions"),
-                norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
-                tie_word_embeddings=cfg.get("tie_word_embeddings", True),
-                **common,
-            )
-        if cfg.get("mlp_bias"):
-            raise ValueError("mlp_bias is true: biases in the MLP are not supported")
-        num_heads, hidden = _required(cfg, "num_attention_heads"), _required(cfg, "hidden_size")
-        if model_type == "qwen3":  # its head size is its own (128), never hidden / heads
-            head_dim = _required(cfg, "head_dim")
-        else:
-            head_dim = cfg.get("head_dim") or head_size(
-                hidden, num_heads, "hidden_size", "num_attention_heads"
-            )
-        attention_bias = bool(cfg.get("attention_bias", False))  # LLaMA's, Qwen3's: q, k, v, o
-        # Qwen's configs name a window they do not use unless `use_sliding_window` says so.
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        return cls(
-            architecture=HF_MODEL_TYPES[model_type],
-            hidden_size=hidden,
-            num_layers=_required(cfg, "num_hidden_layers"),
-            num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            intermediate_size=_required(cfg, "intermediate_size"),
-            max_position_embeddings=cap_to_sliding_window(
-                cfg.get("max_position_embeddings", 2048), window, "config.json"
-            ),
-            norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta")
-            or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0),
-            rope_scaling=_rope_scaling(cfg),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=attention_bias,
-            qk_norm=model_type == "qwen3",
-            sliding_window=window,
-            **common,
+            **family.from_hf(cfg),
         )
 
     @classmethod
-    def from_json_file(cls, path: str | Path) -> ModelConfig:
+    def from_json_file(cls, path: str | Path, families: Mapping[str, FamilySpec]) -> ModelConfig:
         path = Path(path)
         try:
             cfg = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}: not a readable config.json ({exc})") from exc
         try:
-            return cls.from_hf_dict(cfg)
+            return cls.from_hf_dict(cfg, families)
         except (TypeError, AttributeError, KeyError) as exc:  # deeper, e.g. inside rope_scaling
             raise ValueError(
                 f"{path}: inconsistent config.json ({type(exc).__name__}: {exc})"
@@ -261,9 +229,8 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer of at most 2**31 - 1, got {value}")
 
 
-def _check_hf_key_types(cfg: dict[str, Any]) -> None:
-    """Raise `ValueError` naming the first key of `_HF_KEY_TYPES` whose value is of another
-    type."""
+def _check_hf_key_types(cfg: dict[str, Any], key_types: Mapping[str, str]) -> None:
+    """Raise `ValueError` naming the first key of `key_types` whose value is of another type."""
 
     def fits(value: Any, kind: str) -> bool:
         if kind == "int or list of int":
@@ -276,32 +243,15 @@ def _check_hf_key_types(cfg: dict[str, Any]) -> None:
                     "string": str}[kind]
         return isinstance(value, expected)
 
-    for key, kind in _HF_KEY_TYPES.items():
+    for key, kind in key_types.items():
         if cfg.get(key) is not None and not fits(cfg[key], kind):
             raise ValueError(f"config.json: {key} must be {kind}, not {cfg[key]!r:.60}")
 
 
-def _required(cfg: dict[str, Any], key: str) -> Any:
+def required(cfg: dict[str, Any], key: str) -> Any:
     """A key every config.json of this model type must have; its absence is a clear error."""
     if key not in cfg:
         raise ValueError(
             f"config.json (model_type {cfg.get('model_type')!r}) lacks the required key {key!r}"
         )
     return cfg[key]
-
-
-def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """HF's rope scaling dict, always keyed by `rope_type`; None for plain RoPE.
-
-    HF has spelled it `rope_scaling` with a `type` key (older) and `rope_parameters` with
-    `rope_type` and the base `rope_theta` inside (newer); the base lives in `rope_theta` here.
-    """
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-    if not scaling:
-        return None
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return None
-    return {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")} | {
-        "rope_type": kind
-    }

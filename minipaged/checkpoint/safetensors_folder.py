@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.checkpoint.model_config import FamilySpec, ModelConfig
 from minipaged.checkpoint.weight_names import (
     CheckpointError,
     PendingTensor,
@@ -57,10 +58,11 @@ def safetensors_folder(folder: Path) -> tuple[Path, list[Path]]:
     return config_file, files
 
 
-def read_config_json(config_file: Path) -> ModelConfig:
-    """The `ModelConfig` of a config.json; any problem is a `CheckpointError` naming the file."""
+def read_config_json(config_file: Path, families: Mapping[str, FamilySpec]) -> ModelConfig:
+    """The `ModelConfig` of a config.json, as one of `families`; any problem is a
+    `CheckpointError` naming the file."""
     try:
-        return ModelConfig.from_json_file(config_file)
+        return ModelConfig.from_json_file(config_file, families)
     except ValueError as exc:  # from_json_file words its errors; name the file once
         message = str(exc)
         raise CheckpointError(

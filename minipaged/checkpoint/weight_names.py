@@ -1,13 +1,13 @@
-"""The parameters of each model family, named and shaped once, for checkpoints and models alike.
+"""The parameters of a model, named and shaped once, for checkpoints and models alike.
 
-`expected_shapes(config)` lists every tensor a family needs under Hugging Face's name
-(`model.layers.3.self_attn.q_proj.weight`), in Hugging Face's layout, in model order. The
-checkpoint readers check a file against it before reading any data (`check_tensors`), and
-`minipaged.models.registry.build_model` checks a state dict against it and then loads the model by
-name:
-minipaged's modules have Hugging Face's attribute paths once the base model's prefix (`model.`,
-`transformer.`) is dropped, and GPT-2's `Conv1D` weights, stored `(in, out)`, are transposed to
-`nn.Linear`'s `(out, in)` (`to_module_name`, `is_conv1d`).
+`expected_shapes(config)` lists every tensor the config's family needs under Hugging Face's name
+(`model.layers.3.self_attn.q_proj.weight`), in Hugging Face's layout, in model order, from the
+table the family declares (`FamilySpec.shapes`). The checkpoint readers check a file against it
+before reading any data (`check_tensors`), and `minipaged.models.registry.build_model` checks a
+state dict against it and then loads the model by name: minipaged's modules have Hugging Face's
+attribute paths once the base model's prefix (`FamilySpec.base_prefix`) is dropped, and weights
+a family stores `(in, out)` (GPT-2's `Conv1D`) are transposed to `nn.Linear`'s `(out, in)`
+(`to_module_name`, `is_transposed`).
 
 Every problem is a `CheckpointError` (a `ValueError`) whose message names the tensor.
 """
@@ -52,80 +52,14 @@ class PendingTensor:
 # them, so a checkpoint may carry them without being wrong.
 _IGNORABLE = re.compile(r"(^|\.)(rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)$")
 
-# GPT-2's linear layers are Hugging Face `Conv1D`s, whose weight is [in, out].
-_GPT2_CONV1D = re.compile(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
-
-
-def base_prefix(config: ModelConfig) -> str:
-    """The prefix of the base model inside Hugging Face's `...ForCausalLM`."""
-    return "transformer." if config.architecture == "gpt2" else "model."
-
-
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every Hugging Face parameter name the architecture needs, with its shape, in model order.
+    """Every Hugging Face parameter name the family needs, with its shape, in model order.
 
     `lm_head.weight` is listed only when the head is not tied to the token embedding.
     """
-    shapes = _gpt2_shapes(config) if config.architecture == "gpt2" else _llama_shapes(config)
+    shapes = config.family.shapes(config)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
-    return shapes
-
-
-def _llama_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """LLaMA and its relatives: optional q/k/v and output biases, optional per-head q/k norms."""
-    hidden, q_dim, kv_dim = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, hidden)}
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        attn = {
-            "q_proj.weight": (q_dim, hidden),
-            "k_proj.weight": (kv_dim, hidden),
-            "v_proj.weight": (kv_dim, hidden),
-            "o_proj.weight": (hidden, q_dim),
-        }
-        if c.qkv_bias:
-            attn |= {"q_proj.bias": (q_dim,), "k_proj.bias": (kv_dim,), "v_proj.bias": (kv_dim,)}
-        if c.o_bias:
-            attn["o_proj.bias"] = (hidden,)
-        if c.qk_norm:
-            attn |= {"q_norm.weight": (c.head_dim,), "k_norm.weight": (c.head_dim,)}
-        shapes[p + "input_layernorm.weight"] = (hidden,)
-        shapes |= {p + "self_attn." + name: shape for name, shape in attn.items()}
-        shapes |= {
-            p + "post_attention_layernorm.weight": (hidden,),
-            p + "mlp.gate_proj.weight": (c.intermediate_size, hidden),
-            p + "mlp.up_proj.weight": (c.intermediate_size, hidden),
-            p + "mlp.down_proj.weight": (hidden, c.intermediate_size),
-        }
-    shapes["model.norm.weight"] = (hidden,)
-    return shapes
-
-
-def _gpt2_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    hidden, inner = c.hidden_size, c.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "transformer.wte.weight": (c.vocab_size, hidden),
-        "transformer.wpe.weight": (c.max_position_embeddings, hidden),
-    }
-    for i in range(c.num_layers):
-        p = f"transformer.h.{i}."
-        shapes |= {
-            p + "ln_1.weight": (hidden,),
-            p + "ln_1.bias": (hidden,),
-            p + "attn.c_attn.weight": (hidden, 3 * hidden),
-            p + "attn.c_attn.bias": (3 * hidden,),
-            p + "attn.c_proj.weight": (hidden, hidden),
-            p + "attn.c_proj.bias": (hidden,),
-            p + "ln_2.weight": (hidden,),
-            p + "ln_2.bias": (hidden,),
-            p + "mlp.c_fc.weight": (hidden, inner),
-            p + "mlp.c_fc.bias": (inner,),
-            p + "mlp.c_proj.weight": (inner, hidden),
-            p + "mlp.c_proj.bias": (hidden,),
-        }
-    shapes["transformer.ln_f.weight"] = (hidden,)
-    shapes["transformer.ln_f.bias"] = (hidden,)
     return shapes
 
 
@@ -142,18 +76,19 @@ def full_name(config: ModelConfig, name: str, expected: Mapping[str, object]) ->
     as the Hub's original `gpt2` stores it); any other name is returned as it is."""
     if name in expected:
         return name
-    prefixed = base_prefix(config) + name
+    prefixed = config.family.base_prefix + name
     return prefixed if prefixed in expected else name
 
 
-def is_conv1d(config: ModelConfig, name: str) -> bool:
-    """Whether the Hugging Face tensor `name` is a GPT-2 `Conv1D` weight, stored `(in, out)`."""
-    return config.architecture == "gpt2" and bool(_GPT2_CONV1D.search(name))
+def is_transposed(config: ModelConfig, name: str) -> bool:
+    """Whether the family stores the Hugging Face tensor `name` `(in, out)` (GPT-2's `Conv1D`)."""
+    pattern = config.family.transposed
+    return pattern is not None and bool(pattern.search(name))
 
 
 def to_module_name(config: ModelConfig, name: str) -> str:
     """The name of Hugging Face's tensor `name` inside minipaged's model (no base prefix)."""
-    return name.removeprefix(base_prefix(config))
+    return name.removeprefix(config.family.base_prefix)
 
 
 def mismatches(

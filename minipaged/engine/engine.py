@@ -150,13 +150,13 @@ class LLMEngine:
     def from_pretrained(cls, model: str | Path | None = None, **kwargs: Any) -> LLMEngine:
         """Load a model folder or GGUF file (default: the bundled SmolLM2) with its tokenizer."""
         from minipaged.checkpoint.loader import checkpoint_config, default_model_path
-        from minipaged.models.registry import load_model
+        from minipaged.models.registry import FAMILIES, load_model
         from minipaged.tokenizer.tokenizer import Tokenizer
 
         config = EngineConfig(**kwargs)
         path = Path(model) if model is not None else default_model_path()
         if config.tensor_parallel_size > 1:  # every rank reads its own slices
-            source, model_config = CheckpointShards(str(path)), checkpoint_config(path)
+            source, model_config = CheckpointShards(str(path)), checkpoint_config(path, FAMILIES)
             return cls(source, model_config, Tokenizer.from_pretrained(path), config)
         nn_model, model_config = load_model(path, dtype=config.torch_dtype, device="cpu")
         return cls(nn_model, model_config, Tokenizer.from_pretrained(path), config)

@@ -4,15 +4,20 @@ The same pre-norm skeleton as LLaMA with older parts: LayerNorm with biases, a l
 embedding added to the token embedding instead of rotary, one fused q/k/v projection (`c_attn`),
 multi-head attention (as many KV heads as query heads) and a GELU MLP. Parameter names mirror
 Hugging Face's without the `transformer.` prefix; Hugging Face's `Conv1D` weights are transposed
-into `nn.Linear`'s layout when loaded (`minipaged.checkpoint.weight_names`).
+into `nn.Linear`'s layout when loaded. The module ends with the family's declaration (`GPT2`, a
+`FamilySpec`): its config keys, its parameters' names and shapes, its tensor-parallel splits.
 """
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.checkpoint.gguf_weights import GGUFMetadata
+from minipaged.checkpoint.model_config import FamilySpec, ModelConfig, head_size, required
 from minipaged.models.layers import AttentionBackend, CausalLM, Linear, check_flat_batch
 from minipaged.models.tensor_parallel import (
     SINGLE_RANK,
@@ -96,3 +101,103 @@ class GPT2ForCausalLM(CausalLM):
 
     def input_embedding(self) -> nn.Embedding:
         return self.wte
+
+
+# -- the family's declaration: names, shapes, config keys, GGUF quirks ---------------------------
+
+
+def gpt2_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face parameter (lm_head aside) with its shape; `Conv1D` weights `(in, out)`."""
+    hidden, inner = c.hidden_size, c.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "transformer.wte.weight": (c.vocab_size, hidden),
+        "transformer.wpe.weight": (c.max_position_embeddings, hidden),
+    }
+    for i in range(c.num_layers):
+        p = f"transformer.h.{i}."
+        shapes |= {
+            p + "ln_1.weight": (hidden,),
+            p + "ln_1.bias": (hidden,),
+            p + "attn.c_attn.weight": (hidden, 3 * hidden),
+            p + "attn.c_attn.bias": (3 * hidden,),
+            p + "attn.c_proj.weight": (hidden, hidden),
+            p + "attn.c_proj.bias": (hidden,),
+            p + "ln_2.weight": (hidden,),
+            p + "ln_2.bias": (hidden,),
+            p + "mlp.c_fc.weight": (hidden, inner),
+            p + "mlp.c_fc.bias": (inner,),
+            p + "mlp.c_proj.weight": (inner, hidden),
+            p + "mlp.c_proj.bias": (hidden,),
+        }
+    shapes["transformer.ln_f.weight"] = (hidden,)
+    shapes["transformer.ln_f.bias"] = (hidden,)
+    return shapes
+
+
+def gpt2_config_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json's GPT-2 keys (`n_embd`, `n_head`, ...) as `ModelConfig` fields."""
+    hidden, num_heads = required(cfg, "n_embd"), required(cfg, "n_head")
+    return dict(
+        hidden_size=hidden,
+        num_layers=required(cfg, "n_layer"),
+        num_heads=num_heads,
+        num_kv_heads=num_heads,
+        head_dim=head_size(hidden, num_heads, "n_embd", "n_head"),
+        intermediate_size=cfg.get("n_inner") or 4 * hidden,
+        max_position_embeddings=required(cfg, "n_positions"),
+        norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+    )
+
+
+def gpt2_config_from_gguf(meta: GGUFMetadata) -> dict[str, Any]:
+    """The GGUF metadata's GPT-2 keys as `ModelConfig` fields."""
+    num_heads = meta.arch_get("attention.head_count")
+    return dict(
+        head_dim=head_size(meta.arch_get("embedding_length"), num_heads,
+                           "gpt2.embedding_length", "gpt2.attention.head_count"),
+        num_kv_heads=num_heads,
+        max_position_embeddings=meta.arch_get("context_length"),
+        norm_eps=meta.arch_get("attention.layer_norm_epsilon", 1e-5),
+    )
+
+
+def check_gpt2_config(config: ModelConfig) -> None:
+    """GPT-2's heads span the hidden size, and it has none of the LLaMA family's switches."""
+    if config.num_heads * config.head_dim != config.hidden_size:
+        raise ValueError(
+            f"gpt2 needs num_heads * head_dim == hidden_size, got "
+            f"{config.num_heads} * {config.head_dim} != {config.hidden_size}"
+        )
+    switches = [n for n in ("qkv_bias", "o_bias", "qk_norm") if getattr(config, n)]
+    if switches or config.sliding_window is not None:
+        raise ValueError(
+            f"{', '.join(switches) or 'sliding_window'}: LLaMA-family switches, gpt2 has none "
+            f"of them"
+        )
+
+
+GPT2 = FamilySpec(
+    architecture="gpt2",
+    hf_model_types=("gpt2",),
+    hf_key_types={
+        **dict.fromkeys(("n_embd", "n_head", "n_layer", "n_inner", "n_positions"), "int"),
+        "layer_norm_epsilon": "number",
+    },
+    from_hf=gpt2_config_from_hf,
+    shapes=gpt2_shapes,
+    base_prefix="transformer.",
+    # Hugging Face's `Conv1D` linear layers store their weight (in, out).
+    transposed=re.compile(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$"),
+    gguf_architecture="gpt2",
+    from_gguf=gpt2_config_from_gguf,
+    check=check_gpt2_config,
+    model_class=GPT2ForCausalLM,
+    tp_splits={  # how tensor parallelism splits each parameter (`tensor_parallel.split_of`)
+        r"^(wte|lm_head)\.weight$": "vocab",
+        r"\.attn\.c_attn\.(weight|bias)$": "qkv",
+        r"\.attn\.c_proj\.weight$": "attention_row",
+        r"\.mlp\.c_fc\.(weight|bias)$": "mlp_column",
+        r"\.mlp\.c_proj\.weight$": "mlp_row",
+    },
+)

@@ -10,16 +10,27 @@ embeddings, a SwiGLU MLP. The relatives are LLaMA with a switch or two of `Model
 | Qwen3 | `qk_norm`: RMSNorm over each head's q and k before the rotary; its own `head_dim` |
 
 `head_dim` need not be hidden / heads (Qwen3, Mistral Nemo): the projections are sized by it.
-Parameter names mirror Hugging Face's without the `model.` prefix
-(`minipaged.checkpoint.weight_names`).
+Parameter names mirror Hugging Face's without the `model.` prefix. The module ends with the
+family's declaration (`LLAMA`, `QWEN2`, `QWEN3`, each a `FamilySpec`): its config.json and GGUF
+keys, its parameters' names and shapes, llama.cpp's Q/K permutation, its tensor-parallel splits.
 """
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Any
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.checkpoint.gguf_weights import GGUFMetadata
+from minipaged.checkpoint.model_config import (
+    FamilySpec,
+    ModelConfig,
+    cap_to_sliding_window,
+    head_size,
+    required,
+)
 from minipaged.models.layers import (
     AttentionBackend,
     CausalLM,
@@ -131,3 +142,191 @@ class LlamaForCausalLM(CausalLM):
 
     def input_embedding(self) -> nn.Embedding:
         return self.embed_tokens
+
+
+# -- the family's declaration: names, shapes, config keys, GGUF quirks ---------------------------
+
+_LLAMA_KEY_TYPES = {
+    **dict.fromkeys(
+        ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+         "head_dim", "intermediate_size", "max_position_embeddings", "sliding_window"),
+        "int",
+    ),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta"), "number"),
+    **dict.fromkeys(("attention_bias", "mlp_bias", "use_sliding_window"), "bool"),
+    **dict.fromkeys(("rope_scaling", "rope_parameters"), "object"),
+}
+
+
+def llama_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face parameter (lm_head aside) with its shape: optional q/k/v and output
+    biases, optional per-head q/k norms."""
+    hidden, q_dim, kv_dim = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, hidden)}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        attn = {
+            "q_proj.weight": (q_dim, hidden),
+            "k_proj.weight": (kv_dim, hidden),
+            "v_proj.weight": (kv_dim, hidden),
+            "o_proj.weight": (hidden, q_dim),
+        }
+        if c.qkv_bias:
+            attn |= {"q_proj.bias": (q_dim,), "k_proj.bias": (kv_dim,), "v_proj.bias": (kv_dim,)}
+        if c.o_bias:
+            attn["o_proj.bias"] = (hidden,)
+        if c.qk_norm:
+            attn |= {"q_norm.weight": (c.head_dim,), "k_norm.weight": (c.head_dim,)}
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        shapes |= {p + "self_attn." + name: shape for name, shape in attn.items()}
+        shapes |= {
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, hidden),
+            p + "mlp.up_proj.weight": (c.intermediate_size, hidden),
+            p + "mlp.down_proj.weight": (hidden, c.intermediate_size),
+        }
+    shapes["model.norm.weight"] = (hidden,)
+    return shapes
+
+
+def llama_config_from_hf(
+    cfg: dict[str, Any], qkv_bias: bool = False, qk_norm: bool = False
+) -> dict[str, Any]:
+    """config.json's LLaMA keys as `ModelConfig` fields. Qwen2 always has q/k/v biases
+    (`qkv_bias`); Qwen3 has per-head q/k norms (`qk_norm`) and its own head size (128), never
+    hidden / heads, which its config must state."""
+    if cfg.get("mlp_bias"):
+        raise ValueError("mlp_bias is true: biases in the MLP are not supported")
+    num_heads, hidden = required(cfg, "num_attention_heads"), required(cfg, "hidden_size")
+    if qk_norm:
+        head_dim = required(cfg, "head_dim")
+    else:
+        head_dim = cfg.get("head_dim") or head_size(
+            hidden, num_heads, "hidden_size", "num_attention_heads"
+        )
+    attention_bias = bool(cfg.get("attention_bias", False))  # LLaMA's, Qwen3's: q, k, v, o
+    # Qwen's configs name a window they do not use unless `use_sliding_window` says so.
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    return dict(
+        hidden_size=hidden,
+        num_layers=required(cfg, "num_hidden_layers"),
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        intermediate_size=required(cfg, "intermediate_size"),
+        max_position_embeddings=cap_to_sliding_window(
+            cfg.get("max_position_embeddings", 2048), window, "config.json"
+        ),
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=cfg.get("rope_theta")
+        or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+        rope_scaling=_hf_rope_scaling(cfg),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        qkv_bias=qkv_bias or attention_bias,
+        o_bias=attention_bias,
+        qk_norm=qk_norm,
+        sliding_window=window,
+    )
+
+
+def _hf_rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """HF's rope scaling dict, always keyed by `rope_type`; None for plain RoPE.
+
+    HF has spelled it `rope_scaling` with a `type` key (older) and `rope_parameters` with
+    `rope_type` and the base `rope_theta` inside (newer); the base lives in `rope_theta` here.
+    """
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    return {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")} | {
+        "rope_type": kind
+    }
+
+
+def llama_config_from_gguf(meta: GGUFMetadata, qkv_bias: bool = False,
+                           qk_norm: bool = False) -> dict[str, Any]:
+    """The GGUF metadata's LLaMA keys as `ModelConfig` fields (`qkv_bias`, `qk_norm` as in
+    `llama_config_from_hf`); q/k/v and output biases also when the file has them."""
+    num_heads = meta.arch_get("attention.head_count")
+    head_dim = meta.arch_get("attention.key_length", None)
+    if head_dim is None:
+        head_dim = head_size(
+            meta.arch_get("embedding_length"), num_heads,
+            f"{meta.architecture}.embedding_length", f"{meta.architecture}.attention.head_count",
+        )
+    if meta.arch_get("rope.dimension_count", head_dim) != head_dim:
+        raise ValueError(
+            f"{meta.architecture}.rope.dimension_count "
+            f"{meta.arch_get('rope.dimension_count')} != head dim {head_dim}: partial rotary "
+            f"embeddings are not supported"
+        )
+    if "rope_freqs.weight" in meta.tensor_names:
+        raise ValueError(
+            "rope_freqs.weight (per-frequency rope factors, llama.cpp's form of llama3 rope "
+            "scaling) is not supported"
+        )
+    window = meta.arch_get("attention.sliding_window", None)
+    return dict(
+        head_dim=head_dim,
+        num_kv_heads=meta.arch_get("attention.head_count_kv", num_heads),
+        max_position_embeddings=cap_to_sliding_window(
+            meta.arch_get("context_length"), window, str(meta.file)
+        ),
+        norm_eps=meta.arch_get("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=meta.arch_get("rope.freq_base", 10000.0),
+        rope_scaling=_gguf_rope_scaling(meta),
+        qkv_bias=qkv_bias or "blk.0.attn_q.bias" in meta.tensor_names,
+        o_bias="blk.0.attn_output.bias" in meta.tensor_names,
+        qk_norm=qk_norm,
+        sliding_window=window,
+    )
+
+
+def _gguf_rope_scaling(meta: GGUFMetadata) -> dict[str, Any] | None:
+    """llama.cpp's `{arch}.rope.scaling.*` keys as Hugging Face's `rope_scaling` dict."""
+    kind = meta.arch_get("rope.scaling.type", None)
+    if kind in (None, "none"):
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": meta.arch_get("rope.scaling.factor")}
+    original = meta.arch_get("rope.scaling.original_context_length", None)
+    if original is not None:
+        scaling["original_max_position_embeddings"] = original
+    return scaling
+
+
+# How tensor parallelism splits each parameter (`minipaged.models.tensor_parallel.split_of`).
+LLAMA_TP_SPLITS = {
+    r"^(embed_tokens|lm_head)\.weight$": "vocab",
+    r"\.self_attn\.q_proj\.(weight|bias)$": "query",
+    r"\.self_attn\.(k|v)_proj\.(weight|bias)$": "key_value",
+    r"\.self_attn\.o_proj\.weight$": "attention_row",
+    r"\.mlp\.(gate|up)_proj\.weight$": "mlp_column",
+    r"\.mlp\.down_proj\.weight$": "mlp_row",
+}
+
+
+def llama_family(architecture: str, hf_model_types: tuple[str, ...], *, qkv_bias: bool = False,
+                 qk_norm: bool = False, gguf_permuted_qk: bool = False) -> FamilySpec:
+    """A member of the LLaMA family: LLaMA with Qwen2's `qkv_bias` or Qwen3's `qk_norm`."""
+    switches = dict(qkv_bias=qkv_bias, qk_norm=qk_norm)
+    return FamilySpec(
+        architecture=architecture,
+        hf_model_types=hf_model_types,
+        hf_key_types=_LLAMA_KEY_TYPES,
+        from_hf=partial(llama_config_from_hf, **switches),
+        shapes=llama_shapes,
+        gguf_architecture=architecture,
+        from_gguf=partial(llama_config_from_gguf, **switches),
+        gguf_permuted_qk=gguf_permuted_qk,
+        model_class=LlamaForCausalLM,
+        tp_splits=LLAMA_TP_SPLITS,
+    )
+
+
+# llama.cpp's converter permutes LLaMA's Q/K rows for its interleaved rotary, not Qwen's.
+LLAMA = llama_family("llama", ("llama", "mistral"), gguf_permuted_qk=True)  # Mistral: a window
+QWEN2 = llama_family("qwen2", ("qwen2",), qkv_bias=True)
+QWEN3 = llama_family("qwen3", ("qwen3",), qk_norm=True)

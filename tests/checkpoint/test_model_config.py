@@ -11,6 +11,7 @@ from tiny_models import assert_llama_config_matches
 from transformers import GPT2Config, LlamaConfig
 
 from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.models.registry import FAMILIES
 
 ROPE_SCALINGS = [
     None,
@@ -30,7 +31,7 @@ ROPE_SCALINGS = [
 def saved(hf_config, tmp_path) -> ModelConfig:
     """Write the config as save_pretrained does and read it back."""
     hf_config.save_pretrained(tmp_path)
-    return ModelConfig.from_json_file(tmp_path / "config.json")
+    return ModelConfig.from_json_file(tmp_path / "config.json", FAMILIES)
 
 
 def hf_rope_scaling(hf: LlamaConfig) -> dict | None:
@@ -104,7 +105,7 @@ def test_older_config_spellings() -> None:
         "rope_scaling": {"type": "linear", "factor": 2.0},
         "eos_token_id": 3,
     }
-    ours = ModelConfig.from_hf_dict(cfg)
+    ours = ModelConfig.from_hf_dict(cfg, FAMILIES)
     assert ours.rope_theta == 500000.0
     assert ours.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert ours.num_kv_heads == 4 and ours.head_dim == 16
@@ -141,7 +142,7 @@ def test_gpt2_config_matches_transformers(tmp_path, n_inner) -> None:
 # --------------------------------------------------------------------------------------------
 
 VALID = dict(
-    architecture="llama",
+    family=FAMILIES["llama"],
     vocab_size=10,
     hidden_size=8,
     num_layers=1,
@@ -156,7 +157,7 @@ VALID = dict(
 @pytest.mark.parametrize(
     ("change", "words"),
     [
-        ({"architecture": "bert"}, "unsupported architecture 'bert'"),
+        ({"family": "bert"}, "family must be a FamilySpec, got 'bert'"),
         ({"num_kv_heads": 3}, "multiple of num_kv_heads"),
         ({"hidden_size": 0}, "hidden_size must be a positive integer"),
         ({"num_layers": -1}, "num_layers must be a positive integer"),
@@ -164,7 +165,7 @@ VALID = dict(
         ({"max_position_embeddings": 2**40}, "max_position_embeddings must be a positive integer "
                                              "of at most 2**31 - 1"),
         ({"norm_eps": 0.0}, "must be positive"),
-        ({"architecture": "gpt2", "num_kv_heads": 2, "head_dim": 3}, "num_heads * head_dim"),
+        ({"family": FAMILIES["gpt2"], "num_kv_heads": 2, "head_dim": 3}, "num_heads * head_dim"),
     ],
 )
 def test_invalid_config_values(change, words) -> None:
@@ -177,13 +178,13 @@ def test_config_json_problems(tmp_path) -> None:
     path = tmp_path / "config.json"
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not a readable config.json"):
-        ModelConfig.from_json_file(path)
+        ModelConfig.from_json_file(path, FAMILIES)
     path.write_text(json.dumps({"model_type": "llama", "vocab_size": 3}))
     with pytest.raises(ValueError, match="lacks the required key 'num_attention_heads'"):
-        ModelConfig.from_json_file(path)
+        ModelConfig.from_json_file(path, FAMILIES)
     path.write_text(json.dumps({"model_type": "t5"}))
     with pytest.raises(ValueError, match="unsupported model_type 't5'"):
-        ModelConfig.from_json_file(path)
+        ModelConfig.from_json_file(path, FAMILIES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,9 +212,9 @@ SMALL = dict(
 def test_config_json_values_of_the_wrong_type_are_refused_naming_the_key(key, value, kind):
     cfg = {"model_type": "llama", **SMALL, key: value}
     with pytest.raises(ValueError, match=f"config.json: {key} must be {kind}, not"):
-        ModelConfig.from_hf_dict(cfg)
+        ModelConfig.from_hf_dict(cfg, FAMILIES)
     with pytest.raises(ValueError, match="must hold a JSON object"):
-        ModelConfig.from_hf_dict([cfg])
+        ModelConfig.from_hf_dict([cfg], FAMILIES)
 
 
 @pytest.mark.parametrize(
@@ -245,9 +246,9 @@ def test_qwen_window_counts_only_when_used() -> None:
     cfg = dict(model_type="qwen2", vocab_size=32, hidden_size=32, num_hidden_layers=1,
                num_attention_heads=4, intermediate_size=64, max_position_embeddings=128,
                sliding_window=16, use_sliding_window=False)
-    assert ModelConfig.from_hf_dict(cfg).max_position_embeddings == 128
+    assert ModelConfig.from_hf_dict(cfg, FAMILIES).max_position_embeddings == 128
     with pytest.warns(UserWarning, match="sliding_window 16"):
-        used = ModelConfig.from_hf_dict(cfg | {"use_sliding_window": True})
+        used = ModelConfig.from_hf_dict(cfg | {"use_sliding_window": True}, FAMILIES)
     assert (used.sliding_window, used.max_position_embeddings) == (16, 16)
 
 
@@ -280,7 +281,7 @@ def test_window_shorter_than_context_is_rejected() -> None:
         ({"eos_token_ids": (3, 10)}, "eos_token_id 10 is outside the vocabulary of 10 tokens"),
         ({"bos_token_id": -1}, "bos_token_id -1 is outside"),
         ({"pad_token_id": 99}, "pad_token_id 99 is outside"),
-        ({"architecture": "gpt2", "num_kv_heads": 2, "qk_norm": True}, "qk_norm"),
+        ({"family": FAMILIES["gpt2"], "num_kv_heads": 2, "qk_norm": True}, "qk_norm"),
         ({"sliding_window": 0}, "sliding_window must be a positive integer"),
     ],
 )
@@ -305,4 +306,4 @@ def test_head_size_problems(cfg, words) -> None:
     base = {"vocab_size": 32, "hidden_size": 64, "num_hidden_layers": 1,
             "num_attention_heads": 4, "intermediate_size": 64}
     with pytest.raises(ValueError, match=words):
-        ModelConfig.from_hf_dict(base | cfg)
+        ModelConfig.from_hf_dict(base | cfg, FAMILIES)

@@ -23,9 +23,10 @@ from safetensors.torch import save_file
 from minipaged.checkpoint.model_config import ModelConfig
 from minipaged.checkpoint.safetensors_folder import safetensors_folder, safetensors_tensors
 from minipaged.checkpoint.weight_names import CheckpointError
+from minipaged.models.registry import FAMILIES
 
 CONFIG = ModelConfig(
-    architecture="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+    family=FAMILIES["llama"], vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
     num_kv_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=256,
     norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=True,
     qkv_bias=False, o_bias=False, qk_norm=False, sliding_window=None, bos_token_id=1,

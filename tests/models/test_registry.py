@@ -29,7 +29,7 @@ from tiny_models import random_gpt2, random_hf, random_llama  # noqa: E402
 from minipaged.attention.contract import dense_attention  # noqa: E402
 from minipaged.checkpoint.loader import load_checkpoint  # noqa: E402
 from minipaged.checkpoint.model_config import ModelConfig  # noqa: E402
-from minipaged.checkpoint.weight_names import expected_shapes, is_conv1d, to_module_name  # noqa: E402
+from minipaged.checkpoint.weight_names import expected_shapes, is_transposed, to_module_name  # noqa: E402
 from minipaged.engine.config import EngineConfig  # noqa: E402
 from minipaged.engine.engine import LLMEngine  # noqa: E402
 from minipaged.models.layers import (  # noqa: E402
@@ -44,7 +44,7 @@ from minipaged.models.layers import (  # noqa: E402
     uses_onednn,
 )
 from minipaged.models.registry import (  # noqa: E402
-    MODEL_CLASSES,
+    FAMILIES,
     CheckpointMismatchError,
     build_model,
 )
@@ -148,7 +148,7 @@ def _pair(name: str, tmp_root: str):
     sharded = name in FAMILY_CASES and FAMILY_CASES[name][2]
     hf.save_pretrained(folder, max_shard_size="20KB" if sharded else "1GB")
     assert (folder / "model.safetensors.index.json").exists() == sharded
-    config, state_dict = load_checkpoint(folder, progress=False)
+    config, state_dict = load_checkpoint(folder, FAMILIES, progress=False)
     return hf, build_model(config, state_dict)
 
 
@@ -267,7 +267,7 @@ def test_batched_decode_equals_per_sequence_oracle(lengths, extra, heads, seed):
      ({"rope_type": "yarn", "factor": 2.0}, "unsupported rope scaling 'yarn'")],
 )
 def test_rope_scaling_without_its_numbers_is_refused_naming_them(scaling, words):
-    config = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, num_layers=1,
+    config = ModelConfig(family=FAMILIES["llama"], vocab_size=64, hidden_size=32, num_layers=1,
                          num_heads=2, num_kv_heads=2, head_dim=16, intermediate_size=64,
                          max_position_embeddings=64, rope_scaling=scaling)
     with pytest.raises(ValueError, match=re.escape(words)):
@@ -396,7 +396,8 @@ def test_generate_dense_equals_transformers_generate(tmp_root):
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 0.1), (torch.float16, 0.02)])
 def test_half_precision_is_close_to_float32(tmp_root, dtype, tol):
     hf, model32 = _pair("gqa3-untied-theta", tmp_root)
-    config = ModelConfig.from_json_file(Path(tmp_root) / "gqa3-untied-theta" / "config.json")
+    config_json = Path(tmp_root) / "gqa3-untied-theta" / "config.json"
+    config = ModelConfig.from_json_file(config_json, FAMILIES)
     model = build_model(config, hf.state_dict(), dtype=dtype)
     assert model.embed_tokens.weight.dtype == dtype
     seqs = [[3, 9, 27, 81, 50], [7, 7]]
@@ -507,14 +508,14 @@ def test_tied_head_shares_the_embedding(tmp_root):
 def test_gpt2_accepts_names_without_prefix(tmp_root):
     hf, model = _pair("gpt2-4heads", tmp_root)
     bare = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items()}
-    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    config = ModelConfig.from_hf_dict(hf.config.to_dict(), FAMILIES)
     seqs = [[1, 2, 3, 4]]
     assert torch.equal(_flat_forward(build_model(config, bare), seqs), _flat_forward(model, seqs))
 
 
 def test_bad_state_dict_names_the_tensor(tmp_root):
     hf, _ = _pair("gqa3-untied-theta", tmp_root)
-    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    config = ModelConfig.from_hf_dict(hf.config.to_dict(), FAMILIES)
     sd = dict(hf.state_dict())
     del sd["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(CheckpointMismatchError, match="layers.1.mlp.up_proj.weight"):
@@ -581,7 +582,7 @@ def test_mistral_window_caps_the_context(tmp_path):
         num_attention_heads=4, num_key_value_heads=2, sliding_window=16)))
     hf.save_pretrained(tmp_path)
     with pytest.warns(UserWarning, match="sliding_window 16 < context length 64"):
-        config, state = load_checkpoint(tmp_path, progress=False)
+        config, state = load_checkpoint(tmp_path, FAMILIES, progress=False)
     assert (config.sliding_window, config.max_position_embeddings) == (16, 16)
     model = build_model(config, state)
     seq = [(7 * i + 3) % VOCAB for i in range(24)]
@@ -606,28 +607,28 @@ def test_mistral_window_caps_the_context(tmp_path):
 
 
 def test_weight_table_names_the_modules_parameters():
-    """The one table of names and shapes (`minipaged.checkpoint.weight_names`) is exactly what each
-    family's modules hold, for every switch: biases, q/k norms, head sizes, tied and untied
+    """The table of names and shapes each family declares (`FamilySpec.shapes`) is exactly what
+    its modules hold, for every switch: biases, q/k norms, head sizes, tied and untied
     heads."""
     base = dict(vocab_size=11, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
                 head_dim=4, intermediate_size=12, max_position_embeddings=16)
     configs = [
-        ModelConfig(architecture="llama", **base),
-        ModelConfig(architecture="llama", **base, qkv_bias=True, o_bias=True),
-        ModelConfig(architecture="qwen2", **base, qkv_bias=True, tie_word_embeddings=True),
-        ModelConfig(architecture="qwen3", **(base | dict(head_dim=6)), qk_norm=True),
-        ModelConfig(architecture="gpt2", **(base | dict(num_kv_heads=2))),
-        ModelConfig(architecture="gpt2", **(base | dict(num_kv_heads=2)),
+        ModelConfig(family=FAMILIES["llama"], **base),
+        ModelConfig(family=FAMILIES["llama"], **base, qkv_bias=True, o_bias=True),
+        ModelConfig(family=FAMILIES["qwen2"], **base, qkv_bias=True, tie_word_embeddings=True),
+        ModelConfig(family=FAMILIES["qwen3"], **(base | dict(head_dim=6)), qk_norm=True),
+        ModelConfig(family=FAMILIES["gpt2"], **(base | dict(num_kv_heads=2))),
+        ModelConfig(family=FAMILIES["gpt2"], **(base | dict(num_kv_heads=2)),
                     tie_word_embeddings=False),
     ]
     for config in configs:
         with torch.device("meta"):
-            model = MODEL_CLASSES[config.architecture](config)
+            model = config.family.model_class(config)
         held = {name: tuple(p.shape) for name, p in model.named_parameters()}
         if config.tie_word_embeddings:
             del held["lm_head.weight"]
         table = {
-            to_module_name(config, name): shape[::-1] if is_conv1d(config, name) else shape
+            to_module_name(config, name): shape[::-1] if is_transposed(config, name) else shape
             for name, shape in expected_shapes(config).items()
         }
         assert table == held, config

@@ -24,6 +24,7 @@ from minipaged.checkpoint.model_config import ModelConfig
 from minipaged.engine.config import EngineConfig
 from minipaged.engine.engine import LLMEngine
 from minipaged.engine.llm import LLM
+from minipaged.models.llama import LLAMA
 from minipaged.models.tensor_parallel import (
     TensorParallel,
     TensorParallelError,
@@ -45,7 +46,7 @@ TIMEOUT_S = 10.0  # collectives of the test engines: a dead worker is reported w
 
 def config_of(heads: int, kv: int, inner: int = 64, vocab: int = 64) -> ModelConfig:
     return ModelConfig(
-        architecture="llama", vocab_size=vocab, hidden_size=heads * 8, num_layers=1,
+        family=LLAMA, vocab_size=vocab, hidden_size=heads * 8, num_layers=1,
         num_heads=heads, num_kv_heads=kv, head_dim=8, intermediate_size=inner,
         max_position_embeddings=64,
     )
@@ -360,6 +361,7 @@ def test_command_line_flag_reaches_the_engine_and_its_checks(bundled_path, capsy
 TORCHRUN_SCRIPT = """
 import json, sys
 from minipaged.checkpoint.loader import checkpoint_config
+from minipaged.models.registry import FAMILIES
 from minipaged.engine.engine import LLMEngine
 from minipaged.engine.config import EngineConfig
 from minipaged.parallel.worker import CheckpointShards
@@ -368,7 +370,7 @@ from minipaged.sampling.params import SamplingParams
 path, size, prompts = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 config = EngineConfig(block_size=4, num_gpu_blocks=32, num_cpu_blocks=0, device="cpu",
                       tensor_parallel_size=size, tensor_parallel_timeout=30)
-engine = LLMEngine(CheckpointShards(path), checkpoint_config(path), None, config)
+engine = LLMEngine(CheckpointShards(path), checkpoint_config(path, FAMILIES), None, config)
 params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 ids = [engine.add_request(None, p, params) for p in prompts]  # rank 0 only gets here
 finals = engine.run_until_done()
@@ -405,6 +407,7 @@ def test_torchrun_ranks_serve_rank_0s_plans(tmp_path):
 ORPHAN_SCRIPT = """
 import sys, time
 from minipaged.checkpoint.loader import checkpoint_config
+from minipaged.models.registry import FAMILIES
 from minipaged.engine.engine import LLMEngine
 from minipaged.engine.config import EngineConfig
 from minipaged.parallel.worker import CheckpointShards
@@ -413,7 +416,7 @@ if __name__ == "__main__":  # the spawned workers import this file
     path = sys.argv[1]
     config = EngineConfig(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0, device="cpu",
                           tensor_parallel_size=2)
-    engine = LLMEngine(CheckpointShards(path), checkpoint_config(path), None, config)
+    engine = LLMEngine(CheckpointShards(path), checkpoint_config(path, FAMILIES), None, config)
     print("WORKERS", *engine.runner.worker_pids, flush=True)
     time.sleep(120)
 """
@@ -422,6 +425,7 @@ if __name__ == "__main__":  # the spawned workers import this file
 UNGUARDED_SCRIPT = """
 import sys
 from minipaged.checkpoint.loader import checkpoint_config
+from minipaged.models.registry import FAMILIES
 from minipaged.engine.engine import LLMEngine
 from minipaged.engine.config import EngineConfig
 from minipaged.parallel.worker import CheckpointShards
@@ -429,7 +433,7 @@ from minipaged.parallel.worker import CheckpointShards
 path = sys.argv[1]  # no `if __name__ == "__main__":` guard
 config = EngineConfig(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0, device="cpu",
                       tensor_parallel_size=2)
-LLMEngine(CheckpointShards(path), checkpoint_config(path), None, config)
+LLMEngine(CheckpointShards(path), checkpoint_config(path, FAMILIES), None, config)
 """
 
 

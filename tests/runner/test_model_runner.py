@@ -23,6 +23,7 @@ from minipaged.attention.reference import paged_attention, plan_attention
 from minipaged.checkpoint.model_config import ModelConfig
 from minipaged.models.gpt2 import GPT2ForCausalLM
 from minipaged.models.llama import LlamaForCausalLM
+from minipaged.models.registry import FAMILIES
 from minipaged.runner.backends import PagedAttentionBackend
 from minipaged.runner.model_runner import BatchEntry, CacheOps, ModelRunner
 
@@ -31,7 +32,7 @@ VOCAB = 64
 
 def tiny_config(architecture: str = "llama") -> ModelConfig:
     return ModelConfig(
-        architecture=architecture,
+        family=FAMILIES[architecture],
         vocab_size=VOCAB,
         hidden_size=32,
         num_layers=2,
