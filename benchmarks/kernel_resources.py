@@ -5,7 +5,7 @@ launchers use on a GPU, read from Triton's compiler on a machine without one.
     python benchmarks/kernel_resources.py --workers 2   # compile in 2 processes
 
 `minipaged.kernels.aot` plans the launches of every configuration of `aot.CONFIGURATIONS`
-(cache dtypes float32 / float16 / bfloat16, head dims 64 and 128, GQA groups 1, 3, 4 and 8,
+(cache dtypes float32 / float16 / bfloat16, head dims 64, 128 and 256, GQA groups 1, 3, 4 and 8,
 block sizes 16 and 32, each with the tiles and warps the launchers pick on a GPU), compiles each
 distinct program for sm_80 and sm_90 and reads its cubin. Occupancy is computed as CUDA's
 occupancy calculator does, from the published per-SM limits of an A100 (for sm_80) and an H100
@@ -31,7 +31,7 @@ from gpu_check import DECODE_CASES, DecodeCase
 from machine import report_header, save_report
 
 from minipaged.kernels.decode import split_count
-from minipaged.kernels.launch import default_key_tile
+from minipaged.kernels.launch import MIN_DOT_SIZE, default_key_tile, pow2_at_least
 
 RESULTS = Path(__file__).parent / "results" / "kernel_resources.json"
 KiB = 1024
@@ -106,7 +106,8 @@ def decode_roofline(case: DecodeCase, gpu: Gpu) -> dict:
     b, ctx, h, hkv, d = case.batch, case.context, case.num_heads, case.num_kv_heads, case.head_dim
     dtype = getattr(torch, case.dtype)
     elem = dtype.itemsize
-    splits = split_count(b, hkv, ctx, default_key_tile(case.block_size, dtype), gpu.sms)
+    key_tile = default_key_tile(dtype, pow2_at_least(d, MIN_DOT_SIZE))
+    splits = split_count(b, hkv, ctx, key_tile, gpu.sms)
     kv = 2 * b * ctx * hkv * d * elem
     q_out = 2 * b * h * d * elem
     tables = b * hkv * math.ceil(ctx / case.block_size) * 4
@@ -204,7 +205,7 @@ def summary(rows: list[dict]) -> list[dict]:
             cache = "float32" if row["dtype"] == "float32" else "16-bit"
             groups[row["kernel"], row["arch"], cache, str(row["head_dim"])].append(row)
         else:
-            groups[row["kernel"], row["arch"], "all", "64, 128"].append(row)
+            groups[row["kernel"], row["arch"], "all", "64, 128, 256"].append(row)
     out = []
     for (kernel, arch, cache, head_dim), members in sorted(groups.items(), key=summary_order):
         tensor = (f"{span(column(members, 'tensor_core_dots'))} of "

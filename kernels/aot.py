@@ -99,7 +99,8 @@ class Program:
     resources: dict[str, Any] = field(default_factory=dict)  # filled by compiling
 
 
-# GQA groups of the bundled model and of common ones, each at head dims 64 and 128.
+# GQA groups of the bundled model and of common ones, each at head dims 64, 128 and 256
+# (Gemma's).
 GROUPS = {  # group -> (name, query heads, KV heads)
     1: ("mha", 32, 32),         # Llama-2-7B
     3: ("smollm2", 9, 3),       # SmolLM2-135M, the bundled model
@@ -107,7 +108,7 @@ GROUPS = {  # group -> (name, query heads, KV heads)
     8: ("llama3-70b", 64, 8),
 }
 HEAD_SHAPES = {(group, d): HeadShape(name, h, hkv, d)
-               for group, (name, h, hkv) in GROUPS.items() for d in (64, 128)}
+               for group, (name, h, hkv) in GROUPS.items() for d in (64, 128, 256)}
 CONFIGURATIONS = [Configuration(heads, bs, dtype)
                   for heads in HEAD_SHAPES.values() for bs in (16, 32)
                   for dtype in ("float32", "float16", "bfloat16")]
@@ -117,6 +118,7 @@ COVERING = [Configuration(HEAD_SHAPES[group, d], bs, dtype) for group, d, bs, dt
     (1, 64, 16, "float32"), (3, 128, 32, "float32"),
     (4, 64, 16, "float16"), (8, 128, 32, "float16"),
     (3, 64, 16, "bfloat16"), (4, 128, 32, "bfloat16"),
+    (1, 256, 32, "float32"), (3, 256, 16, "float16"), (8, 256, 32, "bfloat16"),
 ]]
 
 

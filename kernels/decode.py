@@ -170,6 +170,14 @@ def split_count(
     return max(1, min(splits, triton.cdiv(max_seq_len, key_tile), MAX_SPLITS))
 
 
+def decode_warps(dtype: torch.dtype, head_dim_pad: int) -> int:
+    """Warps of a stage-1 program: 4, or 8 for float32 caches at head dims above 128, whose
+    [16, head dim] accumulator and tf32x3 operands (two TF32 parts each) spill out of 4 warps'
+    registers on sm_90 (24-56 bytes of stack at head dim 256, with 16- or 32-key tiles;
+    `minipaged.kernels.aot`)."""
+    return 8 if dtype == torch.float32 and head_dim_pad > 128 else 4
+
+
 def paged_decode_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -189,7 +197,7 @@ def paged_decode_attention(
 
     The attention contract (`minipaged.attention.contract`) restricted to one query per sequence.
     `num_splits` partitions per context (None: chosen for the device); `key_tile` keys per loop
-    iteration (a power of two >= 16 and >= the block size; None: chosen for the device).
+    iteration (a power of two >= 16; None: chosen for the device).
     `max_query_len` is accepted for signature parity and must be 1 if given; `max_seq_len` saves a
     host sync. `validate=False` skips the argument checks (and their host syncs).
     """
@@ -225,10 +233,11 @@ def decode_launches(
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     num_seqs = block_tables.shape[0]
     block_size = k_cache.shape[1]
-    if key_tile is None:
-        key_tile = default_key_tile(block_size, k_cache.dtype)
-    check_power_of_two("key_tile", key_tile, max(block_size, MIN_DOT_SIZE))
     _, num_heads, head_dim = q.shape
+    head_dim_pad = pow2_at_least(head_dim, MIN_DOT_SIZE)
+    if key_tile is None:
+        key_tile = default_key_tile(k_cache.dtype, head_dim_pad)
+    check_power_of_two("key_tile", key_tile, MIN_DOT_SIZE)
     num_kv_heads = k_cache.shape[2]
     if num_splits is None:
         if max_seq_len is None:
@@ -241,7 +250,6 @@ def decode_launches(
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim,
                            dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    head_dim_pad = pow2_at_least(head_dim, MIN_DOT_SIZE)
     partitions = KernelLaunch(
         "decode_partition", _decode_partition_kernel, (num_seqs, num_kv_heads, num_splits),
         (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, part_out, part_lse,
@@ -250,6 +258,7 @@ def decode_launches(
         dict(GROUP=group, GROUP_PAD=pow2_at_least(group, MIN_DOT_SIZE),
              HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
              BLOCK_SIZE=block_size, KEY_TILE=key_tile, UPCAST=interpreting()),
+        num_warps=decode_warps(k_cache.dtype, head_dim_pad),
     )
     # Every split count merges in one program (masked rows cost no memory traffic), so a new
     # batch size never compiles a new one.

@@ -19,6 +19,8 @@ import triton
 
 # `tl.dot` on a GPU needs every dimension to be at least 16.
 MIN_DOT_SIZE = 16
+# The most elements of a float32 K or V tile that stay in registers beside the other tiles.
+FP32_KV_TILE_ELEMENTS = 4096
 
 
 @dataclass(frozen=True)
@@ -59,16 +61,20 @@ def check_power_of_two(name: str, value: int, minimum: int = 1) -> None:
         raise ValueError(f"{name} must be a power of two >= {minimum}, got {value}")
 
 
-def default_key_tile(block_size: int, dtype: torch.dtype) -> int:
-    """Keys per inner-loop iteration: a whole number of cache blocks, at least 16 for `tl.dot`.
+def default_key_tile(dtype: torch.dtype, head_dim_pad: int) -> int:
+    """Keys per inner-loop iteration: a power of two >= 16 for `tl.dot`, set by the registers a
+    K or V tile takes, not by the cache's block size (each key finds its own block through the
+    block table, so a tile may hold part of a block or several).
 
-    On a GPU, 64 keys for 16-bit caches and 32 for float32 ones. A float32 K or V tile is twice
+    On a GPU, 64 keys for 16-bit caches, and for float32 ones a tile of at most
+    `FP32_KV_TILE_ELEMENTS` (32 keys up to head dim 128, 16 at 256). A float32 tile is twice
     the bytes, and "tf32x3" keeps every float32 operand as two TF32 parts besides, so 64-key
-    float32 tiles at head dim 128 need more than the 255 registers a thread can have and spill
-    to local memory (`minipaged.kernels.aot` measures it). The interpreter takes 128.
+    float32 tiles at head dim 128, or 32-key ones at 256, need more than the 255 registers a
+    thread can have and spill to local memory (`minipaged.kernels.aot` measures it). The
+    interpreter takes 128.
     """
     if interpreting():
-        target = 128
-    else:
-        target = 32 if dtype == torch.float32 else 64
-    return max(target, block_size, MIN_DOT_SIZE)
+        return 128
+    if dtype != torch.float32:
+        return 64
+    return max(min(32, FP32_KV_TILE_ELEMENTS // head_dim_pad), MIN_DOT_SIZE)

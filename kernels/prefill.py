@@ -113,17 +113,20 @@ def _prefill_kernel(
 def default_query_tile(group_pad: int, dtype: torch.dtype, head_dim_pad: int) -> int:
     """Queries per program, so that a program has `rows = query tile x group` query rows.
 
-    The interpreter takes 128 rows. A GPU takes 64 rows for 16-bit caches; for float32 ones,
-    whose "tf32x3" products keep every operand as two TF32 parts, [rows, head dim] tiles of at
-    most 2048 elements (32 rows at head dim 64, 16 at 128) keep a thread within its 255
-    registers. At least 16 rows, the smallest `tl.dot`.
+    The interpreter takes 128 rows. On a GPU the [rows, head dim] query and accumulator tiles
+    are what a thread must hold in registers (at most 255): for 16-bit caches tiles of at
+    most 8192 elements (64 rows up to head dim 128, 32 at 256: 64 rows spill 48-280 bytes
+    there); for float32 ones, whose "tf32x3" products keep every operand as two TF32 parts, of
+    at most 2048 (32 rows at head dim 64, 16 at 128 and above). At least 16 rows, the
+    smallest `tl.dot`.
     """
     if interpreting():
         rows = 128
     elif dtype == torch.float32:
-        rows = max(2048 // head_dim_pad, MIN_DOT_SIZE)
+        rows = 2048 // head_dim_pad
     else:
-        rows = 64
+        rows = min(64, 8192 // head_dim_pad)
+    rows = max(rows, MIN_DOT_SIZE)
     return max(rows // group_pad, 1, triton.cdiv(MIN_DOT_SIZE, group_pad))
 
 
@@ -175,15 +178,15 @@ def prefill_launches(
     `minipaged.kernels.aot` compiles exactly this launch for a GPU.
     """
     block_size = k_cache.shape[1]
-    if key_tile is None:
-        key_tile = default_key_tile(block_size, k_cache.dtype)
-    check_power_of_two("key_tile", key_tile, max(block_size, MIN_DOT_SIZE))
     num_seqs = block_tables.shape[0]
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     group_pad = pow2_at_least(group)
     head_dim_pad = pow2_at_least(head_dim, MIN_DOT_SIZE)
+    if key_tile is None:
+        key_tile = default_key_tile(k_cache.dtype, head_dim_pad)
+    check_power_of_two("key_tile", key_tile, MIN_DOT_SIZE)
     if query_tile is None:
         query_tile = default_query_tile(group_pad, k_cache.dtype, head_dim_pad)
     check_power_of_two("query_tile", query_tile, triton.cdiv(MIN_DOT_SIZE, group_pad))

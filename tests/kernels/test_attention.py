@@ -87,7 +87,8 @@ def test_prefill_tiles_equal_dense(shapes: dict, data: st.DataObject) -> None:
     case = make_attention_case(seq_lens, query_lens, device=DEVICE, **shapes)
     group_pad = 1 << (shapes["num_heads"] // shapes["num_kv_heads"] - 1).bit_length()
     query_tile = data.draw(st.sampled_from([16, 32])) // min(group_pad, 16)
-    key_tile = data.draw(st.sampled_from([max(block_size, 16), 2 * block_size]))
+    # A key tile may be part of a block (16 keys of a 32-key block), one block or several.
+    key_tile = data.draw(st.sampled_from([16, max(block_size, 16), 2 * block_size]))
     out = paged_prefill_attention(*case.args(), query_tile=query_tile, key_tile=key_tile)
     assert_matches_oracles(case, out)
 
@@ -129,6 +130,25 @@ def test_boundary_lengths_and_odd_head_shapes(dtype: torch.dtype) -> None:
                                  head_dim=80, block_size=bs, dtype=dtype, device=DEVICE)
     assert_matches_oracles(decode, paged_decode_attention(*decode.args(), num_splits=3,
                                                                   key_tile=bs))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_dim_256_with_the_gpu_tiles(dtype: torch.dtype) -> None:
+    """Head dim 256 (Gemma's) through the dispatcher and through both kernels with the tiles a
+    GPU takes there (`minipaged.kernels.aot` shows them spill-free): 16-key tiles, half of
+    each 32-key block for float32, and 16 query rows; 64-key tiles for 16-bit caches."""
+    bs = 32
+    seq_lens, query_lens = [1, bs + 1, 2 * bs + 6], [1, bs + 1, 5]
+    case = make_attention_case(seq_lens, query_lens, num_heads=4, num_kv_heads=2,
+                               head_dim=256, block_size=bs, dtype=dtype, device=DEVICE)
+    assert_matches_oracles(case, kernels.paged_attention(*case.args()))
+    key_tile = 16 if dtype == torch.float32 else 64
+    assert_matches_oracles(case, paged_prefill_attention(*case.args(), query_tile=8,
+                                                         key_tile=key_tile))
+    decode = make_attention_case(seq_lens, [1] * len(seq_lens), num_heads=4, num_kv_heads=2,
+                                 head_dim=256, block_size=bs, dtype=dtype, device=DEVICE)
+    assert_matches_oracles(decode, paged_decode_attention(*decode.args(), num_splits=2,
+                                                          key_tile=key_tile))
 
 
 @pytest.mark.parametrize("query_lens", [[1, 1], [4, 30]], ids=["decode", "prefill"])

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from minipaged.kernels import launch
 from minipaged.kernels.launch import (
+    FP32_KV_TILE_ELEMENTS,
     MIN_DOT_SIZE,
     KernelLaunch,
     check_power_of_two,
@@ -38,18 +39,23 @@ def test_check_power_of_two_rejects_exactly_the_others(value, minimum):
 
 
 @pytest.mark.parametrize("interpret", ["1", "0"])
-@given(block_size=st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128, 256]),
+@given(head_dim_pad=st.sampled_from([16, 32, 64, 128, 256, 512]),
        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
-def test_a_key_tile_is_whole_blocks_and_big_enough_for_a_dot(interpret, block_size, dtype):
+def test_a_key_tile_is_sized_by_its_registers_and_big_enough_for_a_dot(
+    interpret, head_dim_pad, dtype
+):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", interpret)
         assert launch.interpreting() == (interpret == "1")
-        tile = default_key_tile(block_size, dtype)
-    assert tile % block_size == 0 and tile >= MIN_DOT_SIZE and is_power_of_two(tile)
+        tile = default_key_tile(dtype, head_dim_pad)
+    assert tile >= MIN_DOT_SIZE and is_power_of_two(tile)
     if interpret == "1":
-        assert tile == max(128, block_size)  # the interpreter: as large as allowed
-    else:  # float32 tiles are half as long: twice the bytes, and three TF32 products
-        assert tile == max(32 if dtype == torch.float32 else 64, block_size)
+        assert tile == 128  # the interpreter: one size, large
+    elif dtype != torch.float32:
+        assert tile == 64
+    else:  # float32 tiles are shorter: twice the bytes, and three TF32 products
+        assert tile * head_dim_pad <= FP32_KV_TILE_ELEMENTS or tile == MIN_DOT_SIZE
+        assert tile == (32 if head_dim_pad <= 128 else 16)
 
 
 def test_a_launch_runs_its_kernel_on_its_grid_with_its_arguments():
