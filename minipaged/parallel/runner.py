@@ -5,10 +5,10 @@ the logits of a step -- so the engine, the scheduler and the KV cache manager st
 one scheduler, on rank 0, plans each step; the runner sends the plan (the batch entries and the
 block movements, a small pickled object) to every worker, runs its own shard's forward pass,
 whose collectives meet the workers', and gets the whole logits from the vocabulary-parallel
-head (`minipaged.models.tensor_parallel`). On one machine the workers are spawned with
-`torch.multiprocessing`, joined over a TCP store on 127.0.0.1, and sent plans over a pipe
-each; under `torchrun` the launcher starts them and plans go out as broadcasts
-(`minipaged.parallel.worker`).
+head (`minipaged.models.tensor_parallel`). On one machine the workers are `python -m
+minipaged.parallel` processes, independent of the caller's main module, joined over a TCP store
+on 127.0.0.1 and sent plans over a socket pair each; under `torchrun` the launcher starts them
+and plans go out as broadcasts (`minipaged.parallel.worker`).
 
 A worker that dies is noticed before a step is sent (its process is gone) or by the step's
 collectives (they fail, or time out after `tensor_parallel_timeout` seconds): the runner then
@@ -24,7 +24,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from minipaged.checkpoint.model_config import ModelConfig
@@ -40,12 +39,14 @@ from minipaged.parallel.worker import (
     RankSpec,
     ShardSource,
     StateDictShards,
+    WorkerProcess,
     free_port,
     join_group,
     load_shard,
+    send_spec,
+    start_worker,
     torchrun_rank,
     torchrun_worker,
-    worker_main,
 )
 from minipaged.runner.model_runner import BatchEntry, CacheOps, ModelRunner
 
@@ -74,7 +75,6 @@ class TensorParallelRunner(ModelRunner):
             raise RuntimeError(
                 "a tensor-parallel engine is already running in this process; close() it first"
             )
-        context = mp.get_context("spawn")
         self.world_size, self.timeout_s = spec.world_size, spec.timeout_s
         self.closed = False
         # Rank 0 runs as many torch threads as each worker (one on CPU): a rank with more
@@ -82,19 +82,19 @@ class TensorParallelRunner(ModelRunner):
         self._threads_before = torch.get_num_threads()
         if spec.num_threads is not None:
             torch.set_num_threads(spec.num_threads)
-        self._procs: list[mp.Process] = []
-        self._conns = []
+        self._workers: list[WorkerProcess] = []
         self._broadcast: PlanBroadcast | None = None
-        for rank in range(1, 1 if launched else spec.world_size):
-            parent_end, child_end = context.Pipe()
-            worker_spec = RankSpec(**{**vars(spec), "rank": rank})
-            proc = context.Process(target=worker_main, args=(worker_spec, child_end), daemon=True)
-            proc.start()
-            child_end.close()
-            self._procs.append(proc)
-            self._conns.append(parent_end)
-        self._finalizer = weakref.finalize(self, stop_workers, self._procs, self._conns)
+        self._finalizer = weakref.finalize(self, stop_workers, self._workers)
         try:
+            # Every interpreter starts at once; then each gets its spec (a pickled state dict
+            # waits in the socket until its worker has imported torch and reads it).
+            for rank in range(1, 1 if launched else spec.world_size):
+                self._workers.append(start_worker(rank))
+            for worker in self._workers:
+                try:
+                    send_spec(worker, RankSpec(**{**vars(spec), "rank": worker.rank}))
+                except OSError:  # it exited before reading its spec
+                    raise died_while_loading(worker) from None
             model, config, runner_args = load_shard(spec)  # while the workers load theirs
             super().__init__(model, config, **runner_args)
             self._wait_ready(start_timeout_s)
@@ -107,23 +107,19 @@ class TensorParallelRunner(ModelRunner):
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True), 1):
-            died = WorkerDiedError(
-                f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited while loading its "
-                "shard (its error is above; a script that starts tensor-parallel workers runs "
-                "them under `if __name__ == '__main__':`, as they are spawned)"
-            )
+        for worker in self._workers:
+            rank, conn = worker.rank, worker.conn
             while not conn.poll(0.1):
-                if not proc.is_alive():
-                    raise died
+                if not worker.is_alive():
+                    raise died_while_loading(worker)
                 if time.monotonic() > deadline:
                     raise WorkerDiedError(
                         f"tensor-parallel worker rank {rank} did not load within {timeout_s} s"
                     )
             try:
                 message = conn.recv()
-            except EOFError:  # its end of the pipe closed: the worker is exiting
-                raise died from None
+            except (EOFError, OSError):  # its end of the pipe closed: the worker is exiting
+                raise died_while_loading(worker) from None
             if message != READY:
                 raise WorkerDiedError(f"tensor-parallel worker rank {rank} failed:\n{message}")
 
@@ -154,8 +150,8 @@ class TensorParallelRunner(ModelRunner):
         try:
             if self._broadcast is not None:
                 self._broadcast.send((entries, cache_ops))
-            for conn in self._conns:
-                conn.send((entries, cache_ops))
+            for worker in self._workers:
+                worker.conn.send((entries, cache_ops))
             if not entries:
                 super().apply_cache_ops(cache_ops)
             return super().execute(entries)
@@ -174,18 +170,18 @@ class TensorParallelRunner(ModelRunner):
 
     def _check_workers(self) -> None:
         """Raise `WorkerDiedError` naming the first worker that is no longer alive."""
-        for rank, proc in enumerate(self._procs, 1):
-            if not proc.is_alive():
+        for worker in self._workers:
+            if not worker.is_alive():
                 self.close()
                 raise WorkerDiedError(
-                    f"tensor-parallel worker rank {rank} (pid {proc.pid}) died with exit code "
-                    f"{proc.exitcode}; the engine cannot continue"
+                    f"tensor-parallel worker rank {worker.rank} (pid {worker.pid}) died with "
+                    f"exit code {worker.exitcode}; the engine cannot continue"
                 )
 
     @property
     def worker_pids(self) -> list[int]:
         """The process ids of ranks 1..N-1 (for tests and monitoring)."""
-        return [proc.pid for proc in self._procs if proc.pid is not None]
+        return [worker.pid for worker in self._workers]
 
     def close(self) -> None:
         """Stop every worker and leave the process group; idempotent."""
@@ -199,23 +195,27 @@ class TensorParallelRunner(ModelRunner):
             dist.destroy_process_group()
 
 
-def stop_workers(procs: list[mp.Process], conns: list) -> None:
-    """Ask each worker to stop, wait a moment, then terminate any that is left."""
-    for conn in conns:
+def died_while_loading(worker: WorkerProcess) -> WorkerDiedError:
+    """The error for a worker that exited before it reported ready (reaped first, so that its
+    exit code is known)."""
+    worker.stop(JOIN_TIMEOUT_S, JOIN_TIMEOUT_S)
+    return WorkerDiedError(
+        f"tensor-parallel worker rank {worker.rank} (pid {worker.pid}) exited with code "
+        f"{worker.exitcode} while loading its shard (its output is above)"
+    )
+
+
+def stop_workers(workers: list[WorkerProcess]) -> None:
+    """Ask each worker to stop, wait a moment, then terminate (and kill) any that is left."""
+    for worker in workers:
         try:
-            conn.send(None)
+            worker.conn.send(None)
         except (OSError, ValueError):
             pass  # already gone
-        conn.close()
+        worker.conn.close()
     deadline = time.monotonic() + JOIN_TIMEOUT_S
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(JOIN_TIMEOUT_S)
-        if proc.is_alive():  # a stopped or wedged process ignores SIGTERM
-            proc.kill()
-            proc.join()
+    for worker in workers:
+        worker.stop(max(0.0, deadline - time.monotonic()), JOIN_TIMEOUT_S)
 
 
 # -- choosing the runner --------------------------------------------------------------------------

@@ -1,11 +1,19 @@
 """A tensor-parallel rank: where its shard comes from, how it starts, and the workers' loop.
 
-Every rank, rank 0 included, starts the same way (`start_rank`): load its shard of the model
+Every rank, rank 0 included, starts the same way (`load_shard`): load its shard of the model
 (`minipaged.models.tensor_parallel`), build a `ModelRunner` over it and its own shard of the paged
 KV cache (its KV heads), and only then join the process group, so that the rendezvous does not wait
 on anyone's loading. A worker (ranks 1..N-1, `worker_main`) then receives each step's plan -- the
 batch entries and cache operations rank 0's scheduler produced -- over a pipe from rank 0, runs
 the same `execute` (whose collectives meet rank 0's), and drops the logits: only rank 0 samples.
+
+On one machine rank 0 starts each worker as `python -m minipaged.parallel FD` (`start_worker`),
+a fresh interpreter that imports only minipaged and whatever the rank's `RankSpec` names, never
+the caller's main module: a script read from standard input, one without an
+`if __name__ == "__main__":` guard, `python -c` and a notebook all start workers alike (the
+`multiprocessing` spawn start re-imports the caller's main module in every child). The worker's
+end of a socket pair is its inherited descriptor FD; the spec (and the model's shards, when they
+are in memory) comes over it, pickled.
 
 A worker never outlives its parent: the pipe's end-of-file, a parent that is no longer alive,
 or a collective that fails (a dead peer) or times out all end its loop and its process.
@@ -20,13 +28,16 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import multiprocessing.connection
 import os
+import pickle
 import socket
+import subprocess
+import sys
 import traceback
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -47,6 +58,10 @@ PARENT_CHECK_S = 1.0
 READY = "ready"
 # How long a `torchrun` worker waits for rank 0's next plan (an idle engine sends none).
 IDLE_TIMEOUT = timedelta(days=30)
+# The module a worker process runs (`python -m`): `minipaged/parallel/__main__.py`.
+WORKER_MODULE = "minipaged.parallel"
+# The folder that holds the `minipaged` package, put on a worker's path before anything else.
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 Plan = tuple[list[BatchEntry], CacheOps]  # one step's work for every rank
 
@@ -87,7 +102,7 @@ class StateDictShards:
 
 @dataclass(frozen=True)
 class RankSpec:
-    """Everything one rank needs to start (picklable: it is a spawned process's argument)."""
+    """Everything one rank needs to start (picklable: it is sent to the worker process)."""
 
     rank: int
     world_size: int
@@ -187,21 +202,101 @@ def join_group(spec: RankSpec) -> None:
     )
 
 
-def worker_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> None:
-    """A worker process: start, report ready (or the error that stopped it), run plans until
-    rank 0 sends `None`, the pipe closes, the parent dies or a collective fails."""
-    if spec.num_threads is not None:
-        torch.set_num_threads(spec.num_threads)
+@dataclass
+class WorkerProcess:
+    """A worker rank as rank 0 holds it: its `python -m minipaged.parallel` process and rank
+    0's end of the socket pair between them."""
+
+    rank: int
+    process: subprocess.Popen
+    conn: Connection
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """Its exit status (minus the number of the signal that ended it), or None while it
+        runs."""
+        return self.process.poll()
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, grace_s: float, term_s: float) -> None:
+        """Wait up to `grace_s` for it to leave, then terminate it and wait up to `term_s`,
+        then kill it (a stopped or wedged process ignores SIGTERM); reaped in every case."""
+        try:
+            self.process.wait(grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            self.process.terminate()
+        try:
+            self.process.wait(term_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def start_worker(rank: int) -> WorkerProcess:
+    """Start the process of worker `rank`: `python -m minipaged.parallel FD`, FD its end of a
+    new socket pair; it waits for its spec (`send_spec`). Standard input is not inherited;
+    standard output and error are (a worker's tracebacks show where the caller's do). It runs in
+    a session of its own, so that a Ctrl-C at the terminal reaches rank 0 only, which then
+    stops it."""
+    parent_end, child_end = multiprocessing.Pipe()  # a socket pair: both ends read and write
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get("PYTHONPATH")]))
     try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", WORKER_MODULE, str(child_end.fileno())],
+            stdin=subprocess.DEVNULL, pass_fds=(child_end.fileno(),), env=env,
+            start_new_session=True,
+        )
+    finally:
+        child_end.close()
+    return WorkerProcess(rank, process, parent_end)
+
+
+def send_spec(worker: WorkerProcess, spec: RankSpec) -> None:
+    """Send `spec` (plain pickle: tensors by value) and the caller's import path, so that the
+    worker finds every module the spec names, e.g. a `ShardSource` of the caller's own."""
+    worker.conn.send_bytes(pickle.dumps(list(sys.path)))  # first: unpickling the spec needs it
+    worker.conn.send_bytes(pickle.dumps(spec, pickle.HIGHEST_PROTOCOL))
+
+
+def receive_spec(conn: Connection) -> RankSpec:
+    """The worker's side of `send_spec`: extend the import path, then unpickle the spec."""
+    path = pickle.loads(conn.recv_bytes())
+    sys.path += [entry for entry in path if entry not in sys.path]
+    return pickle.loads(conn.recv_bytes())
+
+
+def worker_main(conn: Connection) -> None:
+    """A worker process: receive its spec, start, report ready (or the error that stopped it),
+    run plans until rank 0 sends `None`, the pipe closes, the parent dies or a collective
+    fails."""
+    parent = os.getppid()
+    try:
+        spec = receive_spec(conn)
+        if spec.num_threads is not None:
+            torch.set_num_threads(spec.num_threads)
         model, config, runner_args = load_shard(spec)
         runner = ModelRunner(model, config, **runner_args)
     except Exception:  # noqa: BLE001 - rank 0 raises it in the parent, with this traceback
-        conn.send(traceback.format_exc())
+        try:
+            conn.send(traceback.format_exc())
+        except OSError:  # rank 0 is gone too
+            pass
         return
-    conn.send(READY)
+    try:
+        conn.send(READY)
+    except OSError:  # rank 0 is gone
+        return
     join_group(spec)
     try:
-        serve_plans(runner, pipe_plans(conn))
+        serve_plans(runner, pipe_plans(conn, parent))
     finally:
         dist.destroy_process_group()
 
@@ -217,13 +312,13 @@ def torchrun_worker(spec: RankSpec) -> None:
         dist.destroy_process_group()
 
 
-def pipe_plans(conn: multiprocessing.connection.Connection) -> Iterator[Plan]:
-    """The plans rank 0 sends over the pipe, until `None`, end of file or a dead parent."""
-    parent = multiprocessing.parent_process()
+def pipe_plans(conn: Connection, parent: int) -> Iterator[Plan]:
+    """The plans rank 0 (process `parent`) sends over the pipe, until `None`, end of file or
+    the parent's death (the worker is then re-parented: its parent id changes)."""
     while True:
         try:
             if not conn.poll(PARENT_CHECK_S):
-                if parent is not None and not parent.is_alive():
+                if os.getppid() != parent:
                     return
                 continue
             plan: Plan | None = conn.recv()
