@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     from minipaged.engine.config import DTYPE_CHOICES
+    from minipaged.models.quantization import QUANTIZATIONS
     from minipaged.runner.backends import BACKENDS
     from minipaged.sched.registry import SCHEDULERS
 
@@ -124,6 +125,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
     engine.add_argument("--attention-backend", default=None, choices=list(BACKENDS),
                         help="default: triton on CUDA, torch elsewhere")
+    engine.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
+                        help="weight-only int8 weights, quantised at load (CPU)")
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="split the model over N worker processes (torch.distributed)")
@@ -205,6 +208,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         scheduler=args.scheduler,
         preemption_mode=args.preemption_mode,
         attention_backend=args.attention_backend,
+        quantization=args.quantization,
         enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
     )

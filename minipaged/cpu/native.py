@@ -1,5 +1,5 @@
-"""The CPU's native paged-decode kernel (`csrc/paged_decode.c`): built once per machine, loaded
-with `ctypes`.
+"""Building this layer's C kernels (`build_native`), and the native paged-decode kernel
+(`csrc/paged_decode.c`): built once per machine, loaded with `ctypes`.
 
 PyTorch has no operator that attends over K/V scattered in blocks, so the PyTorch backends copy
 every sequence's blocks out of the cache before attending (`attention.gather_context`): on a
@@ -61,42 +61,53 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("MINIPAGED_CACHE", Path.home() / ".cache" / "minipaged"))
 
 
-def build_native_decode(compiler: str | None = None, cache_dir: Path | None = None) -> Path | None:
-    """The shared library of `csrc/paged_decode.c` for this CPU, built by `compiler` (default
+def build_native(
+    source: Path, compiler: str | None = None, cache_dir: Path | None = None
+) -> Path | None:
+    """The shared library of the C file `source` for this CPU, built by `compiler` (default
     `$CC`, else `cc`) into `cache_dir` (default `$MINIPAGED_CACHE`, else `~/.cache/minipaged`)
     unless a build with the same key is already there; None, with the reason in the log, when
-    there is no such compiler or the build fails."""
+    there is no such compiler or the build fails (the caller then takes its PyTorch path).
+    Every kernel of this layer is built this one way."""
     found = shutil.which(compiler or os.environ.get("CC", "cc"))
     if found is None:
-        logger.warning("no C compiler %r: CPU paged decode gathers blocks the PyTorch way",
-                       compiler or os.environ.get("CC", "cc"))
+        logger.warning("no C compiler %r to build %s: its callers take their PyTorch paths",
+                       compiler or os.environ.get("CC", "cc"), source.name)
         return None
     version = subprocess.run([found, "--version"], capture_output=True, text=True).stdout
     flags = CFLAGS + LDFLAGS + tuple(f for extra in OPTIONAL_FLAGS for f in extra)
-    parts = [SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(),
+    parts = [source.read_bytes(), " ".join(flags).encode(), version.encode(),
              _cpu_identity().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    target = (cache_dir or _cache_dir()) / f"paged_decode-{key}.so"
+    target = (cache_dir or _cache_dir()) / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built, errors = Path(scratch) / target.name, []
         for extra in OPTIONAL_FLAGS:
-            error = _compile(found, extra, Path(scratch), built)
+            error = _compile(found, source, extra, Path(scratch), built)
             if error is None:
                 os.replace(built, target)  # atomic: a concurrent build of this key is the same
                 return target
             errors.append(f"with {' '.join(extra) or 'no optional flags'}:\n{error}")
-    logger.warning("building %s failed, CPU paged decode gathers blocks the PyTorch way:\n%s",
-                   SOURCE.name, "\n".join(errors))
+    logger.warning("building %s failed, its callers take their PyTorch paths:\n%s",
+                   source.name, "\n".join(errors))
     return None
 
 
-def _compile(compiler: str, extra: tuple[str, ...], scratch: Path, built: Path) -> str | None:
+def build_native_decode(compiler: str | None = None, cache_dir: Path | None = None) -> Path | None:
+    """`build_native` of `csrc/paged_decode.c`: without it, CPU paged decode gathers blocks the
+    PyTorch way."""
+    return build_native(SOURCE, compiler, cache_dir)
+
+
+def _compile(
+    compiler: str, source: Path, extra: tuple[str, ...], scratch: Path, built: Path
+) -> str | None:
     """Compile, then link (fast-math only in the first), into `built`; the error, or None."""
-    obj = scratch / "paged_decode.o"
-    result = subprocess.run([compiler, *CFLAGS, *extra, str(SOURCE), "-o", str(obj)],
+    obj = scratch / f"{source.stem}.o"
+    result = subprocess.run([compiler, *CFLAGS, *extra, str(source), "-o", str(obj)],
                             capture_output=True, text=True)
     if result.returncode == 0:
         link_extra = [f for f in extra if f == "-fopenmp"]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from minipaged.models.quantization import QUANTIZATIONS
 from minipaged.sched.cost_model import CostModel
 from minipaged.sched.mlfq import MLFQConfig
 from minipaged.sched.registry import SCHEDULERS, needs_cost_model
@@ -87,6 +88,7 @@ class EngineConfig:
     cost_model_file: str | Path | None = None
     preemption_mode: str | None = None  # None: recompute single sequences, swap groups
     attention_backend: str | None = None  # None: Triton on CUDA; on a CPU "cpu" for 16 bits
+    quantization: str | None = None  # "int8": weight-only int8 at load (a CPU, one rank)
     seed: int = 0  # the engine's generator, for requests without a seed of their own
     # Tensor parallelism: ranks (worker processes) the model is split over, and how long a
     # collective waits for a rank before the run is declared dead (`minipaged.parallel.runner`).
@@ -137,6 +139,13 @@ class EngineConfig:
             )
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATIONS:
+                raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got "
+                                 f"{self.quantization!r}")
+            if self.tensor_parallel_size > 1 or self.torch_device.type != "cpu":
+                raise ValueError("quantization 'int8' runs on a CPU on one rank: "
+                                 "tensor_parallel_size must be 1 and the device cpu")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -158,7 +158,8 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:  # every rank reads its own slices
             source, model_config = CheckpointShards(str(path)), checkpoint_config(path, FAMILIES)
             return cls(source, model_config, Tokenizer.from_pretrained(path), config)
-        nn_model, model_config = load_model(path, dtype=config.torch_dtype, device="cpu")
+        nn_model, model_config = load_model(path, dtype=config.torch_dtype, device="cpu",
+                                            quantization=config.quantization)
         return cls(nn_model, model_config, Tokenizer.from_pretrained(path), config)
 
     def close(self) -> None:

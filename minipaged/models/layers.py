@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-import time
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -24,6 +24,13 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.cpu.gemv import (
+    GemvPlan,
+    Int8Weight,
+    best_times,
+    gemv_available,
+    gemv_row_limit,
+)
 
 
 class AttentionBackend(Protocol):
@@ -101,6 +108,10 @@ ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and all(
 GEMM_PROBE_ROWS = (1, 16)
 # The weight copies each probe streams through: more than a server CPU's last-level cache.
 GEMM_PROBE_BYTES = 48 << 20
+# Rows up to which int8 weights take the GEMV kernel (8 rows at a time, the weight re-read from
+# cache): dequantising a 1536 x 576 weight for PyTorch's GEMM costs 2.4 ms, the kernel 0.43 ms
+# at 8 rows, 1.7 at 48, 4.6 at 128 (4.1 dequantised); PyTorch's int8 kernels are slower still.
+INT8_GEMV_ROWS = 96
 # How much faster oneDNN must measure to be chosen over `F.linear`, PyTorch's default.
 ONEDNN_MARGIN = 0.1
 
@@ -175,15 +186,25 @@ def may_use_onednn(weight: Tensor) -> bool:
     )
 
 
-def choose_gemms(model: nn.Module) -> None:
+def choose_gemms(model: nn.Module, gemv: bool = True) -> None:
     """Make `linear`'s choice (`onednn_is_faster`) for every `Linear` weight of `model` now, at
-    start-up, and pack the weights oneDNN will multiply, so that no step, and no profile of one,
-    pays for the measurement or the packing."""
+    start-up, and pack the weights oneDNN will multiply; then measure up to how many rows the
+    CPU's GEMV kernel beats that GEMM for each layer and `LinearGroup` (`few_rows`), or with
+    `gemv` False give the float layers none (benchmarks compare the two in one run). No step,
+    and no profile of one, pays for the measurement or the packing."""
     for module in model.modules():
-        if isinstance(module, Linear) and may_use_onednn(module.weight):
-            out_features, in_features = module.weight.shape
-            if onednn_is_faster(out_features, in_features, module.weight.dtype):
-                packed_weight(module.weight)
+        if not isinstance(module, Linear):
+            continue
+        weight = module.weight
+        if module.int8 is None and may_use_onednn(weight):
+            out_features, in_features = weight.shape
+            if onednn_is_faster(out_features, in_features, weight.dtype):
+                packed_weight(weight)
+        module.few_rows = few_rows(module) if gemv or module.int8 is not None else None
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, LinearGroup):
+                value.plan(gemv)
 
 
 @functools.cache
@@ -208,25 +229,114 @@ def onednn_is_faster(out_features: int, in_features: int, dtype: torch.dtype) ->
     with torch.inference_mode():
         # Throwaway copies, possibly made under inference_mode: packed directly, not cached.
         packed = [torch.ops.mkldnn._reorder_linear_weight(weight) for weight in weights]
-        candidates = {F.linear: weights, onednn_linear: packed}
-        best = dict.fromkeys(candidates, float("inf"))
-        for fn, operands in candidates.items():  # warm-up: first-call costs are not a step's
-            fn(inputs[0], operands[0])
-        for _ in range(3):
-            for fn, operands in candidates.items():
-                start = time.perf_counter()
-                for x in inputs:
-                    for weight in operands:
-                        fn(x, weight)
-                best[fn] = min(best[fn], time.perf_counter() - start)
-    return best[onednn_linear] < (1 - ONEDNN_MARGIN) * best[F.linear]
+        best = best_times({
+            "F.linear": lambda x: [F.linear(x, w) for w in weights],
+            "oneDNN": lambda x: [onednn_linear(x, w) for w in packed],
+        }, inputs)
+    return best["oneDNN"] < (1 - ONEDNN_MARGIN) * best["F.linear"]
+
+
+def _onednn_rival(x: Tensor, packed: Tensor) -> Tensor:
+    return onednn_linear(x, packed)
+
+
+def _pack(weight: Tensor) -> Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+@dataclass(frozen=True, eq=False)
+class FewRows:
+    """A layer's (or a group's) few-row path: the GEMV kernel's call for its weights and the
+    most rows it takes (`max_rows`); more rows take the GEMM."""
+
+    plan: GemvPlan
+    max_rows: int
+
+
+def few_rows(*layers: Linear) -> FewRows | None:
+    """The few-row path of `layers` (weights reading the same input, one kernel call), or None
+    where the kernel is not built, the weights are not all float32 / bfloat16 / int8 CPU
+    weights of the model's dtype, or it never measured faster. For float weights the row limit
+    is `gemv_row_limit` against the GEMM `linear` would use for each layer (the first's
+    choice); int8 weights take the kernel up to `INT8_GEMV_ROWS` rows."""
+    if not gemv_available():
+        return None
+    weights = [layer.multiplied_weight() for layer in layers]
+    first = weights[0]
+    dtype = torch.float32 if isinstance(first, Int8Weight) else first.dtype
+    biases = [layer.bias for layer in layers]
+    try:
+        plan = GemvPlan(weights, biases, dtype)
+    except ValueError:
+        return None
+    if isinstance(first, Int8Weight):
+        return FewRows(plan, INT8_GEMV_ROWS)
+    if any(isinstance(w, Int8Weight) or w.dtype != dtype for w in weights):
+        return None
+    shapes = tuple((w.shape[0], w.shape[1]) for w in weights)
+    if may_use_onednn(first) and onednn_is_faster(*shapes[0], dtype):
+        limit = gemv_row_limit(shapes, dtype, _onednn_rival, _pack)
+    else:
+        limit = gemv_row_limit(shapes, dtype, F.linear)
+    return FewRows(plan, limit) if limit > 0 else None
+
+
+def _few_rows_apply(path: FewRows | None, x: Tensor, weights: list) -> Tensor | None:
+    """The kernel's output for `x` when `path` takes it (2-D x of the plan's dtype, few rows,
+    no autograd, the same weight objects as when it was planned); else None."""
+    if (path is None or x.dim() != 2 or x.shape[0] > path.max_rows
+            or x.dtype != path.plan.dtype or not path.plan.reads(weights)):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(
+            isinstance(w, Tensor) and w.requires_grad for w in weights)):
+        return None
+    return path.plan(x)
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters, same checkpoint layout) whose forward is `linear`."""
+    """`nn.Linear` (same parameters, same checkpoint layout) whose forward is `linear`, or at a
+    few rows the CPU's GEMV kernel (`few_rows`, chosen by `choose_gemms`); with `int8` set
+    (`minipaged.models.quantization`) it multiplies those int8 weights instead of `weight`."""
+
+    int8: Int8Weight | None = None
+    few_rows: FewRows | None = None
+
+    def multiplied_weight(self) -> Tensor | Int8Weight:
+        """The weight this layer multiplies: its int8 weights if quantised, else `weight`."""
+        return self.weight if self.int8 is None else self.int8
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
+        weight = self.weight if self.int8 is None else self.int8
+        out = _few_rows_apply(self.few_rows, x, [weight])
+        if out is not None:
+            return out
+        if self.int8 is not None:
+            return linear(x, self.int8.dequantize(x.dtype), self.bias)
+        return linear(x, weight, self.bias)
+
+
+class LinearGroup:
+    """Linear layers that read the same input (a layer's q, k, v projections; gate and up):
+    at a few rows one GEMV kernel call reads all their weights and writes their outputs side
+    by side; at more rows each layer multiplies on its own. Not a module: it holds no
+    parameters, only the layers (which stay the model's modules and checkpoint names)."""
+
+    def __init__(self, *layers: Linear) -> None:
+        self.layers = layers
+        self.sizes = [layer.out_features for layer in layers]
+        self.path: FewRows | None = None
+
+    def plan(self, gemv: bool = True) -> None:
+        """Choose the group's few-row path now (`choose_gemms`); none for float layers
+        without `gemv`."""
+        int8 = any(layer.int8 is not None for layer in self.layers)
+        self.path = few_rows(*self.layers) if gemv or int8 else None
+
+    def __call__(self, x: Tensor) -> list[Tensor] | tuple[Tensor, ...]:
+        out = _few_rows_apply(self.path, x, [layer.multiplied_weight() for layer in self.layers])
+        if out is not None:
+            return out.split(self.sizes, dim=1)
+        return [layer(x) for layer in self.layers]
 
 
 # ---------------------------------------------------------------------------------------------

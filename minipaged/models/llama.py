@@ -35,6 +35,7 @@ from minipaged.models.layers import (
     AttentionBackend,
     CausalLM,
     Linear,
+    LinearGroup,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
@@ -69,6 +70,7 @@ class LlamaAttention(nn.Module):
         self.q_proj = Linear(config.hidden_size, q_size, bias=config.qkv_bias)
         self.k_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.v_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.qkv = LinearGroup(self.q_proj, self.k_proj, self.v_proj)  # one call at few rows
         self.o_proj = row_parallel_linear(q_size, config.hidden_size, config.o_bias, tp)
         # Qwen3: each head's queries and keys normalised on their own (over head_dim).
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
@@ -76,9 +78,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: Tensor, rotation: tuple[Tensor, Tensor], attn: AttentionBackend) -> Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rotation), apply_rotary(k, *rotation)
@@ -95,10 +98,12 @@ class LlamaMLP(nn.Module):
         inner = config.intermediate_size // tp.world_size
         self.gate_proj = Linear(config.hidden_size, inner, bias=False)
         self.up_proj = Linear(config.hidden_size, inner, bias=False)
+        self.gate_up = LinearGroup(self.gate_proj, self.up_proj)  # one call at few rows
         self.down_proj = row_parallel_linear(inner, config.hidden_size, False, tp)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -38,6 +38,7 @@ from minipaged.checkpoint.weight_names import (
 from minipaged.models.gpt2 import GPT2
 from minipaged.models.layers import AttentionBackend, CausalLM, ModelInputError, check_flat_batch
 from minipaged.models.llama import LLAMA, QWEN2, QWEN3
+from minipaged.models.quantization import quantize_model
 from minipaged.models.tensor_parallel import (
     SINGLE_RANK,
     TensorParallel,
@@ -119,15 +120,20 @@ def load_model(
     progress: bool = True,
     tp: TensorParallel | None = None,
     families: Mapping[str, FamilySpec] = FAMILIES,
+    quantization: str | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """Load a checkpoint (HF folder, safetensors or GGUF; default: the bundled SmolLM2) of one
     of `families`. With `tp`, load one tensor-parallel rank's shard, reading only its slices
-    (`read_shard`)."""
+    (`read_shard`). With `quantization` ("int8"), its weights are quantised as they load
+    (`minipaged.models.quantization.quantize_model`)."""
     read = None if tp is None or tp.world_size == 1 else partial(read_shard, tp=tp)
     config, state_dict = load_checkpoint(
         path, families, dtype=torch.float32, progress=progress, read=read
     )
-    return build_model(config, state_dict, dtype=dtype, device=device, tp=tp), config
+    model = build_model(config, state_dict, dtype=dtype, device=device, tp=tp)
+    if quantization is not None:
+        quantize_model(model, quantization)
+    return model, config
 
 
 def _check_weights(

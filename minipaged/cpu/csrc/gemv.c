@@ -1,0 +1,295 @@
+/* Few-row linear layers for a CPU: out[m, :] = x[m, :] @ W.T (+ bias) for a handful of rows m,
+ * over one or more weights that read the same x (a layer's q, k and v projections, say), their
+ * outputs side by side in one row of `out`.
+ *
+ * At a decode step's few rows a linear layer is a matrix-vector product: every weight byte is
+ * read once from memory and used for m multiply-adds, so its speed is the memory's, and the
+ * kernel's job is to keep reading at that speed. Each weight is row-major [n, k], as a
+ * checkpoint stores it: its rows follow one another in memory, so one pass over them is one
+ * sequential stream for the hardware prefetcher. A tile of R output rows is computed at once
+ * for all m input rows (R * m vector accumulators), so each weight vector loaded serves m
+ * multiply-adds and each x vector (from L1) R of them.
+ *
+ * Weights are float32, bfloat16 (widened to float32 in registers) or int8 with a float32 scale
+ * per group of `group` consecutive input features of each output row (dequantised in
+ * registers: the group's integer-weighted sum of x times its scale; no float copy of the weight
+ * exists). x and out are float32 or bfloat16 (x widened once into a float32 buffer, out
+ * rounded to nearest even once); accumulation is float32. Rows beyond 8 are done 8 at a time.
+ *
+ * The AVX-512 and AVX2 paths are compiled side by side (`target` attributes) and chosen when
+ * called by what the CPU reports (`__builtin_cpu_supports`); plain C otherwise. OpenMP splits
+ * the output rows over threads. Built by minipaged.cpu.native. */
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2 };
+#define MAX_ROWS 8 /* input rows per pass over the weights */
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* Bytes ahead of each weight row's read that it is fetched into L2: one thread's demand misses
+ * alone leave memory idle. At one row, SmolLM2's 49152 x 576 head, bfloat16: 8.7 GB/s with
+ * 2 KiB, 11.2 with 16 KiB (Xeon with AVX-512, one thread; float32 9.8 -> 11.3). */
+#ifndef PREFETCH
+#define PREFETCH 16384
+#endif
+static inline const char *w_byte(const void *w, int type, int64_t i) {
+    return (const char *)w + i * (type == W_F32 ? 4 : type == W_BF16 ? 2 : 1);
+}
+
+static inline float weight_at(const void *w, int type, int64_t i) {
+    if (type == W_F32) return ((const float *)w)[i];
+    if (type == W_BF16) return bf16_to_float(((const uint16_t *)w)[i]);
+    return (float)((const int8_t *)w)[i];
+}
+
+/* One weight's job: rows [r0, r1) of an [n, k] weight into columns col.. of out's rows. */
+typedef struct {
+    const void *w;
+    int type;
+    const float *scales; /* int8: [n, k / group] */
+    int64_t group;       /* int8: input features per scale; else k */
+    const void *bias;    /* [n] in x's dtype, or NULL */
+} weight_t;
+
+/* ---- plain C ------------------------------------------------------------------------------ */
+
+static void tile_scalar(const float *x, int m, int64_t k, const weight_t *wt, int64_t r,
+                        float *acc /* [m] */) {
+    const int64_t groups = k / wt->group;
+    for (int i = 0; i < m; i++) acc[i] = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        float part[MAX_ROWS] = {0};
+        for (int64_t j = g * wt->group; j < (g + 1) * wt->group; j++) {
+            const float wv = weight_at(wt->w, wt->type, r * k + j);
+            for (int i = 0; i < m; i++) part[i] += wv * x[i * k + j];
+        }
+        const float s = wt->type == W_INT8 ? wt->scales[r * groups + g] : 1.0f;
+        for (int i = 0; i < m; i++) acc[i] += s * part[i];
+    }
+}
+
+/* ---- AVX-512 ------------------------------------------------------------------------------ */
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline
+
+static AVX512 __m512 load_w512(const void *w, int type, int64_t i, __mmask16 mask) {
+    if (type == W_F32) return _mm512_maskz_loadu_ps(mask, (const float *)w + i);
+    if (type == W_BF16) {
+        __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)w + i);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    __m128i b = _mm_maskz_loadu_epi8(mask, (const int8_t *)w + i);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+
+/* R output rows from r, M input rows: sums in out_acc[R][M]. Inlined with R, M, type fixed. */
+static AVX512 void tile512(const float *x, int64_t k, const weight_t *wt, int64_t r, int R,
+                           int M, int type, float out_acc[4][MAX_ROWS]) {
+    const int64_t groups = k / wt->group, group = wt->group;
+    __m512 acc[4][MAX_ROWS];
+    for (int a = 0; a < R; a++)
+        for (int i = 0; i < M; i++) acc[a][i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 part[4][MAX_ROWS];
+        for (int a = 0; a < R; a++)
+            for (int i = 0; i < M; i++) part[a][i] = _mm512_setzero_ps();
+        const int64_t end = (g + 1) * group;
+        for (int64_t j = g * group; j < end; j += 16) {
+            const __mmask16 mask = end - j >= 16 ? 0xffff : (__mmask16)((1u << (end - j)) - 1);
+            __m512 wv[4];
+            for (int a = 0; a < R; a++) {
+                wv[a] = load_w512(wt->w, type, (r + a) * k + j, mask);
+                _mm_prefetch(w_byte(wt->w, type, (r + a) * k + j) + PREFETCH, _MM_HINT_T1);
+            }
+            for (int i = 0; i < M; i++) {
+                const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * k + j);
+                for (int a = 0; a < R; a++) part[a][i] = _mm512_fmadd_ps(wv[a], xv, part[a][i]);
+            }
+        }
+        for (int a = 0; a < R; a++) {
+            if (type == W_INT8) {
+                const __m512 s = _mm512_set1_ps(wt->scales[(r + a) * groups + g]);
+                for (int i = 0; i < M; i++) acc[a][i] = _mm512_fmadd_ps(s, part[a][i], acc[a][i]);
+            } else {
+                for (int i = 0; i < M; i++) acc[a][i] = _mm512_add_ps(acc[a][i], part[a][i]);
+            }
+        }
+    }
+    for (int a = 0; a < R; a++)
+        for (int i = 0; i < M; i++) out_acc[a][i] = _mm512_reduce_add_ps(acc[a][i]);
+}
+
+/* ---- AVX2 --------------------------------------------------------------------------------- */
+
+#define AVX2 __attribute__((target("avx2,fma"), always_inline)) inline
+
+static AVX2 __m256 load_w256(const void *w, int type, int64_t i) {
+    if (type == W_F32) return _mm256_loadu_ps((const float *)w + i);
+    if (type == W_BF16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    __m128i b = _mm_loadl_epi64((const __m128i *)((const int8_t *)w + i));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+
+static AVX2 float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static AVX2 void tile256(const float *x, int64_t k, const weight_t *wt, int64_t r, int R,
+                         int M, int type, float out_acc[4][MAX_ROWS]) {
+    const int64_t groups = k / wt->group, group = wt->group;
+    for (int a = 0; a < R; a++)
+        for (int i = 0; i < M; i++) out_acc[a][i] = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 part[4][MAX_ROWS];
+        for (int a = 0; a < R; a++)
+            for (int i = 0; i < M; i++) part[a][i] = _mm256_setzero_ps();
+        const int64_t start = g * group, end = start + group, vend = start + (group & ~7);
+        for (int64_t j = start; j < vend; j += 8) {
+            __m256 wv[4];
+            for (int a = 0; a < R; a++) {
+                wv[a] = load_w256(wt->w, type, (r + a) * k + j);
+                _mm_prefetch(w_byte(wt->w, type, (r + a) * k + j) + PREFETCH, _MM_HINT_T1);
+            }
+            for (int i = 0; i < M; i++) {
+                const __m256 xv = _mm256_loadu_ps(x + i * k + j);
+                for (int a = 0; a < R; a++) part[a][i] = _mm256_fmadd_ps(wv[a], xv, part[a][i]);
+            }
+        }
+        for (int a = 0; a < R; a++) {
+            const float s = type == W_INT8 ? wt->scales[(r + a) * groups + g] : 1.0f;
+            for (int i = 0; i < M; i++) {
+                float sum = hsum256(part[a][i]);
+                for (int64_t j = vend; j < end; j++)
+                    sum += weight_at(wt->w, type, (r + a) * k + j) * x[i * k + j];
+                out_acc[a][i] += s * sum;
+            }
+        }
+    }
+}
+
+/* ---- dispatch ----------------------------------------------------------------------------- */
+
+typedef void (*tile_fn)(const float *, int64_t, const weight_t *, int64_t, float[4][MAX_ROWS]);
+
+/* One specialised tile function per (ISA, R, M, type): the compiler keeps R * M accumulators
+ * in registers only when the loops' bounds are constants. */
+#define TILE(isa, R, M, T)                                                                    \
+    static void isa##_##R##_##M##_##T(const float *x, int64_t k, const weight_t *wt,        \
+                                      int64_t r, float acc[4][MAX_ROWS]) {                  \
+        isa(x, k, wt, r, R, M, T, acc);                                                      \
+    }
+#define TILES_M(isa, R, T) \
+    TILE(isa, R, 1, T) TILE(isa, R, 2, T) TILE(isa, R, 3, T) TILE(isa, R, 4, T)
+#define TILES_M8(isa, R, T) \
+    TILE(isa, R, 5, T) TILE(isa, R, 6, T) TILE(isa, R, 7, T) TILE(isa, R, 8, T)
+#define TILES(isa, T) TILES_M(isa, 4, T) TILES_M(isa, 2, T) TILES_M8(isa, 1, T)
+TILES(tile512, 0) TILES(tile512, 1) TILES(tile512, 2)
+TILES(tile256, 0) TILES(tile256, 1) TILES(tile256, 2)
+
+#define ROW4(isa, R, T) {isa##_##R##_1_##T, isa##_##R##_2_##T, isa##_##R##_3_##T, isa##_##R##_4_##T}
+#define ROW8(isa, T) {isa##_1_5_##T, isa##_1_6_##T, isa##_1_7_##T, isa##_1_8_##T}
+/* [type][m - 1]: m <= 2 with R = 4, m <= 4 with R = 2, m <= 8 with R = 1. */
+#define TABLE(isa)                                                                           \
+    {{isa##_4_1_0, isa##_4_2_0, isa##_2_3_0, isa##_2_4_0, isa##_1_5_0, isa##_1_6_0,          \
+      isa##_1_7_0, isa##_1_8_0},                                                             \
+     {isa##_4_1_1, isa##_4_2_1, isa##_2_3_1, isa##_2_4_1, isa##_1_5_1, isa##_1_6_1,          \
+      isa##_1_7_1, isa##_1_8_1},                                                             \
+     {isa##_4_1_2, isa##_4_2_2, isa##_2_3_2, isa##_2_4_2, isa##_1_5_2, isa##_1_6_2,          \
+      isa##_1_7_2, isa##_1_8_2}}
+static const tile_fn TABLE512[3][MAX_ROWS] = TABLE(tile512);
+static const tile_fn TABLE256[3][MAX_ROWS] = TABLE(tile256);
+
+static int tile_rows(int m) { return m <= 2 ? 4 : m <= 4 ? 2 : 1; }
+
+/* Which path this CPU takes: 2 AVX-512, 1 AVX2, 0 plain C. */
+int gemv_isa(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl"))
+        return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+    return 0;
+}
+
+/* out [m, sum(n)] (float32, or bfloat16 when io_bf16) = x [m, k] (same dtype) times each of
+ * the nw weights, side by side. ws/types/ns/scales/groups/biases: one entry per weight.
+ * isa: as gemv_isa() returns, or lower to force a path. Returns 0, or -1 for bad sizes. */
+int gemv(const void *x_in, int64_t m, int64_t k, int io_bf16, int nw, const void *const *ws,
+         const int *types, const int64_t *ns, const float *const *scales, const int64_t *groups,
+         const void *const *biases, void *out, int isa, int threads) {
+    if (m < 1 || k < 1 || nw < 1) return -1;
+    int64_t width = 0;
+    for (int w = 0; w < nw; w++) {
+        if (ns[w] < 1 || types[w] < 0 || types[w] > 2) return -1;
+        if (types[w] == W_INT8 && (groups[w] < 1 || k % groups[w] != 0)) return -1;
+        width += ns[w];
+    }
+    float *xf = NULL;
+    const float *x = (const float *)x_in;
+    if (io_bf16) {
+        xf = malloc(sizeof(float) * m * k);
+        if (xf == NULL) return -1;
+        for (int64_t i = 0; i < m * k; i++) xf[i] = bf16_to_float(((const uint16_t *)x_in)[i]);
+        x = xf;
+    }
+    for (int64_t m0 = 0; m0 < m; m0 += MAX_ROWS) {
+        const int mm = m - m0 < MAX_ROWS ? (int)(m - m0) : MAX_ROWS;
+        const float *xc = x + m0 * k;
+        const int R = tile_rows(mm);
+        int64_t col = 0;
+        for (int w = 0; w < nw; w++) {
+            const weight_t wt = {ws[w], types[w], scales[w],
+                                 types[w] == W_INT8 ? groups[w] : k, biases[w]};
+            const int64_t n = ns[w], tiles = (n + R - 1) / R;
+            const tile_fn fn = isa == 2 ? TABLE512[wt.type][mm - 1]
+                               : isa == 1 ? TABLE256[wt.type][mm - 1] : NULL;
+#pragma omp parallel for schedule(static) num_threads(threads)
+            for (int64_t t = 0; t < tiles; t++) {
+                float acc[4][MAX_ROWS];
+                const int64_t r = t * R;
+                const int rows = n - r < R ? (int)(n - r) : R;
+                if (fn != NULL && rows == R) {
+                    fn(xc, k, &wt, r, acc);
+                } else {
+                    for (int a = 0; a < rows; a++) tile_scalar(xc, mm, k, &wt, r + a, acc[a]);
+                }
+                for (int a = 0; a < rows; a++) {
+                    const float b = wt.bias == NULL ? 0.0f
+                                    : io_bf16 ? bf16_to_float(((const uint16_t *)wt.bias)[r + a])
+                                              : ((const float *)wt.bias)[r + a];
+                    for (int i = 0; i < mm; i++) {
+                        const int64_t at = (m0 + i) * width + col + r + a;
+                        if (io_bf16) ((uint16_t *)out)[at] = float_to_bf16(acc[a][i] + b);
+                        else ((float *)out)[at] = acc[a][i] + b;
+                    }
+                }
+            }
+            col += n;
+        }
+    }
+    free(xf);
+    return 0;
+}

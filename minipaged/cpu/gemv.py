@@ -1,0 +1,278 @@
+"""The CPU's few-row linear kernel (`csrc/gemv.c`) and weight-only int8 weights.
+
+A decode step of one request multiplies one row by every weight matrix: a matrix-vector
+product (GEMV) that reads each weight byte once and does one multiply-add with it, so it runs
+at the memory's speed or not at all. PyTorch's GEMMs rearrange or block the weight for many
+rows and read it at well under that speed at one row (`benchmarks/linear_cpu.py`). The kernel
+here reads the weight in its checkpoint layout (row-major `[out, in]`, one sequential stream)
+for up to 8 rows at a time, and reads several weights that share an input in one call (a
+layer's q, k and v projections: `GemvPlan`), writing their outputs side by side.
+
+Weights are float32, bfloat16 or `Int8Weight`: int8 values with a float32 scale per group of
+input features of each output row (`quantize_int8`), dequantised in registers, so no float copy
+of a quantised weight exists. AVX-512 or AVX2 is chosen at run time from what the CPU reports
+(`gemv_isa`); plain C otherwise. Without a C compiler `gemv_available()` is False and the
+models multiply with PyTorch (int8 weights dequantised first).
+
+`gemv_row_limit` measures, once per weight shape, up to how many rows the kernel beats a given
+GEMM on this CPU: the few-row choice the models' `linear` makes (`minipaged.models.layers`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from minipaged.cpu.native import build_native
+
+SOURCE = Path(__file__).with_name("csrc") / "gemv.c"
+MAX_ROWS = 8  # the few-row range: rows the kernel takes in one pass over the weights
+PROBE_ROWS = (1, 2, 4, 8)  # row counts `gemv_row_limit` times
+PROBE_BYTES = 48 << 20  # weight copies per probe: more than a server CPU's last-level cache
+IO_DTYPES = (torch.float32, torch.bfloat16)  # x and out
+WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # csrc/gemv.c's enum
+ISAS = {"c": 0, "avx2": 1, "avx512": 2}  # the kernel's paths, by what they need
+PROFILER_NAME = "minipaged::gemv"
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight-only int8
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Int8Weight:
+    """An `[out, in]` weight as int8 `data` and float32 `scales [out, in / group_size]`:
+    weight[o, i] ~= data[o, i] * scales[o, i // group_size]. A quarter of float32's bytes
+    (plus a scale per group)."""
+
+    data: Tensor
+    scales: Tensor
+    group_size: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The float weight these values stand for (a new tensor of `dtype`)."""
+        out, inp = self.data.shape
+        groups = self.data.view(out, inp // self.group_size, self.group_size).float()
+        return (groups * self.scales[:, :, None]).view(out, inp).to(dtype)
+
+
+def quantize_int8(weight: Tensor, group_size: int | None = None) -> Int8Weight:
+    """Symmetric int8 of a float `[out, in]` weight: per output row (`group_size` None) or per
+    `group_size` consecutive input features of each row, scale = the group's largest |value| /
+    127, values rounded to the nearest step. Raises ValueError when `group_size` does not
+    divide the input features."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"quantize_int8 takes a float [out, in] weight, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    out, inp = weight.shape
+    group = inp if group_size is None else group_size
+    if group < 1 or inp % group != 0:
+        raise ValueError(f"group_size {group_size} must divide the weight's {inp} input features")
+    with torch.no_grad():
+        groups = weight.detach().float().reshape(out, inp // group, group)
+        scales = groups.abs().amax(dim=-1) / 127.0
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # all-zero groups
+        data = torch.round(groups / scales[:, :, None]).clamp_(-127, 127).to(torch.int8)
+    return Int8Weight(data.reshape(out, inp).contiguous(), scales.contiguous(), group)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The kernel, built (`build_native`) and loaded once per process; None without."""
+    path = build_native(SOURCE)
+    if path is None:
+        return None
+    library = ctypes.CDLL(str(path))
+    pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    library.gemv.argtypes = [pointer, i64, i64, i32, i32] + [pointer] * 7 + [i32, i32]
+    library.gemv.restype = ctypes.c_int
+    library.gemv_isa.restype = ctypes.c_int
+    return library
+
+
+def gemv_available() -> bool:
+    """Whether the kernel is built and loaded in this process (building it if need be)."""
+    return _library() is not None
+
+
+def gemv_isa() -> str:
+    """The path this CPU takes: "avx512", "avx2" or "c" (or "none" without the kernel)."""
+    library = _library()
+    if library is None:
+        return "none"
+    return {v: k for k, v in ISAS.items()}[library.gemv_isa()]
+
+
+def _array(kind: type, values: Sequence) -> ctypes.Array:
+    return (kind * len(values))(*values)
+
+
+class GemvPlan:
+    """One kernel call's fixed half for weights that read the same input: their pointers,
+    types, sizes, scales and biases, laid out for C once, so that a step's call passes only
+    its input and output. `plan(x)` is `[F.linear(x, w_i, b_i) for each i]` side by side:
+    `[rows, sum(out_i)]` in x's dtype.
+
+    The plan holds its tensors: a weight given new storage (`module.weight = ...`) is not seen
+    by it (`reads` tells whether it still reads a given list); one written in place is.
+    """
+
+    def __init__(
+        self,
+        weights: Sequence[Tensor | Int8Weight],
+        biases: Sequence[Tensor | None] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if not weights:
+            raise ValueError("a GemvPlan needs at least one weight")
+        biases = list(biases) if biases is not None else [None] * len(weights)
+        if len(biases) != len(weights):
+            raise ValueError(f"{len(weights)} weights but {len(biases)} biases")
+        if dtype not in IO_DTYPES:
+            raise ValueError(f"the kernel's inputs are {IO_DTYPES}, got {dtype}")
+        self.weights, self.biases, self.dtype = list(weights), biases, dtype
+        self.in_features = weights[0].shape[1]
+        data, scales, groups = [], [], []
+        for i, w in enumerate(self.weights):
+            tensor = w.data if isinstance(w, Int8Weight) else w
+            if (tensor.device.type != "cpu" or tensor.dtype not in WEIGHT_TYPES
+                    or tensor.dim() != 2 or not tensor.is_contiguous()):
+                raise ValueError(f"weight {i}: the kernel takes contiguous 2-D CPU weights of "
+                                 f"{list(WEIGHT_TYPES)}, got {tensor.dtype} {tuple(tensor.shape)}")
+            if tensor.shape[1] != self.in_features:
+                raise ValueError(f"weight {i} has {tensor.shape[1]} input features, weight 0 "
+                                 f"{self.in_features}")
+            if tensor.dtype == torch.int8 and not isinstance(w, Int8Weight):
+                raise ValueError(f"weight {i}: an int8 weight comes as an Int8Weight (scales)")
+            bias = biases[i]
+            if bias is not None and (bias.dtype != dtype or bias.shape != (tensor.shape[0],)
+                                     or not bias.is_contiguous()):
+                raise ValueError(f"bias {i} must be a contiguous [{tensor.shape[0]}] {dtype}")
+            data.append(tensor)
+            scales.append(w.scales if isinstance(w, Int8Weight) else None)
+            groups.append(w.group_size if isinstance(w, Int8Weight) else self.in_features)
+        self.out_features = [t.shape[0] for t in data]
+        self.width = sum(self.out_features)
+        self._args = (
+            len(data),
+            _array(ctypes.c_void_p, [t.data_ptr() for t in data]),
+            _array(ctypes.c_int, [WEIGHT_TYPES[t.dtype] for t in data]),
+            _array(ctypes.c_int64, self.out_features),
+            _array(ctypes.c_void_p, [0 if s is None else s.data_ptr() for s in scales]),
+            _array(ctypes.c_int64, groups),
+            _array(ctypes.c_void_p, [0 if b is None else b.data_ptr() for b in biases]),
+        )
+        self._keep = (data, scales)  # the pointers above stay valid while the plan lives
+
+    def reads(self, weights: Sequence[Tensor | Int8Weight]) -> bool:
+        """Whether this plan multiplies exactly these weight objects."""
+        return len(weights) == len(self.weights) and all(
+            a is b for a, b in zip(weights, self.weights, strict=True))
+
+    def __call__(self, x: Tensor, isa: str | None = None, out: Tensor | None = None) -> Tensor:
+        """`[rows, width]` outputs for `x [rows, in]` (contiguous, the plan's dtype); `isa`
+        forces a slower path ("c", "avx2") for tests; `out` is written if given."""
+        library = _library()
+        if library is None:
+            raise RuntimeError("the native CPU GEMV kernel could not be built here")
+        if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != self.dtype:
+            raise ValueError(f"x must be [rows, {self.in_features}] {self.dtype}, got "
+                             f"{x.dtype} {tuple(x.shape)}")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        rows = x.shape[0]
+        if out is None:
+            out = torch.empty(rows, self.width, dtype=self.dtype)
+        elif out.shape != (rows, self.width) or out.dtype != self.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous [{rows}, {self.width}] {self.dtype}")
+        if rows == 0:
+            return out
+        level = library.gemv_isa() if isa is None else min(ISAS[isa], library.gemv_isa())
+        with torch.profiler.record_function(PROFILER_NAME):
+            status = library.gemv(x.data_ptr(), rows, self.in_features,
+                                  int(self.dtype == torch.bfloat16), *self._args,
+                                  out.data_ptr(), level, torch.get_num_threads())
+        if status != 0:
+            raise ValueError("the GEMV kernel refused these sizes")
+        return out
+
+
+def gemv(x: Tensor, weights: Sequence[Tensor | Int8Weight],
+         biases: Sequence[Tensor | None] | None = None) -> Tensor:
+    """`GemvPlan(weights, biases, x.dtype)(x)`: for a one-off product; a step keeps its plans."""
+    return GemvPlan(weights, biases, x.dtype)(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing it by measurement
+# ---------------------------------------------------------------------------------------------
+
+
+def best_times(candidates: dict[str, Callable[[Tensor], object]], inputs: Sequence[Tensor],
+               repeats: int = 5) -> dict[str, float]:
+    """Each candidate's best time (seconds of this thread's CPU time, which leaves out waits
+    for a core other work holds) over `repeats` turns of calling it on every input, the
+    candidates taking turns so that other load on a shared machine hits them alike; one
+    warm-up call each first (first-call costs are not a step's)."""
+    best = dict.fromkeys(candidates, float("inf"))
+    for fn in candidates.values():
+        fn(inputs[0])
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            start = time.thread_time()
+            for x in inputs:
+                fn(x)
+            best[name] = min(best[name], time.thread_time() - start)
+    return best
+
+
+@functools.cache
+def gemv_row_limit(shapes: tuple[tuple[int, int], ...], dtype: torch.dtype,
+                   rival: Callable[[Tensor, Tensor], Tensor],
+                   prepare: Callable[[Tensor], Tensor] | None = None) -> int:
+    """Up to how many rows (0 to `MAX_ROWS`) one kernel call over weights of `shapes`
+    (`[out, in]` each, one input) and `dtype` is faster on this CPU than `rival(x,
+    prepare(weight))` for each weight in turn: the largest of `PROBE_ROWS` at which it, and at
+    every smaller probe, measured faster (0 without the kernel).
+
+    Measured once per process and shapes as a step uses weights: copies that together overflow
+    the caches (`PROBE_BYTES`), so each is read from memory, in turns, best of five."""
+    if not gemv_available():
+        return 0
+    gen = torch.Generator().manual_seed(0)
+    element = torch.tensor([], dtype=dtype).element_size()
+    size = sum(out * inp for out, inp in shapes) * element
+    in_features = shapes[0][1]
+    copies = [[torch.randn(shape, generator=gen).to(dtype) for shape in shapes]
+              for _ in range(max(1, min(64, PROBE_BYTES // size)))]
+    limit = 0
+    with torch.inference_mode():
+        operands = [[w if prepare is None else prepare(w) for w in ws] for ws in copies]
+        plans = [GemvPlan(ws, dtype=dtype) for ws in copies]
+        for rows in PROBE_ROWS:
+            x = torch.randn(rows, in_features, generator=gen).to(dtype)
+            times = best_times({
+                "gemv": lambda x: [plan(x) for plan in plans],
+                "rival": lambda x: [rival(x, w) for ws in operands for w in ws],
+            }, [x])
+            if times["gemv"] >= times["rival"]:
+                break
+            limit = rows if rows < PROBE_ROWS[-1] else MAX_ROWS
+    return limit

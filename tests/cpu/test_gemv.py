@@ -1,0 +1,157 @@
+"""The CPU's few-row linear kernel against `F.linear`, for every path this CPU has.
+
+Shapes, row counts (1-8 and beyond, which the kernel takes 8 at a time), weight and input dtypes,
+biases, several weights in one call, and int8 weights with their group sizes are drawn by
+hypothesis; each result is compared with `F.linear` in float64 over the same (dequantised)
+weights, within what the dtype's rounding allows. Every path the CPU can run is checked
+("avx512" where it has AVX-512, "avx2", plain "c"), so the tails of odd sizes are too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minipaged.cpu.gemv import (
+    ISAS,
+    SOURCE,
+    GemvPlan,
+    Int8Weight,
+    gemv,
+    gemv_available,
+    gemv_isa,
+    gemv_row_limit,
+    quantize_int8,
+)
+from minipaged.cpu.native import build_native
+
+PATHS = [isa for isa, level in ISAS.items() if level <= ISAS.get(gemv_isa(), -1)]
+
+
+def reference(x: torch.Tensor, weights, biases) -> torch.Tensor:
+    outs = []
+    for w, b in zip(weights, biases, strict=True):
+        dense = w.dequantize() if isinstance(w, Int8Weight) else w
+        outs.append(F.linear(x.double(), dense.double(), None if b is None else b.double()))
+    return torch.cat(outs, dim=1)
+
+
+def test_the_kernel_is_built_here_with_the_cpus_widest_path():
+    assert gemv_available()
+    flags = Path("/proc/cpuinfo").read_text()
+    expected = "avx512" if " avx512bw" in flags else "avx2" if " avx2" in flags else "c"
+    assert gemv_isa() == expected
+
+
+@st.composite
+def problems(draw: st.DrawFn):
+    in_features = draw(st.sampled_from([1, 7, 16, 33, 64, 100, 576]))
+    rows = draw(st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17]))
+    io = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    count = draw(st.integers(1, 3))
+    seed = draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
+    weights, biases = [], []
+    for _ in range(count):
+        out = draw(st.integers(1, 70))
+        kind = draw(st.sampled_from(["float32", "bfloat16", "int8"]))
+        w = torch.randn(out, in_features, generator=gen)
+        if kind == "int8":
+            divisors = [g for g in (1, 16, 32, 64) if in_features % g == 0] + [None]
+            weights.append(quantize_int8(w, draw(st.sampled_from(divisors))))
+        else:
+            weights.append(w.to(getattr(torch, kind)))
+        biases.append(torch.randn(out, generator=gen).to(io) if draw(st.booleans()) else None)
+    x = torch.randn(rows, in_features, generator=gen).to(io)
+    return x, weights, biases
+
+
+@settings(max_examples=120, deadline=None)
+@given(problems(), st.sampled_from(PATHS), st.sampled_from([1, 2]))
+def test_equals_f_linear(problem, isa, threads):
+    x, weights, biases = problem
+    torch.set_num_threads(threads)
+    try:
+        out = GemvPlan(weights, biases, x.dtype)(x, isa=isa)
+    finally:
+        torch.set_num_threads(1)
+    expected = reference(x, weights, biases)
+    assert out.dtype == x.dtype and out.shape == expected.shape
+    scale = x.double().abs().sum(1, keepdim=True) * 4 + 1  # |x| . |w| bounds the sum's size
+    rel = 2e-6 if x.dtype == torch.float32 else 1e-2  # bfloat16 output: 8 bits of mantissa
+    err = (out.double() - expected).abs()
+    assert bool((err <= rel * scale + rel * expected.abs()).all()), float(err.max())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([16, 48, 576]), st.sampled_from([None, 16]), st.integers(0, 2**16))
+def test_int8_quantisation_round_trips_within_half_a_step(in_features, group, seed):
+    w = torch.randn(37, in_features, generator=torch.Generator().manual_seed(seed)) * 3
+    q = quantize_int8(w, group)
+    assert q.data.dtype == torch.int8 and int(q.data.abs().max()) <= 127
+    step = q.scales.repeat_interleave(q.group_size, dim=1)
+    assert bool(((q.dequantize() - w).abs() <= step / 2 + 1e-6).all())
+    assert torch.equal(q.dequantize(), q.data.float() * step)
+
+
+def test_an_all_zero_group_is_exact():
+    q = quantize_int8(torch.zeros(3, 32), 16)
+    assert torch.equal(q.dequantize(), torch.zeros(3, 32))
+    assert bool((q.scales > 0).all())
+
+
+def test_refusals_name_the_field():
+    w = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="group_size 5"):
+        quantize_int8(w, 5)
+    with pytest.raises(ValueError, match="input features"):
+        GemvPlan([w, torch.randn(8, 17)])
+    with pytest.raises(ValueError, match="Int8Weight"):
+        GemvPlan([w.to(torch.int8)])
+    with pytest.raises(ValueError, match="bias 0"):
+        GemvPlan([w], [torch.randn(7)])
+    with pytest.raises(ValueError, match="x must be"):
+        GemvPlan([w])(torch.randn(2, 15))
+    with pytest.raises(ValueError, match="x must be"):
+        GemvPlan([w])(torch.randn(2, 16).bfloat16())
+    with pytest.raises(ValueError, match="weight 0"):
+        GemvPlan([w.t()])  # not contiguous
+
+
+def test_a_plan_reads_weights_written_in_place_and_knows_replaced_ones():
+    w = torch.randn(8, 16)
+    plan = GemvPlan([w])
+    x = torch.randn(1, 16)
+    w.mul_(2)
+    torch.testing.assert_close(plan(x), F.linear(x, w))
+    assert plan.reads([w]) and not plan.reads([w.clone()])
+
+
+def test_zero_rows_and_a_non_contiguous_input():
+    w = torch.randn(8, 16)
+    assert GemvPlan([w])(torch.randn(0, 16)).shape == (0, 8)
+    x = torch.randn(16, 3).t()  # [3, 16], not contiguous
+    torch.testing.assert_close(gemv(x, [w]), F.linear(x, w))
+
+
+def test_row_limit_is_within_range_and_measured_once():
+    shapes = ((64, 32),)
+    limit = gemv_row_limit(shapes, torch.float32, F.linear)
+    assert 0 <= limit <= 8
+    misses = gemv_row_limit.cache_info().misses
+    assert gemv_row_limit(shapes, torch.float32, F.linear) == limit
+    assert gemv_row_limit.cache_info().misses == misses
+
+
+def test_built_by_the_layers_one_builder(tmp_path: Path):
+    built = build_native(SOURCE, cache_dir=tmp_path)
+    assert built is not None and built.name.startswith("gemv-")
+    assert hasattr(ctypes.CDLL(os.fspath(built)), "gemv")
+    assert build_native(SOURCE, compiler="no-such-compiler-here", cache_dir=tmp_path / "x") is None

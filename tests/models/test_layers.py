@@ -1,0 +1,148 @@
+"""The models' linear layers on the CPU's few-row kernel, and weight-only int8 models.
+
+`Linear` and `LinearGroup` take the GEMV kernel at the rows `choose_gemms` measured it faster
+for (forced here to its whole range, so the test does not depend on this machine's timings) and
+PyTorch's GEMM above; both must give `F.linear`'s results. A model's forward pass over a few
+rows equals the one without the kernel. `quantize_model`
+leaves no float copy of a quantised weight, and the int8 model equals the float model holding
+the dequantised weights (the kernel and the dequantise-then-GEMM path agree, and the tied
+embedding looks its rows up from the same int8 values).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_models import dense_last_logits, tiny_engine, tiny_llama_parts
+
+from minipaged.cpu.gemv import MAX_ROWS, GemvPlan, gemv_available
+from minipaged.engine.config import EngineConfig
+from minipaged.models.layers import FewRows, Linear, LinearGroup, choose_gemms
+from minipaged.models.quantization import Int8Embedding, quantize_model
+from minipaged.sampling.params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not gemv_available(), reason="needs a C compiler")
+
+
+def force_kernel(model: torch.nn.Module, max_rows: int = MAX_ROWS) -> int:
+    """Give every layer and group the kernel up to `max_rows` rows; the number given."""
+    choose_gemms(model)
+    count = 0
+    for module in model.modules():
+        paths = [module] if isinstance(module, Linear) else []
+        paths += [v for v in vars(module).values() if isinstance(v, LinearGroup)]
+        for owner in paths:
+            current = owner.few_rows if isinstance(owner, Linear) else owner.path
+            if current is None:
+                layers = owner.layers if isinstance(owner, LinearGroup) else (owner,)
+                weights = [layer.multiplied_weight() for layer in layers]
+                dtype = torch.float32 if not isinstance(weights[0], torch.Tensor) \
+                    else weights[0].dtype
+                current = FewRows(GemvPlan(weights, [la.bias for la in layers], dtype), 0)
+            forced = replace(current, max_rows=max_rows)
+            if isinstance(owner, Linear):
+                owner.few_rows = forced
+            else:
+                owner.path = forced
+            count += 1
+    return count
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 12), st.sampled_from([torch.float32, torch.bfloat16]), st.booleans(),
+       st.integers(0, 2**16))
+def test_a_group_equals_its_layers_on_f_linear(rows, dtype, bias, seed):
+    torch.manual_seed(seed)
+    layers = [Linear(48, n, bias=bias).to(dtype) for n in (48, 16, 16)]
+    group = LinearGroup(*layers)
+    owner = torch.nn.Module()
+    owner.group = group
+    for i, layer in enumerate(layers):
+        owner.add_module(f"l{i}", layer)
+    assert force_kernel(owner, max_rows=8) == 4
+    x = torch.randn(rows, 48).to(dtype)
+    with torch.inference_mode():
+        outs = group(x)
+        singles = [layer(x) for layer in layers]
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
+    for out, single, layer in zip(outs, singles, layers, strict=True):
+        expected = F.linear(x.float(), layer.weight.float(),
+                            None if layer.bias is None else layer.bias.float())
+        torch.testing.assert_close(out.float(), expected, **tol)
+        torch.testing.assert_close(single.float(), expected, **tol)
+
+
+def test_autograd_takes_f_linear():
+    layer = Linear(16, 8)
+    force_kernel(layer)
+    x = torch.randn(2, 16, requires_grad=True)
+    layer(x).sum().backward()  # the kernel has no backward: this must be F.linear's
+    assert x.grad is not None and layer.weight.grad is not None
+
+
+def test_a_replaced_weight_is_multiplied_not_the_planned_one():
+    layer = Linear(16, 8, bias=False)
+    force_kernel(layer)
+    layer.weight = torch.nn.Parameter(torch.randn(8, 16))
+    x = torch.randn(1, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+
+
+def test_the_kernel_leaves_the_models_logits_alone():
+    model, config = tiny_llama_parts()
+    tokens = [5, 17, 3, 59, 42, 7]
+    without = dense_last_logits(model, tokens)
+    force_kernel(model)
+    torch.testing.assert_close(dense_last_logits(model, tokens), without, atol=1e-4, rtol=1e-4)
+
+
+def test_int8_model_equals_the_float_model_of_its_dequantised_weights():
+    model, config = tiny_llama_parts(tie_word_embeddings=True)
+    quantized = copy.deepcopy(model)
+    quantize_model(quantized, "int8", group_size=16)
+    assert isinstance(quantized.input_embedding(), Int8Embedding)
+    for name, module in quantized.named_modules():
+        if isinstance(module, Linear):
+            assert module.weight is None and module.int8 is not None, name  # no float copy
+    # The float model holding exactly the int8 values' weights.
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for (_, module), (_, q) in zip(reference.named_modules(), quantized.named_modules(),
+                                          strict=True):
+            if isinstance(module, Linear):
+                module.weight.copy_(q.int8.dequantize())
+    tokens = [5, 17, 3, 59, 42, 7, 1, 8, 9, 11, 12]
+    expected = dense_last_logits(reference, tokens)
+    torch.testing.assert_close(dense_last_logits(quantized, tokens), expected,
+                               atol=1e-4, rtol=1e-4)  # dequantise-then-GEMM, before the choice
+    force_kernel(quantized, max_rows=8)
+    torch.testing.assert_close(dense_last_logits(quantized, tokens), expected,
+                               atol=1e-4, rtol=1e-4)  # the kernel, 8 rows at a time
+
+
+def test_an_int8_engine_generates_and_drains():
+    parts = tiny_llama_parts()
+    quantize_model(parts[0], "int8")
+    engine = tiny_engine(parts, device="cpu", num_gpu_blocks=64)
+    engine.add_request(None, [1, 2, 3, 4], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.add_request(None, [9, 8], SamplingParams(max_tokens=3, ignore_eos=True))
+    finals = engine.run_until_done(use_tqdm=False)
+    assert sorted(len(f.outputs[0].token_ids) for f in finals.values()) == [3, 5]
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_gpu_blocks
+
+
+def test_quantization_refusals_name_the_field():
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(quantization="int8", tensor_parallel_size=2, device="cpu")
+    model, _ = tiny_llama_parts()
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        quantize_model(model, "fp8")
