@@ -14,19 +14,29 @@ in float32 (docs/benchmarks.md, "CPU performance", measures the speed and the to
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from minipaged.models.quantization import QUANTIZATIONS
+from minipaged.runner.backends import BACKENDS
+from minipaged.sampling.params import MAX_SEED, shown
 from minipaged.sched.cost_model import CostModel
 from minipaged.sched.mlfq import MLFQConfig
+from minipaged.sched.output import PreemptionMode
 from minipaged.sched.registry import SCHEDULERS, needs_cost_model
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = (*DTYPES, "auto")
+# The largest size or count a setting may give: block tables, positions and token counts are
+# int32 tensors in the attention metadata.
+MAX_INT32 = 2**31 - 1
 
 
 # The x86 CPU flags (Linux's /proc/cpuinfo names) of instructions that multiply bfloat16.
@@ -96,6 +106,8 @@ class EngineConfig:
     tensor_parallel_timeout: float = 60.0
 
     def __post_init__(self) -> None:
+        check_field_types(self)
+        self._check_ranges()
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.scheduler not in SCHEDULERS:
@@ -104,35 +116,12 @@ class EngineConfig:
             )
         if self.mlfq is not None and not needs_cost_model(self.scheduler):
             raise ValueError(f"mlfq settings need an MLFQ scheduler, got {self.scheduler!r}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
-            raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(
-                f"max_model_len must be None or >= 2 (a prompt token and one to generate), "
-                f"got {self.max_model_len}"
-            )
-        if isinstance(self.tensor_parallel_size, bool) or not isinstance(
-            self.tensor_parallel_size, int
-        ) or self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}"
-            )
         if not self.tensor_parallel_timeout > 0:
             raise ValueError(
                 f"tensor_parallel_timeout must be > 0 seconds, got {self.tensor_parallel_timeout}"
@@ -147,6 +136,46 @@ class EngineConfig:
                 raise ValueError("quantization 'int8' runs on a CPU on one rank: "
                                  "tensor_parallel_size must be 1 and the device cpu")
 
+    def _check_ranges(self) -> None:
+        """Sizes within int32, memory and time finite, names among their choices."""
+        sizes = (("block_size", 1, ""), ("num_gpu_blocks", 1, "None or "),
+                 ("num_cpu_blocks", 0, "None or "), ("max_num_seqs", 1, ""),
+                 ("max_num_batched_tokens", 1, ""), ("tensor_parallel_size", 1, ""),
+                 ("max_model_len", 2, "None (the model's) or "))  # a prompt token and one more
+        for name, low, other in sizes:
+            value = getattr(self, name)
+            if value is not None and not low <= value <= MAX_INT32:
+                raise ValueError(
+                    f"{name} must be {other}an integer in [{low}, 2**31 - 1], got {value}"
+                )
+        for name in ("kv_cache_memory", "gpu_memory_utilization", "swap_space",
+                     "tensor_parallel_timeout"):
+            value = getattr(self, name)
+            try:  # an int beyond the floats' range is not finite either
+                finite = math.isfinite(value)
+            except OverflowError:
+                finite = False
+            if not finite:
+                raise ValueError(f"{name} must be a finite number, got {shown(value)}")
+        if not 0 <= self.seed < MAX_SEED:
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed}")
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, ValueError) as exc:
+                raise ValueError(f"device must be None or a torch device, got {self.device!r}: "
+                                 f"{exc}") from None
+        modes = [mode.value for mode in PreemptionMode]
+        if self.preemption_mode is not None and self.preemption_mode not in modes:
+            raise ValueError(
+                f"preemption_mode must be None or one of {modes}, got {self.preemption_mode!r}"
+            )
+        if self.attention_backend not in (None, "auto", *BACKENDS):
+            raise ValueError(
+                f"attention_backend must be None, 'auto' or one of {list(BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
+
     @property
     def torch_dtype(self) -> torch.dtype:
         """The model's dtype; "auto" resolved for `torch_device`."""
@@ -159,3 +188,53 @@ class EngineConfig:
         if self.device is not None:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# -- field types ----------------------------------------------------------------------------------
+
+
+def check_field_types(config: object) -> None:
+    """Every field of the dataclass `config` holds a value of its annotated type, else a
+    `TypeError` naming the field (an int is a float here, a bool is neither an int nor a float;
+    a hint this check cannot read is not checked)."""
+    hints = field_types(type(config))
+    for field in dataclasses.fields(config):  # type: ignore[arg-type]
+        value = getattr(config, field.name)
+        hint = hints[field.name]
+        if not _has_type(value, hint):
+            raise TypeError(f"{field.name} must be {_type_name(hint)}, got {shown(value)}")
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, object]:
+    """The resolved annotations of a dataclass's fields."""
+    return typing.get_type_hints(cls)
+
+
+def _has_type(value: object, hint: object) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, member) for member in typing.get_args(hint))
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if hint in (int, float):
+        kinds = (int,) if hint is int else (int, float)
+        return isinstance(value, kinds) and not isinstance(value, bool)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    if isinstance(origin, type):  # list[int] and the like: the container's type only
+        return isinstance(value, origin)
+    return True
+
+
+def _type_name(hint: object) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(member) for member in typing.get_args(hint))
+    if hint is type(None):
+        return "None"
+    if typing.get_origin(hint) is typing.Literal:
+        return " or ".join(repr(choice) for choice in typing.get_args(hint))
+    name = getattr(hint, "__name__", str(hint))
+    return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"

@@ -25,6 +25,8 @@ class LLM:
     """
 
     def __init__(self, model: str | Path | None = None, **engine_kwargs: Any) -> None:
+        if model is not None and not isinstance(model, (str, Path)):
+            raise TypeError(f"model must be a str, a Path or None, got {model!r}")
         known = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(engine_kwargs) - known)
         if unknown:
