@@ -14,20 +14,33 @@ the engine whichever stream steps; closing it aborts the request.
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import numbers
 from collections import deque
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 from minipaged.sampling.outputs import RequestOutput
-from minipaged.sampling.params import SamplingParams
+from minipaged.sampling.params import SamplingParams, shown
 
 
 def check_params(params: object, vocab_size: int, has_tokenizer: bool) -> SamplingParams:
-    """`params` (None: the defaults) as a `SamplingParams` whose token ids index the logits."""
+    """The request's own copy of `params` (None: the defaults), checked again and against the
+    model: `top_k` and every stop token id within the vocabulary.
+
+    The copy re-runs every check of `SamplingParams` on the values the object holds now (a field
+    set after construction is checked too), and the engine keeps it, so that changing the
+    caller's object later cannot reach a running request (vLLM clones them alike).
+    """
     params = SamplingParams() if params is None else params
     if not isinstance(params, SamplingParams):
-        raise TypeError(f"sampling_params must be a SamplingParams, got {params!r}")
+        raise TypeError(f"sampling_params must be a SamplingParams, got {shown(params)}")
+    params = dataclasses.replace(params)
+    if params.top_k > vocab_size:
+        raise ValueError(
+            f"top_k must be 0 (off) or at most the vocabulary's {vocab_size} tokens, "
+            f"got {params.top_k}"
+        )
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")

@@ -323,7 +323,7 @@ def test_get_request_follows_a_request_until_one_step_after_it_finished(tiny):
     other = engine.add_request("o", random_prompts(1, seed=10)[0], longer)
     before = engine.get_request(rid)
     assert before.outputs[0].token_ids == [] and not before.finished
-    assert engine.get_sampling_params(rid) is params
+    assert engine.get_sampling_params(rid) == params  # the request's own copy (check_params)
     outputs = {}
     while rid not in outputs or not outputs[rid].finished:
         outputs.update({o.request_id: o for o in engine.step()})

@@ -49,8 +49,34 @@ def test_stop_token_ids_are_admitted_iff_inside_the_vocabulary(vocab, ids, has_t
             check_params(params, vocab, has_tokenizer)
         assert str(outside[:5]) in str(info.value)
     else:
-        assert check_params(params, vocab, has_tokenizer) is params
+        assert check_params(params, vocab, has_tokenizer) == params
         assert params.stop_token_ids == ids  # the checks leave the request's values alone
+
+
+def test_the_request_keeps_its_own_copy_checked_again() -> None:
+    """A field set after construction is checked at admission, and changing the caller's object
+    after it cannot reach the admitted request (top_k=2**63 set so made the sampler raise
+    inside a step, ending every request of the batch)."""
+    params = SamplingParams(temperature=0.5, stop_token_ids=[3])
+    admitted = check_params(params, VOCAB, has_tokenizer=False)
+    assert admitted == params and admitted is not params
+    params.top_k, params.stop_token_ids[0] = 2**63, 10**30
+    assert (admitted.top_k, admitted.stop_token_ids) == (0, [3])
+    with pytest.raises(ValueError, match=r"^stop_token_ids must"):
+        check_params(params, VOCAB, has_tokenizer=False)
+    params.stop_token_ids = []
+    with pytest.raises(ValueError, match=r"^top_k must"):
+        check_params(params, VOCAB, has_tokenizer=False)
+
+
+@given(top_k=st.integers(0, 3 * VOCAB))
+def test_top_k_is_admitted_up_to_the_vocabulary(top_k) -> None:
+    params = SamplingParams(top_k=top_k)
+    if top_k > VOCAB:
+        with pytest.raises(ValueError, match=rf"^top_k must .*vocabulary's {VOCAB} tokens"):
+            check_params(params, VOCAB, has_tokenizer=False)
+    else:
+        assert check_params(params, VOCAB, has_tokenizer=False).top_k == top_k
 
 
 def test_no_params_means_the_defaults() -> None:
@@ -66,7 +92,7 @@ def test_params_of_another_type_are_a_type_error_naming_the_field(params) -> Non
 @given(stop=st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=3))
 def test_stop_strings_are_admitted_only_with_a_tokenizer(stop) -> None:
     params = SamplingParams(stop=stop)
-    assert check_params(params, VOCAB, has_tokenizer=True) is params
+    assert check_params(params, VOCAB, has_tokenizer=True) == params
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         check_params(params, VOCAB, has_tokenizer=False)
 
