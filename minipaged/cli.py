@@ -19,6 +19,7 @@ interrupted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Generator, Sequence
@@ -104,32 +105,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    from minipaged.engine.config import DTYPE_CHOICES
+    from minipaged.engine.config import DTYPE_CHOICES, EngineConfig
     from minipaged.models.quantization import QUANTIZATIONS
     from minipaged.runner.backends import BACKENDS
+    from minipaged.sched.output import PreemptionMode
     from minipaged.sched.registry import SCHEDULERS
 
+    # Every default is EngineConfig's own: one source for Python and the shell.
+    defaults = {field.name: field.default for field in dataclasses.fields(EngineConfig)}
     engine = parser.add_argument_group("engine (see EngineConfig)")
+
+    def flag(name: str, **options: Any) -> None:
+        engine.add_argument("--" + name.replace("_", "-"), default=defaults[name], **options)
+
     engine.add_argument("--model", help="HF folder or .gguf file (default: bundled SmolLM2)")
-    engine.add_argument("--dtype", default="float32", choices=sorted(DTYPE_CHOICES))
-    engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    engine.add_argument("--num-gpu-blocks", type=int, default=None,
-                        help="KV blocks on the device (default: from the memory budget)")
-    engine.add_argument("--swap-space", type=float, default=1.0,
-                        help="GiB of host memory for swapped-out blocks")
-    engine.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="tokens computed per step")
-    engine.add_argument("--scheduler", default="fcfs", choices=sorted(SCHEDULERS))
-    engine.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
-    engine.add_argument("--attention-backend", default=None, choices=list(BACKENDS),
-                        help="default: triton on CUDA, torch elsewhere")
-    engine.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
-                        help="weight-only int8 weights, quantised at load (CPU)")
-    engine.add_argument("--no-prefix-caching", action="store_true")
-    engine.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="split the model over N worker processes (torch.distributed)")
+    flag("dtype", choices=sorted(DTYPE_CHOICES))
+    flag("device", help="cpu or cuda (default: cuda if available)")
+    flag("block_size", type=int, help="tokens per KV block")
+    flag("num_gpu_blocks", type=int, help="KV blocks on the device (default: from the memory "
+         "budget)")
+    flag("swap_space", type=float, help="GiB of host memory for swapped-out blocks")
+    flag("max_num_seqs", type=int, help="sequences per step")
+    flag("max_num_batched_tokens", type=int, help="tokens computed per step")
+    flag("scheduler", choices=sorted(SCHEDULERS))
+    flag("preemption_mode", choices=[mode.value for mode in PreemptionMode])
+    flag("attention_backend", choices=list(BACKENDS),
+         help="default: triton on CUDA, cpu on a CPU, torch elsewhere")
+    flag("quantization", choices=list(QUANTIZATIONS),
+         help="weight-only int8 weights, quantised at load (CPU)")
+    engine.add_argument("--no-prefix-caching", action="store_true")  # EngineConfig's default: on
+    flag("tensor_parallel_size", type=int,
+         help="split the model over N worker processes (torch.distributed)")
     engine.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice); 1 is often faster "
                              "on a CPU shared with other work")

@@ -14,6 +14,7 @@ the cache-free oracle, and streamed text with the engine's own final text.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import json
 import os
 import sys
@@ -187,7 +188,8 @@ def dense_answer(engine: LLMEngine, conversation: list[dict[str, str]], max_toke
     """The cache-free oracle's greedy answer to a conversation."""
     ids = engine.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
                                                tokenize=True)
-    dense = generate_dense(engine.runner.model, [ids], max_tokens, engine.eos_token_ids)[0]
+    eos = engine.processor.eos_token_ids
+    dense = generate_dense(engine.runner.model, [ids], max_tokens, eos)[0]
     return engine.tokenizer.decode(dense, skip_special_tokens=True)
 
 
@@ -503,3 +505,52 @@ def test_request_metrics_are_set_and_monotone(bundled):
     # Preempted or not, every answer is the dense greedy one.
     dense = generate_dense(engine.runner.model, prompts, 40)
     assert [finals[i].outputs[0].token_ids for i in ids] == dense
+
+
+# -- the engine flags are EngineConfig's ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["generate", "Hi"], ["chat"], ["serve"]])
+def test_every_engine_flag_defaults_to_engine_config_and_reaches_it(command):
+    """The flags' defaults are read from EngineConfig's fields, not copied: with no flag given,
+    every value `LLM(...)` receives is EngineConfig's default, and every parsed value named
+    like a field reaches it."""
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    args = cli.build_parser().parse_args(command)
+    kwargs = cli.engine_kwargs_from_args(args)
+    assert set(kwargs) <= set(defaults) and len(kwargs) >= 13
+    engine_names = {name for name in vars(args) if name in defaults} - set(cli.SAMPLING_FLAGS)
+    assert engine_names <= set(kwargs)  # (--seed is the request's, SamplingParams.seed)
+    for name, value in kwargs.items():
+        assert value == defaults[name], name
+    assert EngineConfig(**kwargs) == EngineConfig()
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--block-size", "16.5"], "--block-size"),
+        (["--swap-space", "a lot"], "--swap-space"),
+        (["--num-gpu-blocks", "many"], "--num-gpu-blocks"),
+        (["--preemption-mode", "drop"], "--preemption-mode"),
+        (["--tensor-parallel-size", "two"], "--tensor-parallel-size"),
+    ],
+)
+def test_engine_flags_of_the_wrong_type_are_usage_errors_naming_the_flag(capsys, flags, named):
+    assert cli.main(["generate", "Hi", *flags]) == 2
+    assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, field_name",
+    [
+        (["--swap-space", "nan"], "swap_space"),
+        (["--num-gpu-blocks", str(2**31)], "num_gpu_blocks"),
+        (["--max-num-seqs", "0"], "max_num_seqs"),
+        (["--device", "gpu9"], "device"),
+    ],
+)
+def test_engine_flags_out_of_range_exit_2_naming_the_field(loads, capsys, flags, field_name):
+    assert cli.main(["generate", "Hi", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("minipaged: error:") and field_name in err and "Traceback" not in err
