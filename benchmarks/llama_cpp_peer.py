@@ -205,6 +205,27 @@ def print_table(title: str, table: dict[str, dict]) -> None:
 # -- main -----------------------------------------------------------------------------------------
 
 
+def save(args: argparse.Namespace, systems: list, results: dict, load_before: float,
+         dram_gbs: float, dram_after: float | None) -> None:
+    """The report so far (written after each workload, so a cut-short run keeps its numbers)."""
+    peer = next(s for s in systems if isinstance(s, LlamaCppSystem))
+    save_report(args.out, {
+        "benchmark": "llama_cpp_peer",
+        "what": "greedy output tokens/s, one thread each, ignore_eos, same token-id requests: "
+                "minipaged LLMEngine variants vs llama.cpp (llama-cpp-python C API, continuous "
+                "batching in one context) on the bundled SmolLM2-135M-Instruct GGUF as F32 "
+                "(requantised) and as shipped (Q4_1); interleaved rounds, best round each; "
+                "agreement with minipaged float32",
+        **report_header(load_average_1min_before=round(load_before, 2),
+                        llama_cpp_python=peer.info["llama_cpp_python"],
+                        llama_cpp_system_info=peer.info["system_info"], **cpu_features()),
+        "threads": args.threads,
+        "llama_cpp_extra_buffers": peer.info["extra_buffers"],
+        "dram_read_gbs_1_thread": {"before": dram_gbs, "after": dram_after},
+        "workloads": results,
+    })
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-python", default=sys.executable,
@@ -261,28 +282,15 @@ def main() -> None:
                 "rounds": repeats, "systems": summarise(runs, systems, dram_gbs)}
             print_table(f"{name} (output tokens/s, best of {repeats} interleaved rounds)",
                         results[name]["systems"])
+            save(args, systems, results, load_before[0], dram_gbs, None)
     finally:
         for system in systems:
             if isinstance(system, LlamaCppSystem):
                 system.close()
     dram_after = read_bandwidth(dram_bytes(), 1)
-    peer = next(s for s in systems if isinstance(s, LlamaCppSystem))
+    save(args, systems, results, load_before[0], dram_gbs, dram_after)
     print(f"\nDRAM read {dram_gbs} GB/s before, {dram_after} after (one thread); "
           f"load {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after")
-    save_report(args.out, {
-        "benchmark": "llama_cpp_peer",
-        "what": "greedy output tokens/s, one thread each, ignore_eos, same token-id requests: "
-                "minipaged LLMEngine variants vs llama.cpp (llama-cpp-python C API, continuous "
-                "batching in one context) on the bundled SmolLM2-135M-Instruct GGUF as F32 "
-                "(requantised) and as shipped (Q4_1); interleaved rounds, best round each; "
-                "agreement with minipaged float32",
-        **report_header(load_average_1min_before=round(load_before[0], 2),
-                        llama_cpp_python=peer.info["llama_cpp_python"],
-                        llama_cpp_system_info=peer.info["system_info"], **cpu_features()),
-        "threads": args.threads,
-        "dram_read_gbs_1_thread": {"before": dram_gbs, "after": dram_after},
-        "workloads": results,
-    })
     print(f"wrote {args.out}")
 
 

@@ -18,6 +18,9 @@ Serving is llama-server's continuous batching on the C API: one context holds ev
 of the next waiting ones, up to `n_batch` (2048, llama.cpp's default) in all. Greedy: the next
 token is the argmax of the row's logits; each request generates exactly `output_len` tokens (no
 end-of-sequence stop, like `ignore_eos`). The K/V cache is llama.cpp's default type (F16).
+Weights stay in llama.cpp's plain CPU buffers unless `--extra-buffers`: on a CPU with AMX its
+AMX buffer type repacks the Q4_1 weights, and `llama_decode` then crashed (SIGSEGV) here
+(llama-cpp-python 0.3.36, 2026-12-01); without it Q4_1 runs on its AVX-512 kernels.
 """
 
 from __future__ import annotations
@@ -72,10 +75,11 @@ def requantised_f32(llama_cpp, source: Path, folder: Path, threads: int) -> Path
 class Peer:
     """A loaded llama.cpp model and the settings of the contexts it serves from."""
 
-    def __init__(self, llama_cpp, path: Path, threads: int):
+    def __init__(self, llama_cpp, path: Path, threads: int, extra_buffers: bool = False):
         self.llama_cpp, self.threads = llama_cpp, threads
-        self.model = llama_cpp.llama_model_load_from_file(
-            str(path).encode(), llama_cpp.llama_model_default_params())
+        params = llama_cpp.llama_model_default_params()
+        params.use_extra_bufts = extra_buffers
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
@@ -151,6 +155,8 @@ def main() -> None:
     parser.add_argument("model", type=Path)
     parser.add_argument("--format", choices=["f32", "native"], default="native")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--extra-buffers", action="store_true",
+                        help="let llama.cpp repack weights into its extra buffer types (AMX)")
     args = parser.parse_args()
     import llama_cpp
 
@@ -159,10 +165,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         path = (requantised_f32(llama_cpp, args.model, Path(folder), args.threads)
                 if args.format == "f32" else args.model)
-        peer = Peer(llama_cpp, path, args.threads)
+        peer = Peer(llama_cpp, path, args.threads, args.extra_buffers)
         peer.run([(list(range(17, 25)), 2)])  # warm-up: first calls, buffers
         print(json.dumps({
-            "ready": True, "format": args.format, "model_bytes": int(
+            "ready": True, "format": args.format,
+            "extra_buffers": args.extra_buffers, "model_bytes": int(
                 llama_cpp.llama_model_size(peer.model)),
             "llama_cpp_python": llama_cpp.__version__,
             "system_info": llama_cpp.llama_print_system_info().decode(),
