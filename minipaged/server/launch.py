@@ -6,8 +6,8 @@ by stopping the engine loop, which aborts them in the engine and ends each respo
 stream with an error event and `[DONE]`, a whole answer with a 503). A second signal, of either
 kind, ends the grace period at once the same way. Then the app's shutdown runs and the process
 returns with status 0, whatever sequence of signals came: `Server` records signals instead of
-letting uvicorn re-raise them, and `serve` leaves recording handlers installed, so a signal
-that arrives while the process exits is recorded too, never fatal.
+letting uvicorn re-raise them, and `serve` ignores the signals that arrive once it is done,
+while the process exits.
 
 `ServerThread` runs the same server on a thread, on a free port of 127.0.0.1 (the tests and
 the notebook): a context manager that starts it, waits until it answers and always stops it.
@@ -67,16 +67,17 @@ class Server(uvicorn.Server):
 
 
 def serve(app: Any, host: str, port: int, shutdown_timeout: float = 5.0) -> list[int]:
-    """Serve `app` until SIGINT or SIGTERM; return the signals received until it returned.
+    """Serve `app` until SIGINT or SIGTERM; return the signals the server received.
 
-    Meant to end the process: SIGINT and SIGTERM stay recorded (and ignored) after it returns,
-    so a late one cannot kill the process on its way out."""
-    late: list[int] = []
+    Meant to end the process: SIGINT and SIGTERM are ignored outside the server's run and
+    after it returns. Ignored, not handled: Python's finalization resets signals that have a
+    Python handler to their default (a late signal would then kill the exiting process),
+    but leaves ignored ones alone."""
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda number, frame: late.append(number))
+        signal.signal(sig, signal.SIG_IGN)  # uvicorn's handlers replace this while it runs
     server = Server(app, shutdown_timeout, host=host, port=port, log_level="info")
     server.run()
-    return server.signals + late
+    return server.signals
 
 
 class ServerThread:

@@ -133,7 +133,7 @@ class Preprocessor:
             if isinstance(prompt, str):
                 if self.tokenizer is None:
                     raise RequestError("text prompts need a tokenizer; pass token ids", "prompt")
-                self.check_text(prompt, body.max_tokens, "prompt", "max_tokens")
+                self.check_text(prompt, "prompt")
                 prompts.append(self._encode(prompt, True, "prompt"))
                 texts.append(prompt)
             else:
@@ -153,9 +153,7 @@ class Preprocessor:
             )
         except ValueError as exc:  # the template refused the conversation (TokenizerError too)
             raise RequestError(f"messages: {exc}", "messages") from None
-        max_tokens = body.max_completion_tokens
-        max_tokens = body.max_tokens if max_tokens is None else max_tokens
-        self.check_text(text, max_tokens, "messages", body.max_tokens_field())
+        self.check_text(text, "messages")
         prompt = self._encode(text, False, "messages")  # templates write their own bos
         params = body.sampling_params(len(prompt), self.max_model_len)
         return Prepared(body, params, [prompt], [text])
@@ -176,14 +174,12 @@ class Preprocessor:
         size = len(normalized.encode("utf-8", errors="surrogatepass"))
         return math.ceil(size / self.max_token_bytes)
 
-    def check_text(
-        self, text: str, max_tokens: int | None, prompt_field: str, tokens_field: str
-    ) -> None:
-        """Refuse a text whose size alone proves it does not fit the context (with
-        `max_tokens`, when given), before it is tokenized."""
+    def check_text(self, text: str, prompt_field: str) -> None:
+        """Refuse a text whose size alone proves it leaves no room in the context, before it is
+        tokenized. (A text that passes has at most `max_model_len * max_token_bytes` bytes,
+        cheap to tokenize; `max_tokens` is then checked against its exact length.)"""
         bound = self.min_tokens(text)
-        limit = self.max_model_len
-        check_context(bound, max_tokens, limit, prompt_field, tokens_field, "at least ")
+        check_context(bound, None, self.max_model_len, prompt_field, "", "at least ")
 
     def _encode(self, text: str, add_special_tokens: bool, field: str) -> list[int]:
         if self.tokenizer is None:

@@ -126,6 +126,14 @@ class _SamplingRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
         return stop
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """A field sent as `null` takes its default, as in vLLM (OpenAI's clients send some)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k in _REQUIRED}
+        return data
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -369,6 +377,10 @@ def parse_body(model: type[_SamplingRequest], body: bytes) -> Any:
         if error["type"] not in ("value_error", "missing"):
             message = f"{message}, got {_short(error.get('input'))}"
         raise RequestError(f"{'.'.join(loc)}: {message}", loc[0]) from None
+
+
+# Fields whose `null` is refused rather than taken as the default: there is none.
+_REQUIRED = frozenset({"prompt", "messages"})
 
 
 def _is_prompt(value: Any) -> bool:
