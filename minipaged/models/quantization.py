@@ -6,7 +6,7 @@ every `Linear` of a loaded model into int8 values with a float32 scale per group
 `group_size` input features of each output row (`minipaged.cpu.gemv.quantize_int8`) and drops
 its float weight; the CPU's GEMV kernel multiplies them, dequantising in registers, and more
 rows than it takes dequantise a layer's weight for PyTorch's GEMM (`Linear.forward`).
-Activations, norms and the KV cache stay in the model's dtype: only the weights are rounded.
+Activations, norms and the KV cache stay float32: only the weights are rounded.
 
 A tied head shares the token embedding's matrix: both become one `Int8Weight`, the embedding
 looking its rows up and dequantising just those (`Int8Embedding`), so no float copy of the
@@ -58,6 +58,9 @@ def quantize_model(model: CausalLM, quantization: str, group_size: int = GROUP_S
         raise ValueError("int8 quantisation takes a model on one rank (not tensor-parallel)")
     tied = model.lm_head.weight is embedding.weight
     dtype = embedding.weight.dtype
+    if dtype != torch.float32:
+        raise ValueError(f"int8 weights take float32 activations: dtype must be float32, got "
+                         f"{dtype}")
     for name, module in list(model.named_modules()):
         if not isinstance(module, Linear) or module.int8 is not None:
             continue

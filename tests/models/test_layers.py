@@ -146,3 +146,5 @@ def test_quantization_refusals_name_the_field():
     model, _ = tiny_llama_parts()
     with pytest.raises(ValueError, match="quantization must be one of"):
         quantize_model(model, "fp8")
+    with pytest.raises(ValueError, match="dtype must be float32"):
+        quantize_model(model.to(torch.bfloat16), "int8")
