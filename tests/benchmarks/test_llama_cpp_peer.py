@@ -28,7 +28,6 @@ from llama_cpp_peer import agreement  # noqa: E402
 from llama_cpp_worker import N_BATCH, Peer, Sequence  # noqa: E402
 from roofline import weight_bytes  # noqa: E402
 
-from minipaged.checkpoint.model_config import ModelConfig  # noqa: E402
 from minipaged.models.layers import RotaryEmbedding  # noqa: E402
 
 
@@ -92,10 +91,10 @@ def test_the_worker_imports_neither_torch_nor_minipaged():
     assert "llama_cpp" in imported and not imported & {"torch", "minipaged"}
 
 
-def tiny_config(tie: bool) -> ModelConfig:
-    return ModelConfig(architecture="llama", vocab_size=50, hidden_size=8, num_layers=1,
-                       num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=16,
-                       max_position_embeddings=32, tie_word_embeddings=tie)
+def rotary() -> RotaryEmbedding:
+    """Rotary tables of 32 positions (what `RotaryEmbedding` reads of a model's config)."""
+    return RotaryEmbedding(SimpleNamespace(head_dim=4, rope_theta=10000.0, rope_scaling=None,
+                                           max_position_embeddings=32))
 
 
 class TinyLM(torch.nn.Module):
@@ -108,7 +107,7 @@ class TinyLM(torch.nn.Module):
         self.head = torch.nn.Linear(8, 50, bias=False, dtype=dtype)
         if tie:
             self.head.weight = self.embed.weight
-        self.rotary = RotaryEmbedding(tiny_config(tie))
+        self.rotary = rotary()
 
 
 def test_weight_bytes_count_a_tied_head_once_and_skip_an_untied_embedding_and_rotary():
