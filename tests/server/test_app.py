@@ -25,13 +25,13 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from http_checks import assert_drained, metrics
 from tiny_models import tiny_llama_parts
 
 from minipaged.engine.engine import EngineConfig, LLMEngine
 from minipaged.sampling.params import SamplingParams
 from minipaged.server.app import build_app
 from minipaged.server.launch import ServerThread, free_port, wait_until_healthy
-from minipaged.server.metrics import parse_metrics
 from minipaged.server.serve_command import served_model_name
 
 openai = pytest.importorskip("openai")
@@ -89,24 +89,6 @@ def client(tiny):
     with openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as c:
         yield c
     assert_drained(server.url)  # every test leaves the engine empty and every block free
-
-
-def metrics(url: str) -> dict[str, float]:
-    return parse_metrics(httpx.get(url + "/metrics").text)
-
-
-def drained(values: dict[str, float]) -> bool:
-    busy = sum(values[f"minipaged:num_requests_{q}"] for q in ("running", "waiting", "swapped"))
-    return busy == 0 and values["minipaged:num_free_blocks"] == values["minipaged:num_blocks"]
-
-
-def assert_drained(url: str, timeout: float = 5.0) -> dict[str, float]:
-    """Wait until `/metrics` shows no request left and every KV block free."""
-    deadline = time.monotonic() + timeout
-    while not drained(values := metrics(url)):
-        assert time.monotonic() < deadline, f"the engine did not drain: {values}"
-        time.sleep(0.02)
-    return values
 
 
 def seeded(seed: int, **kwargs) -> dict:
@@ -556,6 +538,8 @@ def test_serve_flags_are_checked_before_loading(capsys):
 
     assert cli.main(["serve", "--port", "70000"]) == 2
     assert "port must be in 1..65535, got 70000" in capsys.readouterr().err
+    assert cli.main(["serve", "--max-request-body-bytes", "0"]) == 2
+    assert "max-request-body-bytes must be >= 1, got 0" in capsys.readouterr().err
     args = cli.build_parser().parse_args(["serve", "--model", "/models/llama-7b", "--port", "9"])
     assert (args.host, args.port, args.scheduler) == ("127.0.0.1", 9, "fcfs")
     assert served_model_name(args) == "llama-7b"
