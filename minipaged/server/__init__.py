@@ -3,6 +3,7 @@
 Modules, one job each, in the order a request meets them:
 
 * `protocol` -- request bodies, their validation and their `SamplingParams`; the error shape;
+* `preprocess` -- the body's size cap; the worker pool that parses, templates and tokenizes;
 * `engine_loop` -- the thread that owns the engine, and the queues between it and the handlers;
 * `responses` -- OpenAI's response, chunk, log-probability and usage shapes;
 * `metrics` -- the Prometheus registry behind `GET /metrics`;
