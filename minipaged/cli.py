@@ -129,6 +129,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     flag("max_num_batched_tokens", type=int, help="tokens computed per step")
     flag("scheduler", choices=sorted(SCHEDULERS))
     flag("preemption_mode", choices=[mode.value for mode in PreemptionMode])
+    flag("long_prefill_token_threshold", type=int,
+         help="most tokens of one prompt per step, so that others are not held up behind it "
+              "(0: no limit)")
     flag("attention_backend", choices=list(BACKENDS),
          help="default: triton on CUDA, cpu on a CPU, torch elsewhere")
     flag("quantization", choices=list(QUANTIZATIONS),
@@ -213,6 +216,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduler=args.scheduler,
         preemption_mode=args.preemption_mode,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         attention_backend=args.attention_backend,
         quantization=args.quantization,
         enable_prefix_caching=not args.no_prefix_caching,

@@ -44,6 +44,11 @@ def advance_beams(
 
     finishing = [c for c in candidates[:width] if c.token_id in stops]
     live = [c for c in candidates if c.token_id not in stops][:width]
+    # Free the beams nobody continues first: the group never holds more than `beam_width`
+    # live sequences, all a reservation baseline has room for (tests/sched/test_contract.py).
+    for index, beam in enumerate(beams):
+        if index not in {cand.parent for cand in live}:
+            scheduler.free_sequence(group, beam)
     # Fork before any parent changes: a child starts from its parent as it was.
     assigned: list[tuple[Sequence, BeamCandidate]] = []
     used: set[int] = set()
@@ -65,9 +70,6 @@ def advance_beams(
             StopDecision(SequenceStatus.FINISHED_STOPPED, cand.token_id, text_without_stop)
         )
         group.add(hypothesis)
-    for index, beam in enumerate(beams):
-        if index not in used:
-            scheduler.free_sequence(group, beam)
     for beam, cand in assigned:
         alternatives = _alternatives(next_logprobs, cand, params.logprobs)
         beam.append_token(cand.token_id, cand.logprob, alternatives)

@@ -89,6 +89,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # vLLM's: at most this many tokens of one sequence per step, so a long prompt prefills
+    # beside others instead of taking whole steps (0: no limit; needs chunked prefill).
+    long_prefill_token_threshold: int = 0
     scheduler: str = "fcfs"
     # MLFQ schedulers: settings replacing the variant's (`MLFQConfig`), and a ready cost model
     # (`CostModel`) or a JSON file of one (`CostModel.save`) so that the engine need not profile
@@ -140,7 +143,8 @@ class EngineConfig:
         """Sizes within int32, memory and time finite, names among their choices."""
         sizes = (("block_size", 1, ""), ("num_gpu_blocks", 1, "None or "),
                  ("num_cpu_blocks", 0, "None or "), ("max_num_seqs", 1, ""),
-                 ("max_num_batched_tokens", 1, ""), ("tensor_parallel_size", 1, ""),
+                 ("max_num_batched_tokens", 1, ""), ("long_prefill_token_threshold", 0, ""),
+                 ("tensor_parallel_size", 1, ""),
                  ("max_model_len", 2, "None (the model's) or "))  # a prompt token and one more
         for name, low, other in sizes:
             value = getattr(self, name)

@@ -123,6 +123,7 @@ class LLMEngine:
                     max_num_seqs=config.max_num_seqs,
                     max_model_len=self.max_model_len,
                     enable_chunked_prefill=config.enable_chunked_prefill,
+                    long_prefill_token_threshold=config.long_prefill_token_threshold,
                     preemption_mode=config.preemption_mode,
                 ),
                 num_gpu_blocks=num_gpu_blocks,

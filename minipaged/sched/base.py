@@ -17,6 +17,7 @@ samples, and calls `finish_step()`.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 
@@ -36,8 +37,12 @@ from minipaged.sched.output import (
 # -- the scheduler --------------------------------------------------------------------------------
 
 
-class Scheduler:
-    """The mechanics shared by every policy; a subclass implements `choose`.
+class Scheduler(ABC):
+    """The contract every scheduler keeps, and the mechanics shared by every policy: a policy
+    implements `choose` and may extend the other methods, keeping their signatures (the
+    engine calls `add`, `abort(request_id, status)`, `schedule`, `mark_computed`,
+    `finish_step`, `fork_sequence` and `free_sequence` of any scheduler alike;
+    tests/sched/test_contract.py checks every registered one).
 
     Invariant: every unfinished group is in exactly one queue, by where its blocks are --
     `waiting` (none: new, or preempted by recomputation), `running` (on the device; a policy
@@ -70,13 +75,14 @@ class Scheduler:
         max_len = min(prompt_len + group.sampling_params.max_tokens, self.config.max_model_len)
         width = group.max_width
         field = "beam_width" if group.sampling_params.use_beam_search else "n"
-        # A group runs all its sequences in a step; unchunked, a resumed one recomputes them.
-        tokens = width if self.config.enable_chunked_prefill else width * max_len
-        for limit, used in (("max_num_seqs", width), ("max_num_batched_tokens", tokens)):
-            if used > getattr(self.config, limit):
+        # A group's sequences sample together, a token each in one step, from its second
+        # token on. Anything longer (a prompt, a recomputation) fits a step whole or in pieces
+        # (`step_plan`).
+        for limit in ("max_num_seqs", "max_num_batched_tokens"):
+            if max_len - prompt_len > 1 and width > getattr(self.config, limit):
                 raise RequestRejectedError(
-                    f"request {group.request_id}: {field}={width} needs {used} of "
-                    f"{limit}={getattr(self.config, limit)} in one step"
+                    f"request {group.request_id}: {field}={width} needs {width} sequences in "
+                    f"one step but {limit}={getattr(self.config, limit)}"
                 )
         # Admission, swap-in and re-admission all leave the watermark free: so must a request.
         kv = self.kv_manager
@@ -146,9 +152,10 @@ class Scheduler:
             item.block_table = self.kv_manager.block_table(item.seq.seq_id)
         return out
 
+    @abstractmethod
     def choose(self, now: float, out: SchedulerOutput, budget: StepBudget) -> None:
-        """The policy: fill `out` within `budget` by the moves below."""
-        raise NotImplementedError
+        """The policy: fill `out` within `budget` by the moves below (`fits_budget` and `fits`
+        say whether a group can run now, `run` runs it)."""
 
     def mark_computed(self, out: SchedulerOutput) -> None:
         """Record that the step's forward pass computed (wrote the K/V of) its tokens.
@@ -249,6 +256,67 @@ class Scheduler:
             return self.swap_in_blocks(seqs)
         return self.admit_blocks(seqs)
 
+    # -- the step's token budget ------------------------------------------------------------------
+
+    def fits_budget(self, seqs: list[Sequence], budget: StepBudget) -> bool:
+        """Whether what is left of the step's budget lets this group make progress now.
+
+        With chunked prefill: a token for each sequence. Without: every pending token of the
+        group, except for a group whose pending tokens no step could hold (samples or beams
+        back from recomputation, prompt blocks shared): it runs in pieces, each sequence's
+        tokens whole, as `step_plan` cuts them.
+        """
+        if len(seqs) > budget.seqs:
+            return False
+        if budget.chunked_prefill:
+            return len(seqs) <= budget.tokens
+        plan = self.step_plan(seqs, budget)
+        pending = sum(s.get_len() - start for s, start in self._starts(seqs))
+        if sum(n for _, n in plan) == pending:
+            return True
+        return bool(plan) and pending > self.config.max_num_batched_tokens
+
+    def step_plan(self, seqs: list[Sequence], budget: StepBudget) -> list[tuple[Sequence, int]]:
+        """How many tokens each of a group's sequences computes this step (those computing
+        none left out), within `budget`; nothing is changed.
+
+        With chunked prefill a sequence takes what is left of the budget, at most
+        `long_prefill_token_threshold` tokens when that is set; without, all its pending tokens
+        or none. After a re-admission the others read the prompt blocks the first one writes,
+        so they wait for them. A group's sequences sample together: when not all of them reach
+        their last token this step, those that do stop one short of it (beam search ranks all
+        its beams at once; the group's samples stay in step).
+        """
+        shared = self.shared_prompt_blocks(seqs) * self.kv_manager.block_size
+        limit = self.config.long_prefill_token_threshold
+        tokens, plan, complete = budget.tokens, [], True
+        written = 0  # the prompt tokens the first sequence has computed after this step
+        for i, (seq, start) in enumerate(self._starts(seqs)):
+            remaining = seq.get_len() - start
+            if budget.chunked_prefill:
+                n = min(remaining, tokens, limit or remaining)
+            else:
+                n = remaining if remaining <= tokens else 0
+            if i == 0:
+                written = start + n
+            if n <= 0 or (i and written < shared) or len(plan) == budget.seqs:
+                complete = False
+                continue
+            complete = complete and n == remaining
+            plan.append((seq, start, n))
+            tokens -= n
+        if len(seqs) > 1 and not complete:
+            plan = [(s, start, n - (start + n == s.get_len())) for s, start, n in plan]
+        return [(s, n) for s, _, n in plan if n > 0]
+
+    def _starts(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """Each sequence with the position its next step starts from; for a waiting group, as
+        `admit` will set it (prompt blocks shared, prefix-cache hits not counted)."""
+        if seqs[0].status is not SequenceStatus.WAITING:
+            return [(s, s.num_computed_tokens) for s in seqs]
+        shared = self.shared_prompt_blocks(seqs) * self.kv_manager.block_size
+        return [(s, shared if i else 0) for i, s in enumerate(seqs)]
+
     # -- moves ------------------------------------------------------------------------------------
 
     def run(self, group: SequenceGroup, out: SchedulerOutput, budget: StepBudget) -> None:
@@ -265,15 +333,9 @@ class Scheduler:
             pending = seq.get_len() - self.kv_manager.num_tokens(seq.seq_id)
             if pending:
                 out.copy.extend(self.kv_manager.append_slots(seq.seq_id, pending))
-        # After a re-admission the others read the shared prompt blocks the first one writes.
-        shared, written = self.shared_prompt_blocks(seqs) * self.kv_manager.block_size, 0
-        for i, seq in enumerate(seqs):
-            n = budget.chunk(seq.get_len() - seq.num_computed_tokens)
-            if n <= 0 or (i and written < shared):
-                continue
+        for seq, n in self.step_plan(seqs, budget):
             out.scheduled.append(ScheduledSequence(seq, group, seq.num_computed_tokens, n))
             budget.take(n)
-            written = written or seq.num_computed_tokens + n
         if group.metrics.first_scheduled_time is None:
             group.metrics.first_scheduled_time = self._now
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from minipaged.kv.reservation import ReservationKVCacheManager
 from minipaged.sampling.sequence import SequenceGroup, SequenceStatus
-from minipaged.sched.base import SchedulerOutput, StepBudget
+from minipaged.sched.base import PreemptionMode, SchedulerOutput, StepBudget
 from minipaged.sched.fcfs import FCFSScheduler
 
 
@@ -35,9 +35,24 @@ class OrcaScheduler(FCFSScheduler):
 
     def add(self, group: SequenceGroup) -> None:
         super().add(group)
+        self._announce(group)
+
+    def preempt(
+        self, group: SequenceGroup, out: SchedulerOutput, mode: PreemptionMode | None = None
+    ) -> None:
+        """As every scheduler's; a group preempted by recomputation gave its reservation back,
+        so it is announced again for its re-admission."""
+        super().preempt(group, out, mode)
+        if group in self.waiting:
+            self._announce(group)
+
+    def _announce(self, group: SequenceGroup) -> None:
+        """Tell the reservation manager the request's lengths, by the sequence `admit` will
+        allocate first."""
         prompt_len = group.seqs[0].get_prompt_len()
         output_len = min(group.sampling_params.max_tokens, self.config.max_model_len - prompt_len)
-        self.kv_manager.expect(group.seqs[0].seq_id, prompt_len, output_len, group.max_width)
+        first = group.get_unfinished_seqs()[0]
+        self.kv_manager.expect(first.seq_id, prompt_len, output_len, group.max_width)
 
 
 class StaticBatchScheduler(OrcaScheduler):

@@ -34,7 +34,7 @@ class FCFSScheduler(Scheduler):
         while queue:
             group = queue.popleft()
             seqs = group.get_seqs(SequenceStatus.RUNNING)
-            if not budget.fits(seqs):
+            if not self.fits_budget(seqs, budget):
                 continue  # stays running, keeps its blocks, waits for the next step
             while not self.can_grow(seqs):
                 victim = queue.pop() if queue else group
@@ -47,13 +47,13 @@ class FCFSScheduler(Scheduler):
     def _schedule_swapped(self, out: SchedulerOutput, budget: StepBudget) -> None:
         while self.swapped:
             seqs = self.swapped[0].get_seqs(SequenceStatus.SWAPPED)
-            if not budget.fits(seqs) or not self.can_swap_in(seqs):
+            if not self.fits_budget(seqs, budget) or not self.can_swap_in(seqs):
                 return
             self.run(self.swapped[0], out, budget)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
         while self.waiting:
             seqs = self.waiting[0].get_seqs(SequenceStatus.WAITING)
-            if not budget.fits(seqs) or not self.can_admit(seqs):
+            if not self.fits_budget(seqs, budget) or not self.can_admit(seqs):
                 return  # first come, first served: nobody overtakes the head of the queue
             self.run(self.waiting[0], out, budget)

@@ -193,8 +193,10 @@ class SkipJoinMLFQScheduler(Scheduler):
                 return level
         return self.mlfq.num_levels - 1
 
-    def abort(self, request_id: str) -> SequenceGroup | None:
-        group = super().abort(request_id)
+    def abort(
+        self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED
+    ) -> SequenceGroup | None:
+        group = super().abort(request_id, status)
         if group is not None:
             self.jobs.pop(request_id, None)
         return group
@@ -227,7 +229,7 @@ class SkipJoinMLFQScheduler(Scheduler):
             if budget.exhausted:
                 break
             seqs = group.get_unfinished_seqs()
-            if not budget.fits(seqs):
+            if not self.fits_budget(seqs, budget):
                 continue
             if not self._make_room(group, seqs, order[index + 1 :], out):
                 continue

@@ -34,11 +34,24 @@ class SchedulerConfig:
     # None: recompute a single sequence, swap a group of several (parallel sampling, beams),
     # as vLLM does; swapping falls back to recomputation when the host pool is full.
     preemption_mode: PreemptionMode | None = None
+    # vLLM's: with chunked prefill, no sequence computes more than this many tokens in one step,
+    # so a long prompt leaves the rest of each step's budget to others (0: no limit).
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0 (0: no limit), "
+                f"got {self.long_prefill_token_threshold}"
+            )
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError(
+                "long_prefill_token_threshold cuts prefills into chunks: it needs "
+                "enable_chunked_prefill"
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "without chunked prefill, max_num_batched_tokens "

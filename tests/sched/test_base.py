@@ -1,19 +1,16 @@
-"""The FCFS scheduler as pure logic: no model, tokens made up, every invariant after every step."""
+"""The base scheduler's mechanics under FCFS: hand-built traces with made-up tokens, and, through
+the engine, admission (refusing only what no schedule can serve) and the long-prefill threshold."""
 
 from __future__ import annotations
 
 import pytest
 from fake_sampling import sample_made_up_tokens
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-)
+from tiny_models import tiny_llama_parts
 
+from minipaged.engine.config import EngineConfig
+from minipaged.engine.engine import LLMEngine
 from minipaged.kv.manager import KVCacheManager
 from minipaged.sampling.params import SamplingParams
 from minipaged.sampling.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -160,90 +157,6 @@ def test_scheduled_sequences_carry_the_block_tables_the_step_will_find():
     assert swapped_in_steps >= 1
 
 
-def test_requests_that_can_never_fit_are_rejected_untouched():
-    scheduler = make_scheduler(num_gpu_blocks=8, max_model_len=64)
-    with pytest.raises(RequestRejectedError, match="context"):
-        scheduler.add(make_group(64, 1))
-    with pytest.raises(RequestRejectedError, match="KV blocks"):
-        scheduler.add(make_group(20, 30))
-    assert not scheduler.has_unfinished()
-    assert scheduler.kv_manager.num_free_blocks == 8
-
-
-def test_abort_anywhere_returns_every_block():
-    scheduler = make_scheduler(num_gpu_blocks=6, preemption_mode=PreemptionMode.SWAP)
-    groups = [make_group(4, 10) for _ in range(3)]
-    for g in groups:
-        scheduler.add(g)
-    for _ in range(6):
-        run_step(scheduler)
-    for g in groups:
-        assert scheduler.abort(g.request_id) is g
-        assert all(s.status is SequenceStatus.FINISHED_ABORTED for s in g.seqs)
-    assert scheduler.abort("nobody") is None
-    assert not scheduler.has_unfinished()
-    scheduler.kv_manager.check_invariants()
-    assert scheduler.kv_manager.num_free_blocks == 6
-    assert scheduler.kv_manager.num_free_host_blocks == scheduler.kv_manager.num_cpu_blocks
-
-
-# -- random traces --------------------------------------------------------------------------------
-
-
-class SchedulerMachine(RuleBasedStateMachine):
-    """Random arrivals, aborts and steps against a small cache."""
-
-    config = dict(max_num_batched_tokens=12, max_num_seqs=4)
-
-    @initialize(
-        mode=st.sampled_from([None, "swap", "recompute"]), host_blocks=st.sampled_from([0, 8])
-    )
-    def start(self, mode, host_blocks):
-        self.scheduler = make_scheduler(
-            num_gpu_blocks=12, num_cpu_blocks=host_blocks, preemption_mode=mode, **self.config
-        )
-        self.live: list[str] = []
-
-    @rule(prompt_len=st.integers(1, 20), max_tokens=st.integers(1, 10))
-    def add(self, prompt_len, max_tokens):
-        group = make_group(prompt_len, max_tokens)
-        try:
-            self.scheduler.add(group)
-        except RequestRejectedError:
-            return
-        self.live.append(group.request_id)
-
-    @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def abort(self, data):
-        request_id = data.draw(st.sampled_from(self.live))
-        assert self.scheduler.abort(request_id) is not None
-        self.live.remove(request_id)
-
-    @rule()
-    def step(self):
-        out = run_step(self.scheduler)
-        for group in {s.group for s in out.scheduled if s.group.is_finished()}:
-            self.live.remove(group.request_id)
-        assert out.num_batched_tokens <= self.config["max_num_batched_tokens"]
-        assert len(out.scheduled) <= self.config["max_num_seqs"]
-        assert len({s.seq.seq_id for s in out.scheduled}) == len(out.scheduled)
-
-    @invariant()
-    def allocator_consistent(self):
-        self.scheduler.kv_manager.check_invariants()
-        running = {s.seq_id for g in self.scheduler.running for s in g.seqs if not s.is_finished()}
-        assert running <= set(self.scheduler.kv_manager.seq_ids())
-
-    def teardown(self):
-        run_to_completion(self.scheduler)
-        assert self.scheduler.kv_manager.num_free_blocks == self.scheduler.kv_manager.num_gpu_blocks
-
-
-TestSchedulerMachine = SchedulerMachine.TestCase
-TestSchedulerMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
-
-
 def test_without_chunked_prefill_a_whole_prefill_must_fit_the_budget():
     scheduler = make_scheduler(
         max_num_batched_tokens=40, max_model_len=40, enable_chunked_prefill=False
@@ -273,3 +186,168 @@ def test_step_budget_chunks_only_with_chunked_prefill() -> None:
     chunked.take(4)
     assert chunked.exhausted and not chunked.fits([prompt])
     assert not StepBudget(tokens=8, seqs=1).fits([prompt, Sequence(1, [1])])
+
+
+# -- admission refuses only what no schedule can serve (through the engine) -----------------------
+
+
+ENGINE_MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama_parts(vocab_size=96, initializer_range=0.3, max_position_embeddings=64)
+
+
+class UncheckedFCFS(FCFSScheduler):
+    """FCFS admitting everything: the brute force that says whether a schedule exists."""
+
+    def check_request(self, group: SequenceGroup) -> None:
+        return None
+
+
+def drive(engine: LLMEngine, max_steps: int, budget: int | None = None) -> dict:
+    """Step until done (or `max_steps`); the finished outputs by request id. Every step stays
+    within `budget` tokens and keeps the KV invariants."""
+    finals = {}
+    records = []
+    engine.add_step_observer(records.append)
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+        engine.kv_manager.check_invariants()
+        if budget is not None and records:
+            assert sum(s.num_new_tokens for s in records[-1].scheduled) <= budget
+    return finals
+
+
+def params_of(kind: str, max_tokens: int, width: int) -> SamplingParams:
+    if kind == "beam":
+        return SamplingParams(
+            use_beam_search=True, beam_width=width, temperature=0.0, max_tokens=max_tokens
+        )
+    return SamplingParams(n=width, temperature=1.0, seed=3, max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_a_group_whose_prompt_fits_the_budget_is_admitted_without_chunked_prefill(tiny):
+    """n=3, a 30-token prompt, 64 tokens a step: once refused ("n=3 needs 159 of
+    max_num_batched_tokens=64"); recomputed after preemption, its samples come back in
+    pieces of the budget sharing the prompt, and it finishes."""
+    model, config = tiny
+    for kind in ("n", "beam"):
+        engine = LLMEngine(model, config, None, EngineConfig(
+            num_gpu_blocks=34, block_size=4, max_num_seqs=5, max_num_batched_tokens=64,
+            max_model_len=64, enable_chunked_prefill=False, preemption_mode="recompute",
+        ))
+        for i in range(2):  # company that makes the cache preempt the group
+            engine.add_request(f"r{i}", list(range(40, 60)), params_of("n", 40, 1))
+        engine.add_request("group", list(range(2, 32)), params_of(kind, 30, 3))
+        finals = drive(engine, 2000, budget=64)
+        assert engine.scheduler.num_preemptions > 0
+        assert len(finals["group"].outputs) == (3 if kind == "n" else 1)  # beams: the best
+        assert {c.finish_reason for c in finals["group"].outputs} <= {"length", "stop"}
+        assert not engine.has_unfinished_requests()
+        assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_gpu_blocks
+
+
+@given(
+    chunked=st.booleans(),
+    block_size=st.sampled_from([1, 4, 8]),
+    num_gpu_blocks=st.integers(4, 48),
+    max_num_seqs=st.integers(1, 4),
+    extra_budget=st.integers(0, 40),
+    mode=st.sampled_from([None, "swap", "recompute"]),
+    host=st.sampled_from([0, 8]),
+    requests=st.lists(
+        st.tuples(
+            st.integers(1, 40), st.integers(1, 24), st.integers(1, 4),
+            st.sampled_from(["n", "beam"]),
+        ),
+        min_size=1, max_size=5,
+    ),
+)
+@settings(max_examples=25, deadline=None)
+def test_admission_refuses_only_what_no_schedule_can_serve(
+    tiny, chunked, block_size, num_gpu_blocks, max_num_seqs, extra_budget, mode, host, requests
+):
+    model, config = tiny
+    budget = (8 if chunked else ENGINE_MAX_LEN) + extra_budget
+    settings_ = dict(
+        block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+        max_model_len=ENGINE_MAX_LEN, enable_chunked_prefill=chunked, preemption_mode=mode,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=ENGINE_MAX_LEN,
+        enable_chunked_prefill=chunked, preemption_mode=mode,
+    )
+
+    def engine_with(scheduler=None):
+        return LLMEngine(model, config, None, EngineConfig(
+            num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=host, **settings_
+        ), scheduler=scheduler)
+
+    engine = engine_with()
+    admitted = []
+    for i, (prompt_len, max_tokens, width, kind) in enumerate(requests):
+        prompt = [2 + (i + 3 * j) % 90 for j in range(min(prompt_len, ENGINE_MAX_LEN - 1))]
+        params = params_of(kind, max_tokens, width)
+        try:
+            engine.add_request(f"r{i}", prompt, params)
+            admitted.append(f"r{i}")
+        except RequestRejectedError:
+            # The brute force: alone, admitted unchecked, it never finishes.
+            kv = KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks=host)
+            alone = engine_with(UncheckedFCFS(scheduler_config, kv))
+            alone.add_request("alone", prompt, params)
+            try:
+                finals = drive(alone, 300)
+            except Exception:  # the manager or the runner gave up: no schedule served it
+                finals = {}
+            served = "alone" in finals and "error" not in {
+                c.finish_reason for c in finals["alone"].outputs
+            }
+            assert not served, f"refused {prompt_len=} {max_tokens=} {width=} {kind} alone runs"
+    finals = drive(engine, 3000, budget=budget)
+    assert sorted(finals) == sorted(admitted)
+    for request_id in admitted:
+        assert {c.finish_reason for c in finals[request_id].outputs} <= {"length", "stop"}
+    assert engine.kv_manager.num_free_blocks == num_gpu_blocks
+
+
+# -- a long prompt does not hold up the others (long_prefill_token_threshold) ---------------------
+
+
+def test_a_long_prefill_leaves_room_for_a_short_request(tiny):
+    model, config = tiny
+
+    def first_token_steps(threshold: int) -> tuple[int, dict]:
+        engine = LLMEngine(model, config, None, EngineConfig(
+            num_gpu_blocks=64, block_size=4, max_num_batched_tokens=16, max_model_len=64,
+            long_prefill_token_threshold=threshold,
+        ))
+        engine.add_request("long", [2 + j % 90 for j in range(60)], params_of("n", 3, 1))
+        engine.step()  # the long prompt's first chunk
+        engine.add_request("short", [5, 6, 7], params_of("n", 3, 1))
+        steps, first = 0, None
+        finals = {}
+        while engine.has_unfinished_requests():
+            steps += 1
+            for output in engine.step():
+                if output.request_id == "short" and first is None:
+                    first = steps
+                if output.finished:
+                    finals[output.request_id] = output.outputs[0].token_ids
+        return first, finals
+
+    without, plain = first_token_steps(0)
+    bounded, capped = first_token_steps(12)
+    assert without >= 3  # waits for the whole 60-token prefill, 16 tokens a step
+    assert bounded == 1  # 12 tokens for the long prompt, room for the short one at once
+    assert capped == plain  # the same tokens
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=8, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        EngineConfig(long_prefill_token_threshold=-1)
