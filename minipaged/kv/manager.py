@@ -131,9 +131,11 @@ class KVCacheManager:
         return math.ceil(num_tokens / self.block_size)
 
     def blocks_for_request(self, prompt_len: int, max_len: int, width: int) -> int:
-        """The prompt's full blocks are shared by every sample; the rest of each is its own."""
+        """The prompt's full blocks are shared by every sample; the rest of each is its own. A
+        sequence never writes the K/V of its last token (it is sampled, and the sequence ends),
+        so `max_len - 1` slots each."""
         shared = prompt_len // self.block_size if width > 1 else 0
-        return shared + width * (self.num_blocks_for(max_len) - shared)
+        return shared + width * (self.num_blocks_for(max_len - 1) - shared)
 
     def memory_usage(self) -> MemoryUsage:
         """Device slots holding tokens; the rest of the used blocks is internal fragmentation."""
