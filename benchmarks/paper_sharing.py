@@ -30,6 +30,7 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +45,6 @@ from paper_vllm import (  # noqa: E402  (a sibling script)
     RESULTS,
     SIM_SCHEDULER,
     RunStats,
-    fork_parallel_samples,
     make_groups,
     simulate_groups,
     sustained_rate,
@@ -74,10 +74,10 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 def beam_search_hook(rng: np.random.Generator):
     """The beams' forks and drops after each step (the sampler's part of beam search)."""
 
-    def hook(scheduler: Scheduler, sampled: list, next_id: int) -> int:
+    def hook(scheduler: Scheduler, sampled: list, seq_ids: Iterator[int]) -> None:
         beams_of: dict[int, tuple[SequenceGroup, list[Sequence]]] = {}
-        for item in sampled:
-            beams_of.setdefault(id(item.group), (item.group, []))[1].append(item.seq)
+        for group, seq in sampled:
+            beams_of.setdefault(id(group), (group, []))[1].append(seq)
         for group, beams in beams_of.values():
             width = group.sampling_params.beam_width
             if len(beams) != len(group.get_unfinished_seqs()):
@@ -92,9 +92,7 @@ def beam_search_hook(rng: np.random.Generator):
                     scheduler.free_sequence(group, beam)
             for beam, count in zip(beams, picks, strict=True):
                 for _ in range(count - 1):
-                    scheduler.fork_sequence(group, beam, beam.fork(next_id))
-                    next_id += 1
-        return next_id
+                    scheduler.fork_sequence(group, beam, beam.fork(next(seq_ids)))
 
     return hook
 
@@ -138,9 +136,7 @@ def run_sampling(quick: bool) -> dict:
             def serve(system: str, rate: float, kind=kind, width=width) -> RunStats:
                 trace = TRACES["alpaca"](num, rate=rate, seed=0, max_seq_len=MAX_SEQ_LEN)
                 groups = make_groups(trace, sampling_params(kind, width))
-                hook = {"beam": beam_search_hook(np.random.default_rng(0))}.get(
-                    kind, fork_parallel_samples
-                )
+                hook = beam_search_hook(np.random.default_rng(0)) if kind == "beam" else None
                 return simulate_groups(scheduler_for(system), groups, OPT_13B_A100, hook)
 
             name = f"{kind}" + (f"-{width}" if kind != "basic" else "")

@@ -32,7 +32,6 @@ Writes benchmarks/results/paper_vllm_sim.json and paper_vllm_engine.json.
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 import os
 import time
@@ -45,7 +44,6 @@ from machine import report_header, save_report
 from tqdm import tqdm
 
 import minipaged.sim.simulator
-from minipaged.engine.step import fork_samples
 from minipaged.sampling.params import SamplingParams
 from minipaged.sampling.sequence import Sequence, SequenceGroup
 from minipaged.sched.base import Scheduler, SchedulerConfig
@@ -134,7 +132,8 @@ def simulate_groups(
     sample: SampleHook | None = None,
 ) -> RunStats:
     """Serve `groups` with a ready `scheduler` (and its KV cache manager, prefix caching on or
-    off) in `minipaged.sim.simulator`, with `sample` as the sampler's forks and drops."""
+    off) in `minipaged.sim.simulator`, with `sample` as beam search's forks and drops (the
+    engine forks parallel samples itself)."""
     result = minipaged.sim.simulator.simulate(
         None,
         cost_model,
@@ -147,15 +146,6 @@ def simulate_groups(
     )
     batched = sum(step.num_running for step in result.steps)  # requests holding KV memory
     return _run_stats(result, batched / max(result.num_steps, 1))
-
-
-def fork_parallel_samples(scheduler: Scheduler, sampled: list, next_id: int) -> int:
-    """Parallel sampling (§4.4): once the prompt is done, fork samples 1..n-1 from it (the
-    engine's own `fork_samples`); returns the next free sequence id."""
-    seq_ids = itertools.count(next_id)
-    for item in sampled:
-        fork_samples(scheduler, item.group, item.seq, seq_ids)
-    return next(seq_ids)
 
 
 def _stats(

@@ -46,7 +46,8 @@ from machine import report_header, save_report
 from minipaged.engine.config import EngineConfig
 from minipaged.engine.engine import LLMEngine
 from minipaged.parallel.worker import CheckpointShards, free_port
-from minipaged.runner.model_runner import BatchEntry, CacheOps, ModelRunner
+from minipaged.runner.model_runner import ModelRunner
+from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 
 RESULTS = Path(__file__).parent / "results" / "tensor_parallel.json"
 HF_CONFIG = dict(
@@ -88,8 +89,14 @@ def decode_times(runner: ModelRunner, batch: int, context: int, steps: int) -> l
     per_seq = -(-(context + 1) // bs)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
     prompts = [[(7 * i + j) % 49000 + 3 for j in range(context)] for i in range(batch)]
-    runner.execute([BatchEntry(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
-    decode = [BatchEntry([5], context, t) for t in tables]
+    runner.execute(SchedulerOutput(scheduled=[
+        ScheduledSequence(str(i), i, 0, tuple(p), is_prefill=True, block_table=tuple(t))
+        for i, (p, t) in enumerate(zip(prompts, tables, strict=True))
+    ]))
+    decode = SchedulerOutput(scheduled=[
+        ScheduledSequence(str(i), i, context, (5,), block_table=tuple(t))
+        for i, t in enumerate(tables)
+    ])
     for _ in range(3):  # warm-up
         runner.execute(decode)
     times = []
@@ -126,13 +133,13 @@ def engine_runner(path: Path, tp: int, blocks: int) -> LLMEngine:
     return LLMEngine(source, model_config, None, config)
 
 
-def decode_plan(batch: int, context: int) -> tuple[list[BatchEntry], CacheOps]:
+def decode_plan(batch: int, context: int) -> SchedulerOutput:
     """What rank 0 sends for a decode step of `batch` sequences at `context` tokens."""
     n = -(-(context + 1) // 16)
-    entries = [
-        BatchEntry((5 + i,), context, tuple(range(i * n, (i + 1) * n))) for i in range(batch)
-    ]
-    return entries, CacheOps()
+    return SchedulerOutput(scheduled=[
+        ScheduledSequence(str(i), i, context, (5 + i,), block_table=tuple(range(i * n, i * n + n)))
+        for i in range(batch)
+    ])
 
 
 def channel_peer(init_method: str, conn, batches: list[int], rounds: int) -> None:

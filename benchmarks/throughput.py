@@ -50,7 +50,7 @@ from tqdm import tqdm
 from minipaged.checkpoint.loader import default_model_path
 from minipaged.engine.config import DTYPES
 from minipaged.engine.engine import LLMEngine
-from minipaged.engine.step import StepRecord
+from minipaged.engine.record import StepRecord
 from minipaged.sampling.params import SamplingParams
 from minipaged.sim.traces import sharegpt_like
 from minipaged.testing.dense import DenseAttentionBackend, DenseKVCache

@@ -20,7 +20,7 @@ _LAZY = {
     "SamplingParams": "minipaged.sampling.params",
     "RequestOutput": "minipaged.sampling.outputs",
     "CompletionOutput": "minipaged.sampling.outputs",
-    "StepRecord": "minipaged.engine.step",
+    "StepRecord": "minipaged.engine.record",
     "ModelConfig": "minipaged.checkpoint.model_config",
     "Tokenizer": "minipaged.tokenizer.tokenizer",
 }

@@ -4,15 +4,15 @@ logits gets a made-up token and is finished when its stop rule says so."""
 from __future__ import annotations
 
 from minipaged.sampling.stopping import check_stop
-from minipaged.sched.base import SchedulerOutput
+from minipaged.sched.base import Scheduler, SchedulerOutput
 
 
-def sample_made_up_tokens(out: SchedulerOutput) -> None:
+def sample_made_up_tokens(scheduler: Scheduler, out: SchedulerOutput) -> None:
     """Append a token (a function of the sequence's length) to every sequence of `out` that
     produces one this step, and finish those whose stop rule (max_tokens, ...) now holds."""
-    for item in out.scheduled:
-        if item.needs_logits:
-            item.seq.append_token(3 + item.seq.get_len() % 11, -0.5)
-            decision = check_stop(item.seq, item.group.sampling_params)
-            if decision is not None:
-                item.seq.finish(decision)
+    sampling = [item for item in out.scheduled if item.needs_logits]
+    for group, seq in scheduler.resolve(sampling):
+        seq.append_token(3 + seq.get_len() % 11, -0.5)
+        decision = check_stop(seq, group.sampling_params)
+        if decision is not None:
+            seq.finish(decision)

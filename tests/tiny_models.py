@@ -28,6 +28,7 @@ imports this one still collects (and its other tests still run) where it is miss
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -37,6 +38,7 @@ from minipaged.checkpoint.model_config import ModelConfig
 from minipaged.engine.config import EngineConfig
 from minipaged.engine.engine import LLMEngine
 from minipaged.models.registry import FAMILIES, build_model
+from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 from minipaged.testing.dense import DenseAttentionBackend, DenseKVCache
 
 if TYPE_CHECKING:
@@ -123,3 +125,24 @@ def assert_llama_config_matches(ours: ModelConfig, hf: LlamaConfig) -> None:
     assert ours.norm_eps == hf.rms_norm_eps
     assert ours.rope_theta == hf.rope_parameters["rope_theta"]
     assert ours.tie_word_embeddings == hf.tie_word_embeddings
+
+
+def scheduled(
+    token_ids: list[int] | tuple[int, ...],
+    start: int,
+    block_table: list[int] | tuple[int, ...],
+    needs_logits: bool = True,
+    seq_id: int = 0,
+) -> ScheduledSequence:
+    """A sequence's share of a hand-made step, for runner tests."""
+    return ScheduledSequence(
+        f"r{seq_id}", seq_id, start, tuple(token_ids), needs_logits=needs_logits,
+        is_prefill=len(token_ids) > 1 or start == 0, block_table=tuple(block_table),
+    )
+
+
+def plan_of(
+    entries: list[ScheduledSequence], moves: SchedulerOutput | None = None
+) -> SchedulerOutput:
+    """A step's plan: `entries`, after the block movements of `moves`."""
+    return replace(moves or SchedulerOutput(), scheduled=list(entries))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from minipaged.engine.config import EngineConfig
 from minipaged.engine.engine import LLMEngine
 from minipaged.engine.llm import LLM
-from minipaged.engine.step import StepRecord
+from minipaged.engine.record import StepRecord
 
 __all__ = [
     "EngineConfig",

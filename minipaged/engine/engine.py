@@ -7,9 +7,11 @@ output, and step observers (`add_step_observer`) that receive a `StepRecord` aft
 -- what was scheduled, moved and preempted, and how long each part took. The offline API on top
 (`LLM`, `stream_text`) is `minipaged.engine.llm`.
 
-Within a step (docs/architecture.md, "One step of the engine"):
-schedule -> run (swaps, copy-on-write copies, forward) -> record the computed tokens ->
-sample (fork parallel samples, advance beams, check stops) -> free what finished -> outputs.
+A step (docs/architecture.md, "One step of the engine") is schedule -> execute -> update: the
+scheduler plans it (`SchedulerOutput`), the runner executes the plan (block movements, then the
+forward pass), and the `OutputProcessor` (`minipaged.engine.postprocess`) owns everything after:
+sampling, forks, beams, stops, freeing blocks, request metrics. The simulator steps the same
+engine with a runner that advances a cost model's clock instead of running a model.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +30,14 @@ from tqdm.auto import tqdm
 
 from minipaged.checkpoint.model_config import ModelConfig
 from minipaged.engine.config import EngineConfig
+from minipaged.engine.postprocess import OutputProcessor, StepUpdate
+from minipaged.engine.record import StepRecord, StepTimings
 from minipaged.engine.requests import RequestStream, check_params, prompt_token_ids
-from minipaged.engine.sampling_stage import sample_tokens
-from minipaged.engine.step import StepRecord, StepTimings, finish_requests, record_step
 from minipaged.parallel.runner import WorkerDiedError, build_runner
 from minipaged.parallel.worker import CheckpointShards, ShardSource
 from minipaged.runner.model_runner import (
-    BatchEntry,
-    CacheOps,
     GiB,
+    ModelRunner,
     blocks_that_fit,
     num_blocks_for_memory,
 )
@@ -43,7 +45,7 @@ from minipaged.runner.profiler import profile_runner
 from minipaged.sampling.outputs import RequestOutput
 from minipaged.sampling.params import SamplingParams
 from minipaged.sampling.sampler import Sampler
-from minipaged.sampling.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.sampling.sequence import SequenceGroup
 from minipaged.sched.base import Scheduler, SchedulerConfig
 from minipaged.sched.cost_model import CostModel
 from minipaged.sched.output import SchedulerOutput
@@ -65,6 +67,9 @@ class LLMEngine:
     (`model` a module to slice, or a `CheckpointShards` each rank reads): `close()` it.
     `clock` stamps arrivals, steps and finishes, and is the `now` the scheduler charges steps
     by: wall time, or a driver's own (CPU time, or a cost model's time in a replay).
+    `runner`, ready-made, replaces the one built over `model` (the simulator's cost-model
+    runner); `processor` is the class of the `OutputProcessor` (the simulator's makes up
+    tokens).
     """
 
     def __init__(
@@ -75,6 +80,9 @@ class LLMEngine:
         config: EngineConfig | None = None,
         scheduler: Scheduler | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        runner: ModelRunner | None = None,
+        processor: type[OutputProcessor] = OutputProcessor,
     ) -> None:
         self.config = config = config or EngineConfig()
         self.clock = clock
@@ -99,18 +107,22 @@ class LLMEngine:
                 num_cpu_blocks = num_blocks_for_memory(
                     model_config, config.block_size, dtype, config.swap_space * GiB
                 )
-        self.runner = build_runner(
-            model,
-            model_config,
-            device=config.torch_device,
-            dtype=config.torch_dtype,
-            tensor_parallel_size=config.tensor_parallel_size,
-            tensor_parallel_timeout=config.tensor_parallel_timeout,
-            attention_backend=config.attention_backend,
-            block_size=config.block_size if scheduler is None else scheduler.kv_manager.block_size,
-            num_gpu_blocks=num_gpu_blocks,
-            num_cpu_blocks=num_cpu_blocks,
-        )
+        if runner is None:
+            runner = build_runner(
+                model,
+                model_config,
+                device=config.torch_device,
+                dtype=config.torch_dtype,
+                tensor_parallel_size=config.tensor_parallel_size,
+                tensor_parallel_timeout=config.tensor_parallel_timeout,
+                attention_backend=config.attention_backend,
+                block_size=(
+                    config.block_size if scheduler is None else scheduler.kv_manager.block_size
+                ),
+                num_gpu_blocks=num_gpu_blocks,
+                num_cpu_blocks=num_cpu_blocks,
+            )
+        self.runner = runner
         if scheduler is None:
             # Skip-join MLFQ predicts prefill times (FastServe §4.1): measured before it is built.
             cost_model = None
@@ -135,15 +147,20 @@ class LLMEngine:
             )
         self.scheduler = scheduler
         self.kv_manager = scheduler.kv_manager  # the scheduler's manager, named for reading
-        self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
-        self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
-            {tokenizer.eos_token_id} if tokenizer and tokenizer.eos_token_id is not None else set()
+        eos_token_ids = set(model_config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos_token_ids.add(tokenizer.eos_token_id)
+        self.processor = processor(
+            scheduler,
+            Sampler(torch.Generator().manual_seed(config.seed)),
+            eos_token_ids=eos_token_ids,
+            max_model_len=self.max_model_len,
+            clock=clock,
         )
         self._groups: dict[str, SequenceGroup] = {}
         self._finished: dict[str, RequestOutput] = {}  # requests finished in the last step
         self._streams: dict[str, collections.deque[RequestOutput]] = {}  # outputs not yet read
         self._observers: list[StepObserver] = []
-        self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._num_steps = 0
 
@@ -212,7 +229,7 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = prompt_token_ids(prompt, self.tokenizer, vocab)
-        seq = Sequence(next(self._seq_ids), token_ids, self._detokenizer())
+        seq = self.processor.new_sequence(token_ids, self._detokenizer())
         prompt_text = text if text is not None else prompt_text
         arrival_time = self.clock() if arrival_time is None else arrival_time
         group = SequenceGroup(request_id, [seq], params, arrival_time, prompt=prompt_text)
@@ -235,10 +252,9 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and return its blocks; False when it is unknown or already done."""
-        group = self.scheduler.abort(str(request_id))
+        group = self.processor.abort(str(request_id))
         if group is None:
             return False
-        group.metrics.finished_time = self.clock()
         self._groups.pop(group.request_id, None)
         return True
 
@@ -274,75 +290,70 @@ class LLMEngine:
     # -- one step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, compute and sample one step; return the requests that got new tokens."""
-        clock = time.perf_counter
-        began, start = clock(), self.clock()
-        out = self.scheduler.schedule(start)
-        scheduled = clock()
-        entries = [
-            BatchEntry(s.token_ids, s.start, s.block_table, s.needs_logits) for s in out.scheduled
-        ]
-        try:
-            logits = self.runner.execute(entries, CacheOps(out.swap_in, out.swap_out, out.copy))
-            computed = clock()
-            self.scheduler.mark_computed(out)
-            marked = clock()
-            touched = sample_tokens(
-                [s for s in out.scheduled if s.needs_logits],
-                logits,
-                sampler=self.sampler,
-                scheduler=self.scheduler,
-                seq_ids=self._seq_ids,
-                eos_token_ids=self.eos_token_ids,
-                max_model_len=self.max_model_len,
-                now=self.clock(),
-            )
-        except WorkerDiedError:  # no step can run any more
-            raise
-        except Exception:  # the step's requests end with "error"; the others go on
-            logger.exception("step %d failed; its requests finish with 'error'", self._num_steps)
-            return self._fail_step(out)
-        sampled = clock()
+        """Schedule, execute and update one step; return the requests that got new tokens or
+        finished."""
+        marks, start = [time.perf_counter()], self.clock()
+        plan = self.scheduler.schedule(start)
+        marks.append(time.perf_counter())
         num_running = len(self.scheduler.running)
-        for group in finish_requests(self.scheduler, self.clock()):
+        logits, update = self.execute(plan)
+        marks.append(time.perf_counter())
+        try:
+            self.processor.update(update, logits)
+        except Exception:  # not one request's fault (those fail alone): the step's requests end
+            logger.exception("step %d failed after its forward pass", self._num_steps)
+            self.processor.fail([s.request_id for s in update.plan.scheduled], update)
+        for group in update.finished:
             self._groups.pop(group.request_id, None)
-        freed = clock()
-        outputs = self._publish([self._request_output(g) for g in touched])
+        changed = {id(g): g for g in update.touched + update.finished}.values()
+        outputs = self._publish([self._request_output(g) for g in changed])
+        marks.append(time.perf_counter())
         if self._observers:
-            timings = StepTimings(
-                schedule_s=scheduled - began,
-                forward_s=computed - scheduled,
-                sample_s=sampled - marked,
-                update_s=(marked - computed) + (freed - sampled),
-                total_s=clock() - began,
-            )
-            record = record_step(
-                self._num_steps,
-                start,
-                self.clock(),
-                out,
-                self.scheduler,
-                block_tables=[e.block_table for e in entries],
-                num_running=num_running,
-                timings=timings,
-            )
-            for observer in list(self._observers):
-                observer(record)
+            self._observe(start, plan, num_running, update, marks)
         self._num_steps += 1
         return outputs
 
-    def _fail_step(self, out: SchedulerOutput) -> list[RequestOutput]:
-        """End every request the failed step touched with `finish_reason="error"`, freeing
-        its blocks, so that the next step starts from a consistent engine."""
-        groups = {id(g): g for g in [s.group for s in out.scheduled] + out.preempted}
-        finished = []
-        for group in groups.values():
-            if self.scheduler.abort(group.request_id, SequenceStatus.FINISHED_ERROR):
-                group.metrics.finished_time = self.clock()
-                self._groups.pop(group.request_id, None)
-                finished.append(group)
-        self._num_steps += 1
-        return self._publish([self._request_output(g) for g in finished])
+    def _observe(
+        self, start: float, plan: SchedulerOutput, num_running: int, update: StepUpdate,
+        marks: list[float],
+    ) -> None:
+        """Hand the step's record to every observer; `marks` are the wall times at the start
+        and after scheduling, executing and updating."""
+        phases = [b - a for a, b in itertools.pairwise(marks)]
+        record = StepRecord(
+            self._num_steps, start, self.clock(), plan, num_running,
+            levels=self.scheduler.queue_levels(), failed=tuple(update.failed),
+            timings=StepTimings(*phases, total_s=marks[-1] - marks[0]),
+        )
+        for observer in list(self._observers):
+            observer(record)
+
+    def execute(self, plan: SchedulerOutput) -> tuple[torch.Tensor, StepUpdate]:
+        """Run `plan` on the runner. When the forward pass fails, each request's share runs
+        again on its own, and only the requests that fail alone end with "error": the update
+        then carries the plan of the others (a request's input can never end another's)."""
+        update = StepUpdate(plan=plan)
+        try:
+            return self.runner.execute(plan), update
+        except WorkerDiedError:  # no step can run any more
+            raise
+        except Exception:
+            logger.exception("step %d failed; its requests run one at a time", self._num_steps)
+        rows, failed = [], []
+        for request_id in dict.fromkeys(s.request_id for s in plan.scheduled):
+            own = [s for s in plan.scheduled if s.request_id == request_id]
+            try:  # its blocks already moved with the whole plan: only its compute again
+                rows.append(self.runner.execute(SchedulerOutput(scheduled=own)))
+            except WorkerDiedError:
+                raise
+            except Exception:
+                logger.exception("request %s failed alone; it ends with 'error'", request_id)
+                failed.append(request_id)
+        self.processor.fail(failed, update)
+        update.plan = replace(
+            plan, scheduled=[s for s in plan.scheduled if s.request_id not in failed]
+        )
+        return torch.cat(rows) if rows else torch.empty(0, 0), update
 
     def _publish(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Keep the step's finished outputs for `get_request` and queue every output of a
@@ -358,7 +369,7 @@ class LLMEngine:
         """The user's view of a request. While a sample runs, the end of its text that may be
         the start of a stop string is held back (as vLLM does), so streamed text never has to be
         taken back when the stop string completes and is cut off."""
-        output = group.to_request_output(self.eos_token_ids)
+        output = group.to_request_output(self.processor.eos_token_ids)
         hold_back = max((len(stop) for stop in group.sampling_params.stop), default=1) - 1
         if hold_back and not group.sampling_params.use_beam_search:
             by_index = {seq.sample_index: seq for seq in group.seqs}

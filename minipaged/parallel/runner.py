@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -48,11 +48,11 @@ from minipaged.parallel.worker import (
     torchrun_rank,
     torchrun_worker,
 )
-from minipaged.runner.model_runner import BatchEntry, CacheOps, ModelRunner
+from minipaged.runner.model_runner import ModelRunner
+from minipaged.sched.output import SchedulerOutput
 
 # How long `close()` waits for a worker to leave before terminating it, then killing it.
 JOIN_TIMEOUT_S = 2.0
-NO_CACHE_OPS = CacheOps()
 
 
 class WorkerDiedError(RuntimeError):
@@ -125,36 +125,27 @@ class TensorParallelRunner(ModelRunner):
 
     # -- one step -------------------------------------------------------------------------------
 
-    def execute(self, entries: Sequence[BatchEntry], cache_ops: CacheOps = NO_CACHE_OPS) -> Tensor:
+    def execute(self, plan: SchedulerOutput) -> Tensor:
         """Send the step's plan to every worker, run rank 0's share, return the logits."""
-        self.apply_cache_ops(cache_ops)
-        plan = [
-            BatchEntry(tuple(e.token_ids), e.start_position, tuple(e.block_table), e.needs_logits)
-            for e in entries
-        ]
-        return self._everywhere(plan, NO_CACHE_OPS)
+        return self._everywhere(plan)
 
-    def apply_cache_ops(self, cache_ops: CacheOps) -> None:
+    def apply_cache_ops(self, plan: SchedulerOutput) -> None:
         """Move blocks on every rank's shard of the KV cache (also outside a step: profilers
         time swaps this way)."""
-        if cache_ops.swap_in or cache_ops.swap_out or cache_ops.copy:
-            ops = CacheOps(tuple(cache_ops.swap_in), tuple(cache_ops.swap_out),
-                           tuple(cache_ops.copy))
-            self._everywhere([], ops)
+        if plan.moves_blocks:
+            self._everywhere(replace(plan, scheduled=[]))
 
-    def _everywhere(self, entries: list[BatchEntry], cache_ops: CacheOps) -> Tensor:
+    def _everywhere(self, plan: SchedulerOutput) -> Tensor:
         """`ModelRunner.execute` on every rank: send the plan, run rank 0's share."""
         if self.closed:
             raise WorkerDiedError("the tensor-parallel runner is closed")
         self._check_workers()
         try:
             if self._broadcast is not None:
-                self._broadcast.send((entries, cache_ops))
+                self._broadcast.send(plan)
             for worker in self._workers:
-                worker.conn.send((entries, cache_ops))
-            if not entries:
-                super().apply_cache_ops(cache_ops)
-            return super().execute(entries)
+                worker.conn.send(plan)
+            return super().execute(plan)
         except ValueError:
             raise  # a plan every rank rejects alike, before any collective
         except Exception as exc:

@@ -49,7 +49,8 @@ from minipaged.checkpoint.model_config import ModelConfig
 from minipaged.models.layers import CausalLM
 from minipaged.models.registry import build_model, load_model
 from minipaged.models.tensor_parallel import TensorParallel, kv_heads, q_heads, shard_state_dict
-from minipaged.runner.model_runner import BatchEntry, CacheOps, ModelRunner
+from minipaged.runner.model_runner import ModelRunner
+from minipaged.sched.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ WORKER_MODULE = "minipaged.parallel"
 # The folder that holds the `minipaged` package, put on a worker's path before anything else.
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
-Plan = tuple[list[BatchEntry], CacheOps]  # one step's work for every rank
+Plan = SchedulerOutput  # one step's work, the same for every rank
 
 
 class ShardSource(Protocol):
@@ -333,7 +334,7 @@ def serve_plans(runner: ModelRunner, plans: Iterable[Plan]) -> None:
     """Run each plan on this rank's shard; the logits are dropped (rank 0 has them)."""
     for plan in plans:
         try:
-            runner.execute(*plan)
+            runner.execute(plan)
         except ValueError:
             # A plan the runner rejects before any collective (bad metadata): rank 0 rejects
             # the same plan in the same place, and the next step goes on.

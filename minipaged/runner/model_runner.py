@@ -11,7 +11,7 @@ this step. It knows nothing about requests, sampling or scheduling policy.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -29,31 +29,9 @@ from minipaged.runner.backends import (
     allocate_kv_caches,
     get_attention_ops,
 )
+from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 
 GiB = 1 << 30
-
-
-@dataclass(frozen=True)
-class BatchEntry:
-    """One sequence's share of a step: compute `token_ids` at positions `start_position...`.
-
-    `block_table` must already cover `start_position + len(token_ids)` tokens. Only entries with
-    `needs_logits` (a prefill that completes this step, or a decode) produce a row of logits.
-    """
-
-    token_ids: Sequence[int]
-    start_position: int
-    block_table: Sequence[int]
-    needs_logits: bool = True
-
-
-@dataclass(frozen=True)
-class CacheOps:
-    """The block movements of a step, performed before its compute (the scheduler's output)."""
-
-    swap_in: Sequence[tuple[int, int]] = ()  # (host block, device block)
-    swap_out: Sequence[tuple[int, int]] = ()  # (device block, host block)
-    copy: Sequence[tuple[int, int]] = ()  # (source block, destination block), copy-on-write
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -140,8 +118,14 @@ class ModelRunner:
 
     # -- block movements ----------------------------------------------------------------------
 
-    def apply_cache_ops(self, cache_ops: CacheOps) -> None:
-        """Swap out, then swap in, then copy: a block freed by a swap-out may be reused at once."""
+    def apply_cache_ops(self, plan: SchedulerOutput) -> None:
+        """The plan's block movements on their own, outside a step (profilers time swaps this
+        way); `execute` performs them before its compute."""
+        self._move_blocks(plan)
+
+    def _move_blocks(self, cache_ops: SchedulerOutput) -> None:
+        """Swap out, then swap in, then copy: a block freed by a swap-out may be reused at
+        once."""
         if cache_ops.swap_out:
             mapping = torch.tensor(cache_ops.swap_out, dtype=torch.int64)
             for device_cache, host_cache in zip(self.kv_caches, self.host_caches, strict=True):
@@ -156,7 +140,9 @@ class ModelRunner:
 
     # -- the flat batch -----------------------------------------------------------------------
 
-    def prepare(self, entries: Sequence[BatchEntry]) -> tuple[Tensor, Tensor, AttentionMetadata]:
+    def prepare(
+        self, entries: Sequence[ScheduledSequence]
+    ) -> tuple[Tensor, Tensor, AttentionMetadata]:
         """Build input_ids, positions and the attention metadata of a step."""
         input_ids: list[int] = []
         positions: list[int] = []
@@ -166,13 +152,13 @@ class ModelRunner:
         bs = self.block_size
         for entry in entries:
             n = len(entry.token_ids)
-            end = entry.start_position + n
+            end = entry.start + n
             if len(entry.block_table) * bs < end:
                 raise ValueError(
                     f"block table of {len(entry.block_table)} blocks cannot hold {end} tokens"
                 )
             input_ids.extend(entry.token_ids)
-            for pos in range(entry.start_position, end):
+            for pos in range(entry.start, end):
                 positions.append(pos)
                 slots.append(entry.block_table[pos // bs] * bs + pos % bs)
             query_start_loc.append(query_start_loc[-1] + n)
@@ -208,9 +194,11 @@ class ModelRunner:
         check_reshape_and_cache_args(kv, kv, cache[0], cache[1], metadata.slot_mapping)
 
     @torch.inference_mode()
-    def execute(self, entries: Sequence[BatchEntry], cache_ops: CacheOps = CacheOps()) -> Tensor:
-        """Run one step; return float32 logits [num entries with needs_logits, vocab]."""
-        self.apply_cache_ops(cache_ops)
+    def execute(self, plan: SchedulerOutput) -> Tensor:
+        """Run one step's plan; return float32 logits [scheduled entries with needs_logits,
+        vocab], in the plan's order."""
+        self._move_blocks(plan)
+        entries = plan.scheduled
         if not entries:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         input_ids, positions, metadata = self.prepare(entries)

@@ -17,8 +17,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from minipaged.runner.model_runner import BatchEntry, CacheOps, ModelRunner
+from minipaged.runner.model_runner import ModelRunner
 from minipaged.sched.cost_model import CostModel, StepShape
+from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 
 
 def profile_runner(
@@ -63,28 +64,34 @@ def measure_runner_steps(
     rng = random.Random(seed)
     vocab = runner.config.vocab_size
 
-    def prefill(n: int) -> BatchEntry:
-        return BatchEntry([rng.randrange(vocab) for _ in range(n)], 0, shared)
+    def entry(seq_id: int, tokens: list[int], start: int, table: list[int]) -> ScheduledSequence:
+        return ScheduledSequence(
+            "profile", seq_id, start, tuple(tokens), is_prefill=start == 0, block_table=tuple(table)
+        )
 
-    def decodes(context: int, batch: int) -> list[BatchEntry]:
+    def prefill(n: int) -> ScheduledSequence:
+        return entry(-1, [rng.randrange(vocab) for _ in range(n)], 0, shared)
+
+    def decodes(context: int, batch: int) -> list[ScheduledSequence]:
         own = -(-context // bs) - 1
         return [
-            BatchEntry([rng.randrange(vocab)], context - 1, shared[:own] + [len(shared) + i])
+            entry(i, [rng.randrange(vocab)], context - 1, shared[:own] + [len(shared) + i])
             for i in range(batch)
         ]
 
     sizes = geometric_levels(1, min(max_prefill, longest))
     batches = geometric_levels(1, max_batch)
     contexts = geometric_levels(16, min(max_context, longest))
-    plans: list[list[BatchEntry]] = [[prefill(n)] for n in sizes]
+    plans: list[list[ScheduledSequence]] = [[prefill(n)] for n in sizes]
     plans += [decodes(c, b) for b in batches for c in contexts]
     plans += [decodes(contexts[-1], batches[-1]) + [prefill(n)] for n in sizes[::2]]
     shapes, times = [], []
     for entries in tqdm(plans, desc="profiling the model", unit="batch", disable=not progress):
-        times.append(median_time(lambda e=entries: runner.execute(e), repeats, clock))
-        prefill_tokens = sum(len(e.token_ids) for e in entries if e.start_position == 0)
-        decoding = [e for e in entries if e.start_position > 0]
-        context = sum(e.start_position + 1 for e in decoding)
+        plan = SchedulerOutput(scheduled=entries)
+        times.append(median_time(lambda p=plan: runner.execute(p), repeats, clock))
+        prefill_tokens = sum(e.num_new_tokens for e in entries if e.is_prefill)
+        decoding = [e for e in entries if not e.is_prefill]
+        context = sum(e.start + 1 for e in decoding)
         shapes.append(StepShape(prefill_tokens, len(decoding), context))
     return shapes, times
 
@@ -95,7 +102,7 @@ def measure_swap_time(runner: ModelRunner, repeats: int, clock: Callable[[], flo
     n = min(num_host, runner.kv_caches[0].shape[1], 32)
     if n < 1:
         return 0.0
-    ops = CacheOps(swap_out=[(i, i) for i in range(n)])
+    ops = SchedulerOutput(swap_out=[(i, i) for i in range(n)])
     return median_time(lambda: runner.apply_cache_ops(ops), repeats, clock) / n
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 
 from minipaged.kv.interface import KVManager
 from minipaged.sampling.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -127,6 +128,10 @@ class Scheduler(ABC):
         self._release(seq)
         group.remove(seq.seq_id)
 
+    def queue_levels(self) -> dict[str, int]:
+        """Each request's queue, for step records: empty for a policy without levels."""
+        return {}
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
@@ -148,8 +153,11 @@ class Scheduler(ABC):
             config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill
         )
         self.choose(now, out, budget)
-        for item in out.scheduled:
-            item.block_table = self.kv_manager.block_table(item.seq.seq_id)
+        tables = self.kv_manager
+        out.scheduled = [
+            replace(item, block_table=tuple(tables.block_table(item.seq_id)))
+            for item in out.scheduled
+        ]
         return out
 
     @abstractmethod
@@ -162,13 +170,24 @@ class Scheduler(ABC):
 
         Full blocks become findable in the prefix cache only now, never before their K/V exist.
         """
-        for item in out.scheduled:
-            seq = item.seq
+        for item, (_, seq) in zip(out.scheduled, self.resolve(out.scheduled), strict=True):
             seq.num_computed_tokens = item.start + item.num_new_tokens
             tokens = seq.get_token_ids()
             if seq.num_computed_tokens < len(tokens):
                 tokens = tokens[: seq.num_computed_tokens]
             self.kv_manager.mark_computed(seq.seq_id, tokens)
+
+    def resolve(
+        self, items: Iterable[ScheduledSequence]
+    ) -> list[tuple[SequenceGroup, Sequence]]:
+        """The running group and the sequence each scheduled item names (the plan holds ids;
+        the scheduler owns the objects)."""
+        groups = {group.request_id: group for group in self.running}
+        resolved = []
+        for item in items:
+            group = groups[item.request_id]
+            resolved.append((group, group.find(item.seq_id)))
+        return resolved
 
     def finish_step(self) -> list[SequenceGroup]:
         """Free the blocks of sequences that finished this step; return the finished groups.
@@ -334,7 +353,7 @@ class Scheduler(ABC):
             if pending:
                 out.copy.extend(self.kv_manager.append_slots(seq.seq_id, pending))
         for seq, n in self.step_plan(seqs, budget):
-            out.scheduled.append(ScheduledSequence(seq, group, seq.num_computed_tokens, n))
+            out.scheduled.append(scheduled_share(group, seq, n))
             budget.take(n)
         if group.metrics.first_scheduled_time is None:
             group.metrics.first_scheduled_time = self._now
@@ -410,7 +429,7 @@ class Scheduler(ABC):
             self.waiting.appendleft(group)
         group.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        out.preempted.append(group)
+        out.preempted.append(group.request_id)
 
     def _release(self, seq: Sequence) -> None:
         if seq.seq_id in self.kv_manager:
@@ -419,3 +438,18 @@ class Scheduler(ABC):
 
 # What a registry or the simulator holds: builds a scheduler over a given KV manager.
 SchedulerFactory = Callable[[SchedulerConfig, KVManager], Scheduler]
+
+
+def scheduled_share(group: SequenceGroup, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
+    """The plan's entry for `seq` computing its next `num_new_tokens` tokens (its block table
+    is added once the step's blocks are settled)."""
+    start = seq.num_computed_tokens
+    end = start + num_new_tokens
+    return ScheduledSequence(
+        group.request_id,
+        seq.seq_id,
+        start,
+        tuple(seq.get_token_ids()[start:end]),
+        needs_logits=end == seq.get_len(),
+        is_prefill=num_new_tokens > 1 or start < seq.get_prompt_len(),
+    )

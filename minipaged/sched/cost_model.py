@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -167,3 +168,16 @@ OPT_13B_A100 = CostModel(
     name="OPT-13B on one A100 (public figures)",
 )
 OPT_13B_A100_KV_BLOCKS = 930  # of 16 tokens
+
+
+def step_shape(scheduled: Iterable[Any]) -> StepShape:
+    """The shape a step's scheduled sequences (`ScheduledSequence`s) charge for: prefill tokens,
+    decoding sequences and the context those decodes attend to."""
+    prefill = decode = context = 0
+    for item in scheduled:
+        if item.is_prefill:
+            prefill += item.num_new_tokens
+        else:
+            decode += 1
+            context += item.start + item.num_new_tokens
+    return StepShape(prefill, decode, context)

@@ -207,6 +207,9 @@ class SkipJoinMLFQScheduler(Scheduler):
             self.jobs.pop(group.request_id, None)
         return finished
 
+    def queue_levels(self) -> dict[str, int]:
+        return {request_id: job.level for request_id, job in self.jobs.items()}
+
     def priority_order(self) -> list[SequenceGroup]:
         """Every unfinished job, the one expected to run first first (promoted jobs lead Q1)."""
 
@@ -237,8 +240,8 @@ class SkipJoinMLFQScheduler(Scheduler):
             selected.append(group)
         if self.mlfq.swap_policy is SwapPolicy.PROACTIVE:
             self._swap_ahead(order, selected, out)
-        self._last_batch = [s.group for s in out.scheduled]
-        self._last_sampled = {s.group.request_id for s in out.scheduled if s.needs_logits}
+        self._last_batch = [group for group, _ in self.resolve(out.scheduled)]
+        self._last_sampled = {s.request_id for s in out.scheduled if s.needs_logits}
         self._last_now = now
 
     # -- feedback: demotion and promotion ----------------------------------------------------------

@@ -1,9 +1,10 @@
 """The data of one scheduling step: its limits, its budget and its plan (vLLM paper §4.5).
 
 `SchedulerConfig` sets a step's limits and the preemption policy; `StepBudget` is what is left
-of them while a policy fills the step; `SchedulerOutput` is the plan the engine executes --
-which sequences compute which tokens over which block tables (`ScheduledSequence`), and the
-block copies that come first. `minipaged.sched.base` makes them.
+of them while a policy fills the step; `SchedulerOutput` is the plan the model runner executes
+-- which sequences compute which tokens over which block tables (`ScheduledSequence`), and the
+block movements that come first -- and the step record keeps. `minipaged.sched.base` makes
+them.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from minipaged.sampling.sequence import Sequence, SequenceGroup
+from minipaged.sampling.sequence import Sequence
 
 # -- data types -----------------------------------------------------------------------------------
 
@@ -61,42 +62,42 @@ class SchedulerConfig:
             self.preemption_mode = PreemptionMode(self.preemption_mode)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledSequence:
-    """One sequence in a step: compute its tokens `[start, start + num_new_tokens)`, reading
-    and writing the blocks of `block_table` (as they are once the step's copies are done)."""
+    """One sequence's share of a step, the one type from the scheduler to the model runner to
+    the step record: compute `token_ids` at positions `start, start + 1, ...`, reading and
+    writing the blocks of `block_table` (as they are once the step's copies are done).
 
-    seq: Sequence
-    group: SequenceGroup
+    Plain data, taken when the step is planned, so a record of the step stays true after the
+    sequence grows, and the plan crosses process boundaries (tensor parallelism) as it is. The
+    scheduler resolves the ids to its objects (`Scheduler.find`).
+    """
+
+    request_id: str
+    seq_id: int
     start: int
-    num_new_tokens: int
-    block_table: list[int] = field(default_factory=list)  # set by `Scheduler.schedule`
+    token_ids: tuple[int, ...]
+    # The step computes the sequence's last known token, so it samples a new one.
+    needs_logits: bool = True
+    # A prompt chunk or a recomputation, as the cost model counts it (not one decode).
+    is_prefill: bool = False
+    block_table: tuple[int, ...] = ()
 
     @property
-    def token_ids(self) -> list[int]:
-        return self.seq.get_token_ids()[self.start : self.start + self.num_new_tokens]
-
-    @property
-    def needs_logits(self) -> bool:
-        """True when this step computes the sequence's last known token: it samples a new one."""
-        return self.start + self.num_new_tokens == self.seq.get_len()
-
-    @property
-    def is_prefill(self) -> bool:
-        """A prompt chunk or a recomputation, as the cost model counts it (not one decode)."""
-        return self.num_new_tokens > 1 or self.start < self.seq.get_prompt_len()
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass
 class SchedulerOutput:
-    """What one step computes and which block movements come first (`minipaged.kv.interface`
-    gives their order)."""
+    """One step's plan: what it computes, and the block movements that come first
+    (`minipaged.kv.interface` gives their order). The model runner executes it as it is."""
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
-    copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
-    preempted: list[SequenceGroup] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, dest)
+    preempted: list[str] = field(default_factory=list)  # request ids
 
     # Blocks of `swap_in` / `swap_out` moved ahead of time for groups not in this step's batch
     # (proactive swapping, FastServe §4.2): a server overlaps them with the forward pass.
@@ -107,8 +108,12 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
+    def moves_blocks(self) -> bool:
+        return bool(self.swap_in or self.swap_out or self.copy)
+
+    @property
     def is_empty(self) -> bool:
-        return not (self.scheduled or self.swap_in or self.swap_out or self.copy)
+        return not (self.scheduled or self.moves_blocks)
 
 
 @dataclass

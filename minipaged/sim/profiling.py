@@ -16,7 +16,7 @@ import random
 from collections.abc import Callable, Collection
 
 from minipaged.engine.engine import LLMEngine
-from minipaged.engine.step import StepRecord
+from minipaged.engine.record import StepRecord
 from minipaged.runner.profiler import geometric_levels, measure_swap_time
 from minipaged.sampling.params import SamplingParams
 from minipaged.sched.cost_model import CostModel, StepShape
@@ -158,9 +158,9 @@ def replay_on_engine(
         requests=results,
         makespan=now(),
         num_steps=len(records),
-        swapped_out_blocks=sum(len(r.swap_out) for r in records),
-        swapped_in_blocks=sum(len(r.swap_in) for r in records),
-        swap_blocks_ahead=sum(r.num_swap_blocks_ahead for r in records),
-        num_preemptions=sum(len(r.preempted) for r in records),
+        swapped_out_blocks=sum(len(r.plan.swap_out) for r in records),
+        swapped_in_blocks=sum(len(r.plan.swap_in) for r in records),
+        swap_blocks_ahead=sum(r.plan.num_swap_blocks_ahead for r in records),
+        num_preemptions=sum(len(r.plan.preempted) for r in records),
         steps=records,
     )

@@ -1,13 +1,14 @@
-"""A discrete-event simulator: the engine's loop with a cost model in place of the model.
+"""A discrete-event simulator: the engine's own step loop with a cost model in place of the model.
 
-It drives the *same* scheduler and `KVCacheManager` objects the engine uses (`FCFSScheduler`,
-`SkipJoinMLFQScheduler` and its variants), so a policy measured here is the policy that serves.
-Each step: admit the requests that have arrived, `schedule(now)`, advance the clock by the
-step's predicted time, append a made-up token to every sequence that samples, check stops, free
-what finished. Outputs have fixed lengths (`max_tokens` with `ignore_eos`), as in the papers'
-trace-driven evaluations (vLLM §6.1, FastServe §6.1). What the engine does alike around a step
--- parallel samples' forks, stop checks, request metrics, the step's record -- is the same code
-(`minipaged.engine.step`, `minipaged.sampling.stopping`); `minipaged.sim.profiling` replays a trace
+It serves a trace with a real `LLMEngine` and the *same* scheduler and `KVCacheManager` objects
+the engine serves with (`FCFSScheduler`, `SkipJoinMLFQScheduler` and its variants), so a policy
+measured here is the policy that serves. Only two parts differ: the runner is a
+`CostModelRunner`, whose "forward pass" advances a simulated clock by the step's predicted time
+and returns no real logits, and the `OutputProcessor` is a `SimulatedOutputProcessor`, which
+appends a made-up token to every sampling sequence instead of sampling one. Everything else --
+scheduling, forks of parallel samples, stop checks, request metrics, step records -- is the
+engine's. Outputs have fixed lengths (`max_tokens` with `ignore_eos`), as in the papers'
+trace-driven evaluations (vLLM §6.1, FastServe §6.1); `minipaged.sim.profiling` replays a trace
 on the real engine for comparison.
 
 Step time = compute (`CostModel.step_time` of the step's shape) + swaps on the critical path;
@@ -20,33 +21,33 @@ normalized latency (JCT / output tokens); overall, throughput and swap traffic.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Collection
+import functools
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+from torch import Tensor
 
-from minipaged.engine.step import (
-    StepRecord,
-    finish_requests,
-    fork_samples,
-    mark_first_tokens,
-    record_step,
-    step_shape,
-)
+from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.engine.engine import LLMEngine
+from minipaged.engine.postprocess import OutputProcessor, StepUpdate
+from minipaged.engine.record import StepRecord
 from minipaged.kv.manager import KVCacheManager
+from minipaged.models.registry import FAMILIES
 from minipaged.sampling.params import SamplingParams
 from minipaged.sampling.sequence import Sequence, SequenceGroup
-from minipaged.sampling.stopping import finish_if_stopped
-from minipaged.sched.base import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerFactory
-from minipaged.sched.cost_model import CostModel, StepShape
+from minipaged.sched.base import Scheduler, SchedulerConfig, SchedulerFactory
+from minipaged.sched.cost_model import CostModel, StepShape, step_shape
 from minipaged.sched.fcfs import FCFSScheduler
+from minipaged.sched.output import SchedulerOutput
 from minipaged.sim.traces import TraceRequest
 
-# The sampler's part of parallel sampling and beam search, called after each step's tokens are
-# appended: (scheduler, the step's sampling items, the next free sequence id) -> the next free id.
-SampleHook = Callable[[Scheduler, list[ScheduledSequence], int], int]
-FORKED_SEQ_IDS = 1_000_000_000  # the first id of a sequence forked by an `on_sample` hook
+# The sampler's part of beam search in a simulation, called after each step's made-up tokens
+# are appended: (scheduler, the step's sampling (request, sequence) pairs, the engine's
+# sequence-id counter). Parallel samples need none: the engine forks them itself.
+SampleHook = Callable[[Scheduler, list[tuple[SequenceGroup, Sequence]], Iterator[int]], None]
+SIMULATED_VOCAB = 1 << 30  # made-up prompt ids are any non-negative int32 below this
 
 # -- data types -----------------------------------------------------------------------------------
 
@@ -141,13 +142,91 @@ class SimulationResult:
         }
 
 
-# -- the simulation -------------------------------------------------------------------------------
+# -- the simulated parts of the engine -----------------------------------------------------------
 
 
 def step_duration(cost: CostModel, shape: StepShape, swapped: int, ahead: int) -> float:
     """A step's time: compute, overlapped with the swaps made ahead of time, plus the others."""
     compute = cost.step_time(shape)
     return max(compute, cost.swap_time(ahead)) + cost.swap_time(swapped - ahead)
+
+
+class SimulatedClock:
+    """The simulated time, in seconds: the engine's clock in a simulation."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CostModelRunner:
+    """The engine's runner in a simulation: a step's "forward pass" advances the clock by the
+    time the cost model predicts for it, and returns logits of width 1 (never read)."""
+
+    def __init__(self, cost: CostModel, clock: SimulatedClock) -> None:
+        self.cost, self.clock = cost, clock
+
+    def execute(self, plan: SchedulerOutput) -> Tensor:
+        if plan.is_empty:
+            raise RuntimeError(f"the scheduler made no progress at t={self.clock.now:.3f}s")
+        swapped = len(plan.swap_in) + len(plan.swap_out)
+        shape = step_shape(plan.scheduled)
+        self.clock.now += step_duration(self.cost, shape, swapped, plan.num_swap_blocks_ahead)
+        return torch.zeros(sum(s.needs_logits for s in plan.scheduled), 1)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class SimulatedOutputProcessor(OutputProcessor):
+    """The engine's processor with a made-up token (id 0) for every sampling sequence instead of
+    a sampled one, then `on_sample` (a beam-search simulation's forks and drops); it keeps the
+    requests that finished, for the results."""
+
+    def __init__(self, *args: object, on_sample: SampleHook | None = None, **kwargs: object):
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.on_sample = on_sample
+        self.finished: list[SequenceGroup] = []
+
+    def update(self, update: StepUpdate, logits: Tensor) -> StepUpdate:
+        update = super().update(update, logits)
+        self.finished += update.finished
+        return update
+
+    def sample_isolated(
+        self, items: list[tuple[SequenceGroup, Sequence, int]], logits: Tensor, update: StepUpdate
+    ) -> None:
+        requests = self.requests_of(items)  # forks a finished prompt's parallel samples
+        for _, seqs, _ in requests:
+            for seq in seqs:
+                seq.append_token(0, 0.0)
+        if self.on_sample is not None:
+            self.on_sample(self.scheduler, [(g, s) for g, s, _ in items], self.seq_ids)
+        for group, _, _ in requests:  # forked samples and beams included
+            for seq in group.get_unfinished_seqs():
+                self.check_stop(seq, group)
+
+
+class StepTally:
+    """A step observer counting steps and swapped blocks, keeping the records if asked."""
+
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep
+        self.steps: list[StepRecord] = []
+        self.num_steps = self.swapped_out = self.swapped_in = self.ahead = 0
+
+    def __call__(self, record: StepRecord) -> None:
+        self.num_steps += 1
+        self.swapped_out += len(record.plan.swap_out)
+        self.swapped_in += len(record.plan.swap_in)
+        self.ahead += record.plan.num_swap_blocks_ahead
+        if self.keep:
+            self.steps.append(record)
+
+
+# -- the simulation -------------------------------------------------------------------------------
 
 
 def simulate(
@@ -168,12 +247,11 @@ def simulate(
     """Serve `trace` with `scheduler(config, kv_manager)` and return what happened.
 
     The requests come either as a `trace` (made-up prompts, fixed output lengths) or, with
-    `trace=None`, as ready `groups`: real prompt tokens, so requests can share a prefix, and any
-    sampling parameters. The KV cache is a fresh `KVCacheManager(num_gpu_blocks, block_size)`
-    without prefix caching, or `kv_manager` as given (prefix caching on, say). `on_sample`, called
-    after each step's tokens are appended, is the sampler's part of parallel sampling and beam
-    search: it forks and drops sequences (vLLM §4.4); stops are then checked on every unfinished
-    sequence of each group that sampled.
+    `trace=None`, as `groups` giving each request's id, prompt tokens (so requests can share a
+    prefix), sampling parameters and arrival time. The KV cache is a fresh
+    `KVCacheManager(num_gpu_blocks, block_size)` without prefix caching, or `kv_manager` as
+    given (prefix caching on, say). `on_sample` is the sampler's part of beam search (see
+    `SampleHook`).
 
     A scheduler that wants a cost model (`needs_cost_model`) and has none gets `cost`. Requests
     the cache can never hold are rejected by the scheduler's `add` (`RequestRejectedError`).
@@ -191,86 +269,72 @@ def simulate(
     sched = scheduler(config, kv_manager)
     if sched.needs_cost_model and getattr(sched, "cost_model", None) is None:
         sched.cost_model = cost  # type: ignore[attr-defined]
-    position = {g.request_id: i for i, g in enumerate(requests)}
+    clock = SimulatedClock()
+    engine = LLMEngine(
+        None,
+        simulated_model(config.max_model_len),
+        scheduler=sched,
+        clock=clock,
+        runner=CostModelRunner(cost, clock),  # type: ignore[arg-type]
+        processor=functools.partial(SimulatedOutputProcessor, on_sample=on_sample),
+    )
+    processor = engine.processor
+    assert isinstance(processor, SimulatedOutputProcessor)
+    tally = StepTally(keep=record_steps)
+    engine.add_step_observer(tally)
     pending = sorted(requests, key=lambda g: g.arrival_time)
     pending.reverse()  # pop() from the end: the earliest arrival
-    results: list[RequestResult] = []
-    steps: list[StepRecord] = []
-    now, num_steps = 0.0, 0
-    swapped_out = swapped_in = ahead_total = 0
-    next_seq_id = FORKED_SEQ_IDS
-
-    while pending or sched.has_unfinished():
-        while pending and pending[-1].arrival_time <= now:
-            sched.add(pending.pop())
-        if not sched.has_unfinished():
-            now = pending[-1].arrival_time
-            continue
-        out = sched.schedule(now)
-        if out.is_empty:
-            raise RuntimeError(f"the scheduler made no progress at t={now:.3f}s")
-        num_swaps = len(out.swap_in) + len(out.swap_out)
-        shape = step_shape(out.scheduled)
-        duration = step_duration(cost, shape, num_swaps, out.num_swap_blocks_ahead)
-        sched.mark_computed(out)
-        start, now = now, now + duration
-        swapped_out += len(out.swap_out)
-        swapped_in += len(out.swap_in)
-        ahead_total += out.num_swap_blocks_ahead
-        sampled = [item for item in out.scheduled if item.needs_logits]
-        touched = {id(item.group): item.group for item in sampled}
-        mark_first_tokens(touched.values(), now)
-        for item in sampled:
-            item.seq.append_token(0, 0.0)
-        if on_sample is not None:
-            next_seq_id = on_sample(sched, sampled, next_seq_id)
-        for group in touched.values():  # forked samples and beams included
-            for seq in group.get_unfinished_seqs():
-                finish_if_stopped(seq, group.sampling_params, (), config.max_model_len)
-        if record_steps:
-            steps.append(record_step(num_steps, start, now, out, sched))
-        for group in finish_requests(sched, now):
-            seq = group.seqs[0]
-            first_token = group.metrics.first_token_time
-            assert first_token is not None  # every finished request sampled
-            results.append(
-                RequestResult(
-                    group.request_id,
-                    group.arrival_time,
-                    seq.get_prompt_len(),
-                    seq.get_output_len(),
-                    first_token,
-                    now,
-                    group.metrics.num_preemptions,
-                )
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[-1].arrival_time <= clock.now:
+            group = pending.pop()
+            engine.add_request(
+                group.request_id, group.prompt_token_ids, group.sampling_params,
+                arrival_time=group.arrival_time,
             )
-        num_steps += 1
-        if num_steps > max_steps:
+        if not engine.has_unfinished_requests():
+            clock.now = pending[-1].arrival_time
+            continue
+        engine.step()
+        if tally.num_steps > max_steps:
             raise RuntimeError(f"gave up after {max_steps} steps")
-    results.sort(key=lambda r: position[r.request_id])
+    position = {g.request_id: i for i, g in enumerate(requests)}
+    results = sorted(map(request_result, processor.finished), key=lambda r: position[r.request_id])
     first_arrival = min((g.arrival_time for g in requests), default=0.0)
     return SimulationResult(
         requests=results,
-        makespan=now - first_arrival,
-        num_steps=num_steps,
-        swapped_out_blocks=swapped_out,
-        swapped_in_blocks=swapped_in,
-        swap_blocks_ahead=ahead_total,
+        makespan=clock.now - first_arrival,
+        num_steps=tally.num_steps,
+        swapped_out_blocks=tally.swapped_out,
+        swapped_in_blocks=tally.swapped_in,
+        swap_blocks_ahead=tally.ahead,
         num_preemptions=sched.num_preemptions,
-        steps=steps,
+        steps=tally.steps,
     )
 
 
-def fork_parallel_samples(
-    scheduler: Scheduler, sampled: list[ScheduledSequence], next_id: int
-) -> int:
-    """The `SampleHook` of parallel sampling: the engine's own fork (`fork_samples`) of every
-    request whose prompt just finished, with ids from `next_id` on; returns the next free id."""
-    seq_ids = itertools.count(next_id)
-    for item in sampled:
-        if not item.group.sampling_params.use_beam_search:
-            fork_samples(scheduler, item.group, item.seq, seq_ids)
-    return next(seq_ids)
+def simulated_model(max_model_len: int) -> ModelConfig:
+    """What the engine reads of a model, for a simulation: a vocabulary every made-up prompt
+    id is in, the context, no EOS (outputs run to `max_tokens`). The sizes are never used."""
+    return ModelConfig(
+        family=FAMILIES["llama"], vocab_size=SIMULATED_VOCAB, hidden_size=1, num_layers=1,
+        num_heads=1, num_kv_heads=1, head_dim=1, intermediate_size=1,
+        max_position_embeddings=max_model_len,
+    )
+
+
+def request_result(group: SequenceGroup) -> RequestResult:
+    """A finished request's times and lengths (its first sample's)."""
+    seq, metrics = group.seqs[0], group.metrics
+    assert metrics.first_token_time is not None and metrics.finished_time is not None
+    return RequestResult(
+        group.request_id,
+        group.arrival_time,
+        seq.get_prompt_len(),
+        seq.get_output_len(),
+        metrics.first_token_time,
+        metrics.finished_time,
+        metrics.num_preemptions,
+    )
 
 
 def _requests(

@@ -55,7 +55,7 @@ def test_each_step_keeps_the_best_continuations_and_frees_the_rest(width, steps,
     for _ in range(steps):
         out = scheduler.schedule(0.0)
         scheduler.mark_computed(out)
-        beams = [item.seq for item in out.scheduled]
+        beams = [seq for _, seq in scheduler.resolve(out.scheduled)]
         logprobs = torch.log_softmax(torch.randn(len(beams), VOCAB, generator=gen), dim=-1)
         live, finished = brute_force(beams, logprobs, width)
         expected_live = sorted(

@@ -288,43 +288,66 @@ def test_logprobs_are_capped_at_20_and_beam_search_returns_them(small) -> None:
         assert len(completion.logprobs) == len(completion.token_ids)
 
 
+POISON = 37  # a prompt token the failing model cannot take
+
+
 class FailingModel(torch.nn.Module):
-    """The model, failing at forward pass `fail_at`: in the forward pass itself ("model"), or
-    handing the sampler logits over no token at all, on which it fails ("sampler")."""
+    """The model, failing in the forward pass of any batch holding the token `POISON`
+    ("model"), or at forward pass `fail_at` handing the sampler logits over no token at all, on
+    which sampling fails for every request of that step ("sampler")."""
 
     def __init__(self, model: torch.nn.Module, fail_at: int, where: str) -> None:
         super().__init__()
         self.model, self.fail_at, self.where, self.calls = model, fail_at, where, 0
 
-    def forward(self, *args):
+    def forward(self, input_ids, *args):
         self.calls += 1
-        if self.calls == self.fail_at and self.where == "model":
+        if self.where == "model" and bool((input_ids == POISON).any()):
             raise RuntimeError("injected fault in the forward pass")
-        return self.model(*args)
+        return self.model(input_ids, *args)
 
     def compute_logits(self, hidden):
         logits = self.model.compute_logits(hidden)
-        return logits[:, :0] if self.calls == self.fail_at else logits
+        failing = self.where == "sampler" and self.calls == self.fail_at
+        return logits[:, :0] if failing else logits
 
 
 @pytest.mark.parametrize("where", ["model", "sampler"])
 @pytest.mark.parametrize("fail_at", [1, 3, 6])
-def test_a_failing_step_ends_its_requests_with_error_and_the_rest_go_on(
-    small, fail_at, where
-) -> None:
+def test_a_failing_step_ends_only_the_requests_that_cause_it(small, fail_at, where) -> None:
+    """A forward pass that fails because of one request's input ends that request alone with
+    "error"; the others finish exactly as they would alone. A step whose sampling fails for
+    every request alike ends those requests; the rest go on."""
     model, config = small
     engine = LLMEngine(
         FailingModel(model, fail_at, where), config, None,
         EngineConfig(num_gpu_blocks=32, block_size=4, max_num_seqs=2),
     )
-    params = SamplingParams(temperature=1.0, seed=1, max_tokens=5, ignore_eos=True)
-    for i in range(4):
-        engine.add_request(f"r{i}", [1 + i, 2, 3], params)
+    records = []
+    engine.add_step_observer(records.append)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    poisoned = f"r{fail_at % 4}"
+    prompts = {f"r{i}": [1 + i, 2, 3] for i in range(4)}
+    if where == "model":
+        prompts[poisoned] = [1, POISON, 3]
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, params)
     finals = run_bounded(engine)
-    assert sorted(finals) == [f"r{i}" for i in range(4)]
+    assert sorted(finals) == sorted(prompts)
     reasons = {k: v.outputs[0].finish_reason for k, v in finals.items()}
-    assert "error" in reasons.values()
-    assert {"length"} <= set(reasons.values())  # the others went on
+    failed = {request_id for r in records for request_id in r.failed}
+    assert failed == {k for k, reason in reasons.items() if reason == "error"}
+    if where == "model":
+        assert failed == {poisoned}
+        alone = tiny_engine(small, num_gpu_blocks=32, block_size=4)
+        for request_id, prompt in prompts.items():
+            if request_id != poisoned:
+                alone.add_request(request_id, prompt, params)
+        expected = run_bounded(alone)
+        for request_id, output in expected.items():
+            assert finals[request_id].outputs[0].token_ids == output.outputs[0].token_ids
+    else:
+        assert 1 <= len(failed) <= 2 and "length" in reasons.values()  # the others went on
     assert drained(engine)
 
 

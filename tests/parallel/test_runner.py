@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
-from tiny_models import SMALL_LLAMA, minipaged_parts, random_gpt2, random_llama
+from tiny_models import SMALL_LLAMA, minipaged_parts, plan_of, random_gpt2, random_llama, scheduled
 
 from minipaged.checkpoint.model_config import ModelConfig
 from minipaged.engine.config import EngineConfig
@@ -36,7 +36,6 @@ from minipaged.models.tensor_parallel import (
 )
 from minipaged.parallel.runner import WorkerDiedError
 from minipaged.parallel.worker import CheckpointShards, StateDictShards
-from minipaged.runner.model_runner import BatchEntry
 from minipaged.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.xdist_group("tensor_parallel")
@@ -228,9 +227,9 @@ def prefill_logits(engine: LLMEngine, prompts: list[list[int]]) -> torch.Tensor:
     bs = engine.runner.block_size
     for prompt in prompts:
         n = -(-len(prompt) // bs)
-        entries.append(BatchEntry(prompt, 0, list(range(block, block + n))))
+        entries.append(scheduled(prompt, 0, list(range(block, block + n)), seq_id=len(entries)))
         block += n
-    return engine.runner.execute(entries)
+    return engine.runner.execute(plan_of(entries))
 
 
 # On CPU (gloo) even where CUDA is available: these tests are about the split, not the device.

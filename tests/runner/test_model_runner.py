@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import dense_last_logits
+from tiny_models import dense_last_logits, plan_of, scheduled
 
 from minipaged.attention.reference import paged_attention, plan_attention
 from minipaged.checkpoint.model_config import ModelConfig
@@ -25,7 +25,8 @@ from minipaged.models.gpt2 import GPT2ForCausalLM
 from minipaged.models.llama import LlamaForCausalLM
 from minipaged.models.registry import FAMILIES
 from minipaged.runner.backends import PagedAttentionBackend
-from minipaged.runner.model_runner import BatchEntry, CacheOps, ModelRunner
+from minipaged.runner.model_runner import ModelRunner
+from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 
 VOCAB = 64
 
@@ -90,21 +91,21 @@ def batches(draw):
         )
         n = end - start
         tokens = draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n))
-        entries.append(BatchEntry(tokens, start, table, draw(st.booleans())))
+        entries.append(scheduled(tokens, start, table, draw(st.booleans())))
     return block_size, num_blocks, entries
 
 
-def reference_flat_batch(entries: list[BatchEntry], block_size: int) -> dict[str, list]:
+def reference_flat_batch(entries: list[ScheduledSequence], block_size: int) -> dict[str, list]:
     """The flat batch by definition: a block table lists a sequence's slots block by block."""
     ref = {"input_ids": [], "positions": [], "slot_mapping": [], "query_start_loc": [0]}
     ref["seq_lens"], ref["block_tables"] = [], []
     width = max(len(e.block_table) for e in entries)
     for e in entries:
         slots = [b * block_size + offset for b in e.block_table for offset in range(block_size)]
-        context = e.start_position + len(e.token_ids)
+        context = e.start + len(e.token_ids)
         ref["input_ids"] += list(e.token_ids)
-        ref["positions"] += list(range(e.start_position, context))
-        ref["slot_mapping"] += slots[e.start_position : context]
+        ref["positions"] += list(range(e.start, context))
+        ref["slot_mapping"] += slots[e.start : context]
         ref["query_start_loc"].append(ref["query_start_loc"][-1] + len(e.token_ids))
         ref["seq_lens"].append(context)
         ref["block_tables"].append(list(e.block_table) + [-1] * (width - len(e.block_table)))
@@ -134,12 +135,12 @@ def test_prepare_equals_reference(batch):
 def test_prepare_rejects_a_block_table_too_short():
     runner = ModelRunner(torch.nn.Identity(), tiny_config(), block_size=4, num_gpu_blocks=8)
     with pytest.raises(ValueError, match="cannot hold 9 tokens"):
-        runner.prepare([BatchEntry([1, 2, 3], 6, [0, 1])])
+        runner.prepare([scheduled([1, 2, 3], 6, [0, 1])])
 
 
 def test_check_metadata_rejects_a_block_outside_the_cache():
     runner = make_runner(tiny_model(), num_gpu_blocks=8)
-    _, _, md = runner.prepare([BatchEntry([1, 2, 3], 0, [9])])
+    _, _, md = runner.prepare([scheduled([1, 2, 3], 0, [9])])
     with pytest.raises(ValueError, match="outside"):
         runner.check_metadata(md, 3)
 
@@ -157,7 +158,7 @@ def test_the_step_plan_groups_decodes_and_attends_as_one_call_per_sequence():
     rng.shuffle(free)
     for start, n in [(3, 1), (30, 1), (0, 9), (12, 1), (5, 6), (60, 1)]:
         table = [free.pop() for _ in range(-(-(start + n) // 4))]
-        entries.append(BatchEntry([rng.randrange(VOCAB) for _ in range(n)], start, table))
+        entries.append(scheduled([rng.randrange(VOCAB) for _ in range(n)], start, table))
     _, _, md = runner.prepare(entries)
     plan = plan_attention(md.block_tables, md.seq_lens, md.query_start_loc, runner.kv_caches[0][0])
     assert len(plan) == 5  # decodes of contexts 4 | 13 | 31 and 61; two prefills
@@ -195,7 +196,7 @@ def cache_ops(draw, num_gpu_blocks=12, num_cpu_blocks=8):
     rest = device[max(n_out, n_in) :]
     n_copy = min(n_copy, len(rest) // 2)
     copy = list(zip(rest[:n_copy], rest[n_copy : 2 * n_copy], strict=True))
-    return CacheOps(swap_in=swap_in, swap_out=swap_out, copy=copy)
+    return SchedulerOutput(swap_in=swap_in, swap_out=swap_out, copy=copy)
 
 
 @given(cache_ops())
@@ -226,10 +227,10 @@ def test_swap_out_then_in_restores_a_block_elsewhere():
     for cache in runner.kv_caches:
         cache.normal_()
     saved = [c[:, 3].clone() for c in runner.kv_caches]
-    runner.apply_cache_ops(CacheOps(swap_out=[(3, 1)]))
+    runner.apply_cache_ops(SchedulerOutput(swap_out=[(3, 1)]))
     for cache in runner.kv_caches:
         cache[:, 3] = 0.0  # the device block is reused by someone else
-    runner.apply_cache_ops(CacheOps(swap_in=[(1, 5)]))
+    runner.apply_cache_ops(SchedulerOutput(swap_in=[(1, 5)]))
     for cache, block in zip(runner.kv_caches, saved, strict=True):
         assert torch.equal(cache[:, 5], block)
 
@@ -251,12 +252,12 @@ class PagedSequences:
     def add(self, name: str, tokens: list[int]) -> None:
         self.tokens[name], self.computed[name], self.tables[name] = list(tokens), 0, []
 
-    def entry(self, name: str, n: int) -> BatchEntry:
+    def entry(self, name: str, n: int) -> ScheduledSequence:
         start = self.computed[name]
         end = start + n
         while len(self.tables[name]) * self.block_size < end:
             self.tables[name].append(self.free.pop())
-        return BatchEntry(
+        return scheduled(
             self.tokens[name][start:end], start, list(self.tables[name]),
             needs_logits=end == len(self.tokens[name]),
         )
@@ -274,9 +275,9 @@ def test_execute_over_steps_equals_dense_logits(architecture):
     for name, length in (("a", 11), ("b", 3), ("c", 17)):
         seqs.add(name, [rng.randrange(VOCAB) for _ in range(length)])
 
-    def step(plan: dict[str, int], ops: CacheOps | None = None) -> None:
+    def step(plan: dict[str, int], ops: SchedulerOutput | None = None) -> None:
         entries = [seqs.entry(name, n) for name, n in plan.items()]
-        logits = runner.execute(entries, ops or CacheOps())
+        logits = runner.execute(plan_of(entries, ops))
         sampled = [name for name, e in zip(plan, entries, strict=True) if e.needs_logits]
         assert logits.shape == (len(sampled), VOCAB)
         for name, row in zip(sampled, logits, strict=True):
@@ -292,17 +293,17 @@ def test_execute_over_steps_equals_dense_logits(architecture):
     step({"a": 1, "b": 1, "c": 1})
     # Swap "a" out to the host, then back into different device blocks.
     host = list(range(len(seqs.tables["a"])))
-    runner.apply_cache_ops(CacheOps(swap_out=list(zip(seqs.tables["a"], host, strict=True))))
+    runner.apply_cache_ops(SchedulerOutput(swap_out=list(zip(seqs.tables["a"], host, strict=True))))
     new_blocks = [seqs.free.pop() for _ in host]
     seqs.free += seqs.tables["a"]
     seqs.tables["a"] = new_blocks
-    step({"a": 1, "c": 1}, CacheOps(swap_in=list(zip(host, new_blocks, strict=True))))
+    step({"a": 1, "c": 1}, SchedulerOutput(swap_in=list(zip(host, new_blocks, strict=True))))
     # Fork "c" into "d" (parallel sampling): shared full blocks, a private copy of the last one.
     shared, last = seqs.tables["c"][:-1], seqs.tables["c"][-1]
     copy_to = seqs.free.pop()
     seqs.add("d", seqs.tokens["c"][:-1] + [(seqs.tokens["c"][-1] + 1) % VOCAB])
     seqs.computed["d"], seqs.tables["d"] = seqs.computed["c"], shared + [copy_to]
-    step({"a": 1, "b": 1, "c": 1, "d": 1}, CacheOps(copy=[(last, copy_to)]))
+    step({"a": 1, "b": 1, "c": 1, "d": 1}, SchedulerOutput(copy=[(last, copy_to)]))
     step({"c": 1, "d": 1})
 
 
@@ -310,7 +311,7 @@ def test_execute_with_nothing_scheduled_still_moves_blocks():
     runner = make_runner(tiny_model(), num_gpu_blocks=4, num_cpu_blocks=2)
     for cache in runner.kv_caches:
         cache.normal_()
-    logits = runner.execute([], CacheOps(swap_out=[(2, 0)]))
+    logits = runner.execute(SchedulerOutput(swap_out=[(2, 0)]))
     assert logits.shape == (0, VOCAB)
     for device, host in zip(runner.kv_caches, runner.host_caches, strict=True):
         assert torch.equal(host[:, 0], device[:, 2])
@@ -337,9 +338,9 @@ def test_bfloat16_runner_follows_the_float32_oracle_up_to_near_ties(bundled_mode
     tables = [list(range(i * 4, i * 4 + 4)) for i in range(len(tokens))]
     computed = [0] * len(tokens)
     for _ in range(7):
-        entries = [BatchEntry(t[c:], c, table)
+        entries = [scheduled(t[c:], c, table)
                    for t, c, table in zip(tokens, computed, tables, strict=True)]
-        logits = runner.execute(entries)
+        logits = runner.execute(plan_of(entries))
         assert logits.dtype == torch.float32
         for i, row in enumerate(logits):
             oracle = dense_last_logits(model, tokens[i])
@@ -361,5 +362,5 @@ def test_the_gemm_choice_is_made_when_the_runner_starts_not_in_a_step(architectu
     for module in model.modules():  # every weight shape's choice is already made
         if isinstance(module, Linear):
             onednn_is_faster(*module.weight.shape, module.weight.dtype)
-    runner.execute([BatchEntry([1, 2, 3], 0, [0])])
+    runner.execute(plan_of([scheduled([1, 2, 3], 0, [0])]))
     assert onednn_is_faster.cache_info().misses == measured  # no step measured anything

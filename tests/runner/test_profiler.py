@@ -18,9 +18,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minipaged.runner.model_runner import BatchEntry, CacheOps
 from minipaged.runner.profiler import geometric_levels, median_time, profile_runner
 from minipaged.sched.cost_model import CostModel, StepShape
+from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 
 
 class FakeRunner:
@@ -32,40 +32,41 @@ class FakeRunner:
         self.kv_caches = [torch.empty(2, num_blocks, 1)]
         self.host_caches = [torch.empty(2, num_host, 1)] if num_host else []
         self.config = SimpleNamespace(vocab_size=37)
-        self.batches: list[list[BatchEntry]] = []
-        self.swaps: list[CacheOps] = []
+        self.batches: list[list[ScheduledSequence]] = []
+        self.swaps: list[SchedulerOutput] = []
 
     def clock(self) -> float:
         return self.now
 
-    def execute(self, entries: list[BatchEntry]) -> None:
+    def execute(self, plan: SchedulerOutput) -> None:
+        entries = plan.scheduled
         bs, num_blocks = self.block_size, self.kv_caches[0].shape[1]
         written: set[tuple[int, int]] = set()
         for e in entries:
             assert e.token_ids and all(0 <= t < self.config.vocab_size for t in e.token_ids)
-            end = e.start_position + len(e.token_ids)
+            end = e.start + len(e.token_ids)
             assert len(e.block_table) * bs >= end, "the block table does not cover the tokens"
             assert all(0 <= b < num_blocks for b in e.block_table)
-            for pos in range(e.start_position, end):
+            for pos in range(e.start, end):
                 slot = (e.block_table[pos // bs], pos % bs)
                 assert slot not in written, f"KV slot {slot} written twice in one batch"
                 written.add(slot)
         self.batches.append(entries)
         self.now += self.cost.step_time(shape_of(entries))
 
-    def apply_cache_ops(self, ops: CacheOps) -> None:
+    def apply_cache_ops(self, ops: SchedulerOutput) -> None:
         assert not ops.swap_in and not ops.copy
         self.swaps.append(ops)
         self.now += self.cost.swap_time(len(ops.swap_out))
 
 
-def shape_of(entries: list[BatchEntry]) -> StepShape:
+def shape_of(entries: list[ScheduledSequence]) -> StepShape:
     """A batch's shape: prompts from position 0 are prefill; a decode reads start + 1 tokens."""
-    decodes = [e for e in entries if e.start_position > 0]
+    decodes = [e for e in entries if e.start > 0]
     return StepShape(
-        prefill_tokens=sum(len(e.token_ids) for e in entries if e.start_position == 0),
+        prefill_tokens=sum(len(e.token_ids) for e in entries if e.start == 0),
         decode_seqs=len(decodes),
-        context_tokens=sum(e.start_position + 1 for e in decodes),
+        context_tokens=sum(e.start + 1 for e in decodes),
     )
 
 
@@ -102,7 +103,7 @@ def test_profiling_recovers_the_runners_true_costs_with_valid_batches(
     shapes = [shape_of(b) for b in runner.batches]
     assert max(s.prefill_tokens for s in shapes) <= max_prefill
     assert max(s.decode_seqs for s in shapes) <= max_batch
-    assert all(e.start_position < max_context for b in runner.batches for e in b)
+    assert all(e.start < max_context for b in runner.batches for e in b)
     assert len(runner.batches) % (repeats + 1) == 0  # each batch: a warm-up, then the repeats
 
 

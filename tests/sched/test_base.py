@@ -45,11 +45,11 @@ def run_step(scheduler: FCFSScheduler, now: float = 0.0) -> SchedulerOutput:
     """What the engine does around the model: compute (nothing), sample (a made-up token)."""
     out = scheduler.schedule(now)
     for item in out.scheduled:  # the table covers what the step writes
-        table = scheduler.kv_manager.block_table(item.seq.seq_id)
-        assert item.block_table == table  # the step's tables ride on its output
+        table = scheduler.kv_manager.block_table(item.seq_id)
+        assert item.block_table == tuple(table)  # the step's tables ride on its output
         assert len(table) * BLOCK >= item.start + item.num_new_tokens
     scheduler.mark_computed(out)
-    sample_made_up_tokens(out)
+    sample_made_up_tokens(scheduler, out)
     scheduler.finish_step()
     return out
 
@@ -75,7 +75,7 @@ def test_first_come_first_served_admission():
     scheduler.add(second)
     out = scheduler.schedule(0.0)
     # `big` does not fit beside `first`; `second` would, but may not overtake `big`.
-    assert [s.group for s in out.scheduled] == [first]
+    assert [g for g, _ in scheduler.resolve(out.scheduled)] == [first]
 
 
 def test_chunked_prefill_respects_the_token_budget_and_covers_the_prompt():
@@ -102,8 +102,8 @@ def test_preemption_takes_the_latest_arrival_and_resumes_it(mode):
     assert not out.preempted and scheduler.kv_manager.num_free_blocks == 0
     for _ in range(4):  # the second blocks fill up; the fourth step needs a third block
         out = run_step(scheduler)
-    assert out.preempted == [late]
-    assert [s.group for s in out.scheduled] == [early]
+    assert out.preempted == [late.request_id]
+    assert [s.request_id for s in out.scheduled] == [early.request_id]
     expected_status = (
         SequenceStatus.SWAPPED if mode is PreemptionMode.SWAP else SequenceStatus.WAITING
     )
@@ -131,7 +131,8 @@ def test_swapped_groups_come_back_before_new_admissions():
         out = run_step(scheduler)
         if late.seqs[0].status is not SequenceStatus.SWAPPED:
             break
-        assert newcomer not in [s.group for s in out.scheduled]  # may not overtake `late`
+        # `newcomer` may not overtake `late`
+        assert newcomer.request_id not in {s.request_id for s in out.scheduled}
     assert out.swap_in  # `late` came back by swapping in, not by recomputation
     run_to_completion(scheduler)
     assert newcomer.is_finished() and late.seqs[0].get_output_len() == 8
@@ -148,11 +149,11 @@ def test_scheduled_sequences_carry_the_block_tables_the_step_will_find():
     while scheduler.has_unfinished():
         out = scheduler.schedule(0.0)
         for item in out.scheduled:
-            assert item.block_table == scheduler.kv_manager.block_table(item.seq.seq_id)
+            assert item.block_table == tuple(scheduler.kv_manager.block_table(item.seq_id))
             assert len(item.block_table) * BLOCK >= item.start + item.num_new_tokens
         swapped_in_steps += bool(out.swap_in)
         scheduler.mark_computed(out)
-        sample_made_up_tokens(out)
+        sample_made_up_tokens(scheduler, out)
         scheduler.finish_step()
     assert swapped_in_steps >= 1
 
@@ -189,7 +190,6 @@ def test_step_budget_chunks_only_with_chunked_prefill() -> None:
 
 
 # -- admission refuses only what no schedule can serve (through the engine) -----------------------
-
 
 ENGINE_MAX_LEN = 64
 

@@ -46,16 +46,16 @@ def run_step(scheduler) -> None:
     """The engine around the model, with made-up tokens; then the adapter's invariants."""
     out = scheduler.schedule(0.0)
     for item in out.scheduled:
-        table = scheduler.kv_manager.block_table(item.seq.seq_id)
-        assert item.block_table == table  # the step's tables ride on its output
+        table = scheduler.kv_manager.block_table(item.seq_id)
+        assert item.block_table == tuple(table)  # the step's tables ride on its output
         assert len(table) * scheduler.kv_manager.block_size >= item.start + item.num_new_tokens
     scheduler.mark_computed(out)
-    for item in out.scheduled:
-        if item.needs_logits:
-            item.seq.append_token(3, -0.5)
-            decision = check_stop(item.seq, item.group.sampling_params)
-            if decision is not None:
-                item.seq.finish(decision)
+    sampling = [item for item in out.scheduled if item.needs_logits]
+    for group, seq in scheduler.resolve(sampling):
+        seq.append_token(3, -0.5)
+        decision = check_stop(seq, group.sampling_params)
+        if decision is not None:
+            seq.finish(decision)
     scheduler.finish_step()
     scheduler.kv_manager.check_invariants()
 

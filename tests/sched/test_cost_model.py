@@ -10,12 +10,11 @@ from hypothesis import strategies as st
 from tiny_models import tiny_engine, tiny_llama_parts
 
 from minipaged.engine import engine as engine_module
-from minipaged.engine.step import step_shape
 from minipaged.kv.manager import KVCacheManager
 from minipaged.sampling.params import SamplingParams
 from minipaged.sampling.sequence import Sequence, SequenceGroup
 from minipaged.sched.base import SchedulerConfig
-from minipaged.sched.cost_model import OPT_13B_A100, CostModel, StepShape
+from minipaged.sched.cost_model import OPT_13B_A100, CostModel, StepShape, step_shape
 from minipaged.sched.fcfs import FCFSScheduler
 from minipaged.sim.profiling import measure_engine_steps, profile_engine
 

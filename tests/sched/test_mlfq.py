@@ -13,12 +13,11 @@ from hypothesis import strategies as st
 from tiny_models import assert_engine_drained, tiny_engine, tiny_llama_parts
 
 from minipaged.engine import engine as engine_module
-from minipaged.engine.step import step_shape
 from minipaged.kv.manager import KVCacheManager
 from minipaged.sampling.params import SamplingParams
 from minipaged.sampling.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.sched.base import SchedulerConfig, SchedulerOutput
-from minipaged.sched.cost_model import CostModel
+from minipaged.sched.cost_model import CostModel, step_shape
 from minipaged.sched.mlfq import (
     MLFQ_VARIANTS,
     MLFQConfig,
@@ -66,15 +65,15 @@ class Driver:
         scheduler = self.scheduler
         out = scheduler.schedule(self.now)
         for item in out.scheduled:
-            table = scheduler.kv_manager.block_table(item.seq.seq_id)
-            assert item.block_table == table  # the step's tables ride on its output
+            table = scheduler.kv_manager.block_table(item.seq_id)
+            assert item.block_table == tuple(table)  # the step's tables ride on its output
             assert len(table) * BLOCK >= item.start + item.num_new_tokens
-            assert not scheduler.kv_manager.is_swapped(item.seq.seq_id)
+            assert not scheduler.kv_manager.is_swapped(item.seq_id)
         self.check_cache_contents(out)
         scheduler.mark_computed(out)
         start = self.now
         self.now += max(self.cost.step_time(step_shape(out.scheduled)), 1 * MS)
-        sample_made_up_tokens(out)
+        sample_made_up_tokens(scheduler, out)
         scheduler.finish_step()
         self.steps.append((start, self.now, out))
         return out
@@ -91,8 +90,9 @@ class Driver:
         for src, dst in out.copy:
             self.device[dst] = list(self.device.get(src, empty))
         writes = []
-        for item in out.scheduled:
-            tokens = item.seq.get_token_ids()
+        resolved = self.scheduler.resolve(out.scheduled)
+        for item, (_, seq) in zip(out.scheduled, resolved, strict=True):
+            tokens = seq.get_token_ids()
             table = item.block_table
             for pos in range(item.start):
                 assert self.device.get(table[pos // BLOCK], empty)[pos % BLOCK] == tokens[pos]
@@ -111,8 +111,8 @@ def level_of(scheduler: SkipJoinMLFQScheduler, group: SequenceGroup) -> int:
     return scheduler.jobs[group.request_id].level
 
 
-def scheduled_groups(out: SchedulerOutput) -> list[SequenceGroup]:
-    return list(dict.fromkeys(s.group for s in out.scheduled))
+def scheduled_requests(out: SchedulerOutput) -> list[str]:
+    return list(dict.fromkeys(s.request_id for s in out.scheduled))
 
 
 # -- hand-built cases -----------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def test_a_job_is_demoted_after_its_quantum_and_a_newcomer_overtakes_it():
     short = make_group(2, 2, arrival=driver.now)
     scheduler.add(short)
     out = driver.step()
-    assert scheduled_groups(out) == [short]  # Q1 beats Q2
+    assert scheduled_requests(out) == [short.request_id]  # Q1 beats Q2
     # The preempted job kept its blocks on the device.
     assert (
         long.seqs[0].status is SequenceStatus.RUNNING and long.seqs[0].seq_id in
@@ -228,7 +228,7 @@ def test_skip_join_runs_short_jobs_before_a_long_prefill_that_naive_mlfq_runs_fi
         assert [level_of(scheduler, job) for job in jobs] == levels
         driver = Driver(scheduler, cost)
         driver.run()
-        last = {g.request_id: end for _, end, out in driver.steps for g in scheduled_groups(out)}
+        last = {rid: end for _, end, out in driver.steps for rid in scheduled_requests(out)}
         assert [last[job.request_id] / MS for job in jobs] == finish_ms, skip_join
 
 
@@ -249,7 +249,7 @@ def test_a_starving_job_is_promoted_to_the_front_of_q1():
             scheduler.add(make_group(1, 1, arrival=driver.now))
         start = driver.now
         out = driver.step()
-        if victim in scheduled_groups(out):
+        if victim.request_id in scheduled_requests(out):
             promoted_at = start
             break
     assert promoted_at is not None
@@ -287,7 +287,8 @@ def test_proactive_swapping_keeps_the_reserve_and_swaps_in_ahead():
     while scheduler.has_unfinished():
         out = driver.step()
         ahead += out.num_swap_blocks_ahead
-        residents_not_running = [g for g in scheduler.running if g not in scheduled_groups(out)]
+        batch = scheduled_requests(out)
+        residents_not_running = [g for g in scheduler.running if g.request_id not in batch]
         # Below the reserve only when no idle resident was left to swap out (or the step
         # swapped in: no swap-out may follow a swap-in within a step).
         if scheduler.kv_manager.num_free_blocks < 3 and not out.swap_in:
@@ -309,7 +310,8 @@ def test_swap_policies_differ_in_how_they_make_room(policy):
         out = driver.step()
         swapped_out += len(out.swap_out)
         ahead += out.num_swap_blocks_ahead
-        recomputed += sum(1 for g in out.preempted if g.seqs[0].status is SequenceStatus.WAITING)
+        waiting = {g.request_id for g in scheduler.waiting}
+        recomputed += sum(1 for request_id in out.preempted if request_id in waiting)
     if policy is SwapPolicy.RECOMPUTE:
         assert swapped_out == 0 and recomputed > 0
     else:
@@ -375,7 +377,7 @@ def test_a_new_job_evicts_only_jobs_of_strictly_lower_queues(policy):
     new = _bigger_than(free, driver.now)
     scheduler.add(new)  # Q1, above `old` in Q3: `old` makes room
     out = driver.step()
-    assert scheduled_groups(out) == [new] and out.preempted == [old]
+    assert scheduled_requests(out) == [new.request_id] and out.preempted == [old.request_id]
     # The same job entering Q3 itself, even ahead of `old` in that queue, may not evict it.
     scheduler, driver, old, free = _memory_held_by_a_demoted_job(policy)
     peer = _bigger_than(free, driver.now)
@@ -383,7 +385,7 @@ def test_a_new_job_evicts_only_jobs_of_strictly_lower_queues(policy):
     scheduler.jobs[peer.request_id].level = level_of(scheduler, old)
     scheduler.jobs[peer.request_id].order = -1  # first in the queue
     out = driver.step()
-    assert not out.preempted and scheduled_groups(out) == [old]
+    assert not out.preempted and scheduled_requests(out) == [old.request_id]
 
 
 @pytest.mark.parametrize("policy", [SwapPolicy.REACTIVE, SwapPolicy.RECOMPUTE])
@@ -397,7 +399,7 @@ def test_a_preempted_job_returns_when_its_blocks_fit_without_evicting_others(pol
     # to come back: it waits until `new` has finished and freed its blocks.
     while not new.is_finished():
         out = driver.step()
-        assert new in scheduled_groups(out)
+        assert new.request_id in scheduled_requests(out)
         assert not out.preempted
     assert level_of(scheduler, old) <= 2
     driver.run()
@@ -471,7 +473,7 @@ def test_random_traces_finish_within_budgets_and_invariants(
         out = driver.step()
         assert out.num_batched_tokens <= token_budget
         assert len(out.scheduled) <= 3
-        assert len({s.seq.seq_id for s in out.scheduled}) == len(out.scheduled)
+        assert len({s.seq_id for s in out.scheduled}) == len(out.scheduled)
         scheduler.kv_manager.check_invariants()
         for group in scheduler.running:
             assert all(s.seq_id in scheduler.kv_manager for s in group.get_unfinished_seqs())
@@ -517,8 +519,9 @@ def test_no_job_waits_past_the_starvation_bound_plus_one_quantum(jobs, num_gpu_b
     longest_step = max(end - start for start, end, _ in driver.steps)
     assert longest_step <= mlfq.base_quantum
     for group in groups:
-        starts = [start for start, _, out in driver.steps if group in scheduled_groups(out)]
-        ends = [end for _, end, out in driver.steps if group in scheduled_groups(out)]
+        rid = group.request_id
+        served = [(s, e) for s, e, out in driver.steps if rid in scheduled_requests(out)]
+        starts, ends = [s for s, _ in served], [e for _, e in served]
         served_until = [group.arrival_time] + ends[:-1]
         for waited_from, start in zip(served_until, starts, strict=True):
             assert start - waited_from <= bound + mlfq.base_quantum + 1e-9

@@ -18,7 +18,7 @@ from minipaged.sched.cost_model import CostModel, StepShape
 from minipaged.sched.fcfs import FCFSScheduler
 from minipaged.sched.mlfq import MLFQ_VARIANTS, MLFQConfig, mlfq_factory
 from minipaged.sim.profiling import replay_on_engine
-from minipaged.sim.simulator import FORKED_SEQ_IDS, fork_parallel_samples, simulate, step_duration
+from minipaged.sim.simulator import simulate, step_duration
 from minipaged.sim.traces import (
     TraceRequest,
     gamma_arrival_times,
@@ -160,29 +160,17 @@ def test_a_given_kv_cache_with_prefix_caching_skips_the_shared_prefix():
     assert [r.ttft for r in cached.requests] == [1.0 + 36, 1.0 + 4]
 
 
-def test_the_sampling_hook_forks_parallel_samples_that_all_finish():
-    seen_ids: list[int] = []
-
-    def fork_samples(sched, sampled, next_id: int) -> int:
-        seen_ids.append(next_id)
-        return fork_parallel_samples(sched, sampled, next_id)
-
+def test_parallel_samples_fork_in_the_engine_and_all_finish():
     served = group(0, [5, 6, 7, 8, 9], max_tokens=6, arrival=0.0, n=3)
-    result = simulate(
-        None,
-        UNIT,
-        groups=[served],
-        num_gpu_blocks=32,
-        block_size=4,
-        on_sample=fork_samples,
-        record_steps=True,
-    )
+    result = simulate(None, UNIT, groups=[served], num_gpu_blocks=32, block_size=4,
+                      record_steps=True)
     # The forks decode alongside the first sample: still one step per output token.
     assert result.num_steps == 6 and result.requests[0].jct == 6.0
-    assert len(served.seqs) == 3
-    assert all(s.is_finished() and s.get_output_len() == 6 for s in served.seqs)
-    assert seen_ids == [FORKED_SEQ_IDS] + [FORKED_SEQ_IDS + 2] * 5  # two forks, then none
-    assert [step.num_running for step in result.steps] == [1] * 6
+    assert result.requests[0].output_len == 6
+    steps = result.steps
+    assert [len(s.scheduled) for s in steps] == [1] + [3] * 5  # the prompt, then 3 samples
+    assert len({w.seq_id for s in steps for w in s.scheduled}) == 3
+    assert [step.num_running for step in steps] == [1] * 6
 
 
 def test_bad_arguments_are_named():
@@ -249,14 +237,15 @@ class CostClock:
         return self.now
 
     def observe(self, record) -> None:
-        swapped = len(record.swap_in) + len(record.swap_out)
-        self.now += step_duration(self.cost, record.shape, swapped, record.num_swap_blocks_ahead)
+        swapped = len(record.plan.swap_in) + len(record.plan.swap_out)
+        self.now += step_duration(self.cost, record.shape, swapped,
+        record.plan.num_swap_blocks_ahead)
 
 
 def work(record) -> tuple:
     """What a step computed and moved, in terms both drivers record the same way."""
     computed = [(w.request_id, w.start, w.num_new_tokens, w.is_prefill) for w in record.scheduled]
-    return computed, len(record.swap_in), len(record.swap_out), record.preempted
+    return computed, len(record.plan.swap_in), len(record.plan.swap_out), record.plan.preempted
 
 
 # A step costs ~ms, a prompt token ~0.1 ms: skip-join sends long prompts to lower queues.
