@@ -146,3 +146,17 @@ def plan_of(
 ) -> SchedulerOutput:
     """A step's plan: `entries`, after the block movements of `moves`."""
     return replace(moves or SchedulerOutput(), scheduled=list(entries))
+
+
+def run_bounded(engine: LLMEngine, max_steps: int = 2000) -> dict[str, Any]:
+    """Step until nothing is left, checking the KV manager's invariants after every step;
+    every output that finished, by request id. Fails when the engine stops making progress."""
+    finals = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return finals
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+        engine.kv_manager.check_invariants()
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")

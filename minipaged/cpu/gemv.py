@@ -20,6 +20,7 @@ GEMM on this CPU: the few-row choice the models' `linear` makes (`minipaged.mode
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 import time
@@ -180,6 +181,13 @@ class GemvPlan:
             _array(ctypes.c_void_p, [0 if b is None else b.data_ptr() for b in biases]),
         )
         self._keep = (data, scales)  # the pointers above stay valid while the plan lives
+
+    def __deepcopy__(self, memo: dict) -> GemvPlan:
+        """A plan over the copies of its weights (`copy.deepcopy` of a model copies its
+        plans with it; ctypes' pointer arrays cannot be copied, only made again)."""
+        weights = [copy.deepcopy(w, memo) for w in self.weights]
+        biases = [copy.deepcopy(b, memo) for b in self.biases]
+        return GemvPlan(weights, biases, self.dtype)
 
     def reads(self, weights: Sequence[Tensor | Int8Weight]) -> bool:
         """Whether this plan multiplies exactly these weight objects."""

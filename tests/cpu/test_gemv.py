@@ -9,6 +9,7 @@ weights, within what the dtype's rounding allows. Every path the CPU can run is 
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import os
 from pathlib import Path
@@ -132,6 +133,20 @@ def test_a_plan_reads_weights_written_in_place_and_knows_replaced_ones():
     w.mul_(2)
     torch.testing.assert_close(plan(x), F.linear(x, w))
     assert plan.reads([w]) and not plan.reads([w.clone()])
+
+
+def test_a_deep_copy_of_a_plan_reads_the_copies_of_its_weights():
+    """`copy.deepcopy` of a model copies its plans (ctypes' arrays cannot be copied)."""
+    w, b = torch.randn(8, 16), torch.randn(8)
+    q = quantize_int8(torch.randn(4, 16), 16)
+    plan = GemvPlan([w, q], [b, None])
+    clone = copy.deepcopy({"w": w, "plan": plan})
+    clone["w"].mul_(3)  # the copy's weight, not the original's
+    x = torch.randn(2, 16)
+    expected = torch.cat([F.linear(x, 3 * w, b), plan(x)[:, 8:]], dim=1)
+    torch.testing.assert_close(clone["plan"](x), expected)
+    assert clone["plan"].reads([clone["w"], clone["plan"].weights[1]])
+    torch.testing.assert_close(plan(x)[:, :8], F.linear(x, w, b))
 
 
 def test_zero_rows_and_a_non_contiguous_input():

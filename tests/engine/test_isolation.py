@@ -19,7 +19,7 @@ from dataclasses import fields
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import assert_engine_drained, tiny_engine, tiny_llama_parts
+from tiny_models import assert_engine_drained, run_bounded, tiny_engine, tiny_llama_parts
 
 from minipaged.sampling.params import SamplingParams
 
@@ -67,18 +67,8 @@ def alone(parts) -> list[list[int]]:
     for prompt in NORMAL_PROMPTS:
         engine = tiny_engine(parts, **ENGINE)
         request_id = engine.add_request(None, prompt, GREEDY)
-        tokens.append(run(engine)[request_id].outputs[0].token_ids)
+        tokens.append(run_bounded(engine)[request_id].outputs[0].token_ids)
     return tokens
-
-
-def run(engine, steps: int = 400) -> dict:
-    finals = {}
-    for _ in range(steps):
-        if not engine.has_unfinished_requests():
-            break
-        finals |= {o.request_id: o for o in engine.step() if o.finished}
-    assert not engine.has_unfinished_requests(), "a request never finished"
-    return finals
 
 
 def names_a_related_field(message: str, field: str) -> bool:
@@ -119,7 +109,7 @@ def test_bad_parameters_never_end_other_requests(parts, alone, bad, first) -> No
     if not first:
         engine.step()  # the bad requests run a step before the normal ones join
         normal = [engine.add_request(None, p, GREEDY) for p in NORMAL_PROMPTS]
-    finals = run(engine)
+    finals = run_bounded(engine)
     for request_id, expected in zip(normal, alone, strict=True):
         completion = finals[request_id].outputs[0]
         assert completion.finish_reason == "length" and completion.token_ids == expected
@@ -140,5 +130,5 @@ def test_a_field_set_after_construction_is_refused_at_admission(parts, field, va
     setattr(params, field, value)
     with pytest.raises(ValueError, match=rf"^{field} must"):
         engine.add_request(None, [5, 6, 7], params)
-    assert run(engine)[normal].outputs[0].finish_reason == "length"
+    assert run_bounded(engine)[normal].outputs[0].finish_reason == "length"
     assert_engine_drained(engine)

@@ -21,7 +21,7 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from tiny_models import tiny_engine, tiny_llama_parts
+from tiny_models import run_bounded, tiny_engine, tiny_llama_parts
 
 from minipaged.engine.engine import EngineConfig, LLMEngine
 from minipaged.engine.llm import stream_text
@@ -82,16 +82,6 @@ def drained(engine: LLMEngine) -> bool:
         not engine.has_unfinished_requests()
         and engine.kv_manager.num_free_blocks == engine.kv_manager.num_gpu_blocks
     )
-
-
-def run_bounded(engine: LLMEngine, steps: int = 500) -> dict:
-    finals = {}
-    for _ in range(steps):
-        if not engine.has_unfinished_requests():
-            break
-        finals |= {o.request_id: o for o in engine.step() if o.finished}
-    assert not engine.has_unfinished_requests(), "a request never finished"
-    return finals
 
 
 def test_stop_token_id_outside_the_vocabulary_is_rejected_at_admission(small) -> None:

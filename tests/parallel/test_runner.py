@@ -116,8 +116,8 @@ def test_unshardable_models_and_settings_raise_clearly():
         check_shardable(config_of(12, 4), 3)
     with pytest.raises(TensorParallelError, match="intermediate size 66"):
         check_shardable(config_of(4, 2, inner=66), 4)
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="tensor_parallel_size"):
+    for bad in (0, -1, 1.5, True):  # out of range: ValueError; not an int: TypeError
+        with pytest.raises((ValueError, TypeError), match="tensor_parallel_size"):
             EngineConfig(tensor_parallel_size=bad)
     with pytest.raises(ValueError, match="tensor_parallel_timeout"):
         EngineConfig(tensor_parallel_timeout=0)

@@ -30,7 +30,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from tiny_models import tiny_llama_parts
+from tiny_models import run_bounded, tiny_llama_parts
 
 from minipaged.engine.config import EngineConfig
 from minipaged.engine.engine import LLMEngine
@@ -95,19 +95,6 @@ def make_engine(tiny, name: str, mode: str, model=None, **overrides) -> LLMEngin
         model or base_model, model_config, None, EngineConfig(**settings_),
         clock=lambda: next(ticks) * 1e-3,
     )
-
-
-def run_bounded(engine: LLMEngine) -> dict:
-    """Step until nothing is left; every output that finished, by request id."""
-    finals = {}
-    for _ in range(MAX_STEPS):
-        if not engine.has_unfinished_requests():
-            return finals
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
-        engine.kv_manager.check_invariants()
-    raise AssertionError("the engine stopped making progress")
 
 
 def assert_drained(engine: LLMEngine) -> None:
