@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from minipaged.sampling.sequence import Sequence
-
 # -- data types -----------------------------------------------------------------------------------
 
 
@@ -119,8 +117,7 @@ class SchedulerOutput:
 @dataclass
 class StepBudget:
     """What is left of a step's token and sequence budget, and whether a prefill may be cut
-    into chunks (with chunked prefill a chunk takes what is left; without, a prefill is never
-    split, so all its pending tokens must fit)."""
+    into chunks (`Scheduler.step_plan` cuts them)."""
 
     tokens: int
     seqs: int
@@ -129,18 +126,6 @@ class StepBudget:
     @property
     def exhausted(self) -> bool:
         return self.tokens <= 0 or self.seqs <= 0
-
-    def fits(self, seqs: list[Sequence]) -> bool:
-        """Room for these sequences of a group: a token each, or every pending token."""
-        if self.chunked_prefill:
-            pending = len(seqs)
-        else:
-            pending = sum(max(1, s.get_len() - s.num_computed_tokens) for s in seqs)
-        return len(seqs) <= self.seqs and pending <= self.tokens
-
-    def chunk(self, remaining: int) -> int:
-        """How many of a sequence's `remaining` tokens this step computes."""
-        return min(remaining, self.tokens) if self.chunked_prefill else remaining
 
     def take(self, tokens: int, seqs: int = 1) -> None:
         self.tokens -= tokens

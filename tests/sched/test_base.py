@@ -180,13 +180,16 @@ def test_step_budget_chunks_only_with_chunked_prefill() -> None:
     from minipaged.sampling.sequence import Sequence
     from minipaged.sched.output import StepBudget
 
+    scheduler = make_scheduler()
     prompt = Sequence(0, list(range(10)))
     chunked, whole = StepBudget(tokens=4, seqs=2), StepBudget(4, 2, chunked_prefill=False)
-    assert chunked.fits([prompt]) and chunked.chunk(10) == 4
-    assert not whole.fits([prompt]) and whole.chunk(10) == 10
+    assert scheduler.fits_budget([prompt], chunked)
+    assert scheduler.step_plan([prompt], chunked) == [(prompt, 4)]
+    assert not scheduler.fits_budget([prompt], whole)
+    assert scheduler.step_plan([prompt], StepBudget(10, 2, chunked_prefill=False)) == [(prompt, 10)]
     chunked.take(4)
-    assert chunked.exhausted and not chunked.fits([prompt])
-    assert not StepBudget(tokens=8, seqs=1).fits([prompt, Sequence(1, [1])])
+    assert chunked.exhausted and not scheduler.fits_budget([prompt], chunked)
+    assert not scheduler.fits_budget([prompt, Sequence(1, [1])], StepBudget(tokens=8, seqs=1))
 
 
 # -- admission refuses only what no schedule can serve (through the engine) -----------------------
