@@ -14,7 +14,7 @@ holds) and calls `torch.nn.functional.scaled_dot_product_attention` with GQA. Th
 stores the same K/V in shuffled blocks of a paged cache and calls
 `minipaged.attention.reference.paged_attention` (the reference, in float32) and
 `minipaged.attention.cpu.cpu_paged_attention`: `cpu`, the CPU backend as the engine runs it
-(decodes in the native kernel of `minipaged.cpu.native`, reading blocks in place), and
+(decodes in the native kernel of `minipaged.kernels.cpu.native`, reading blocks in place), and
 `cpu_gathered`, the same backend where that kernel cannot be built (the reference's plan and
 gather in the cache's dtype, query heads packed onto their KV head). The ratio paged / dense is
 the price of reading K/V through block tables in plain PyTorch (the paper's CUDA kernel paid

@@ -10,7 +10,7 @@ SmolLM2-135M, greedy and ignoring end-of-sequence:
 * `--requests` requests (default 48) of their own prompt and output lengths, all at once:
   output tokens/s.
 
-Float weights run twice in one process, with the few-row GEMV kernel (`minipaged.cpu.gemv`,
+Float weights run twice in one process, with the few-row GEMV kernel (`minipaged.kernels.cpu.gemv`,
 the engine's default) and without it (`choose_gemms(model, gemv=False)`: PyTorch's GEMMs
 only), taking turns; int8 weights (`quantization="int8"`) always take the kernel at few rows.
 Prefix caching is off, so that every run computes its prompts. Ratios within one run are what

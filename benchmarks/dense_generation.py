@@ -30,7 +30,7 @@ import torch
 from machine import report_header, save_report
 from tqdm import tqdm
 
-from minipaged.checkpoint.loader import default_model_path
+from minipaged.models.checkpoint.loader import default_model_path
 from minipaged.models.registry import load_model
 from minipaged.testing.dense import generate_dense
 

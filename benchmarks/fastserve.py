@@ -232,9 +232,9 @@ def real_engine(num_requests: int, loads: list[float], seed: int) -> dict:
     import torch
     import transformers
 
-    from minipaged.checkpoint.model_config import ModelConfig
     from minipaged.engine.config import EngineConfig
     from minipaged.engine.engine import LLMEngine
+    from minipaged.models.checkpoint.model_config import ModelConfig
     from minipaged.models.registry import FAMILIES, build_model
     from minipaged.sim.profiling import profile_engine, replay_on_engine
 

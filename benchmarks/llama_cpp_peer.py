@@ -55,8 +55,8 @@ from roofline import (
 )
 from throughput import FIRST_ORDINARY_TOKEN, Request, first_difference, make_requests
 
-from minipaged.checkpoint.loader import default_model_path
 from minipaged.engine.engine import LLMEngine
+from minipaged.models.checkpoint.loader import default_model_path
 from minipaged.sampling.params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"

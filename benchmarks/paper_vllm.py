@@ -382,8 +382,8 @@ def serve_engine(engine, trace: list[TraceRequest], vocab: int) -> RunStats:
 def run_engine(quick: bool, threads: int) -> dict:
     import torch
 
-    from minipaged.checkpoint.loader import default_model_path
     from minipaged.engine.engine import EngineConfig, LLMEngine
+    from minipaged.models.checkpoint.loader import default_model_path
     from minipaged.models.registry import load_model
 
     torch.set_num_threads(threads)

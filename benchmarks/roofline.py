@@ -38,8 +38,8 @@ import numpy as np
 import torch
 from machine import last_level_cache_bytes, report_header, save_report
 
-from minipaged.checkpoint.model_config import ModelConfig
 from minipaged.engine.config import DTYPES, cpu_flags, native_bfloat16
+from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.layers import linear
 
 RESULTS = Path(__file__).parent / "results" / "roofline.json"
@@ -230,8 +230,8 @@ def quantization_available() -> bool:
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights a decode step reads whole, in their stored format: every parameter,
     buffer and tensor field of a dataclass a module holds (the int8 values and scales of a
-    quantised layer, `minipaged.cpu.gemv.Int8Weight`), each storage once (a tied head and its
-    embedding share one), except the rotary tables and an embedding table no other module
+    quantised layer, `minipaged.kernels.cpu.gemv.Int8Weight`), each storage once (a tied head
+    and its embedding share one), except the rotary tables and an embedding table no other module
     holds, of which a step reads only its tokens' rows."""
     from minipaged.models.layers import RotaryEmbedding
 
@@ -408,8 +408,8 @@ def profiles(config: ModelConfig, roofs: dict[str, Roofline], batch: int, contex
 
 
 def main() -> None:
-    from minipaged.checkpoint.gguf_weights import gguf_checkpoint
-    from minipaged.checkpoint.loader import default_model_path
+    from minipaged.models.checkpoint.gguf_weights import gguf_checkpoint
+    from minipaged.models.checkpoint.loader import default_model_path
     from minipaged.models.registry import FAMILIES
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

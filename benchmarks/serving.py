@@ -44,9 +44,9 @@ import httpx
 import numpy as np
 from machine import report_header, save_report
 
-from minipaged.checkpoint.loader import default_model_path
-from minipaged.checkpoint.model_config import ModelConfig
 from minipaged.engine.engine import EngineConfig, LLMEngine
+from minipaged.models.checkpoint.loader import default_model_path
+from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.registry import FAMILIES, build_model
 from minipaged.sampling.params import SamplingParams
 from minipaged.sched.base import SchedulerConfig

@@ -31,8 +31,8 @@ import gguf
 import numpy as np
 from machine import report_header, save_report
 
-from minipaged.checkpoint.gguf_weights import dequantize_rows
-from minipaged.checkpoint.loader import default_model_path
+from minipaged.models.checkpoint.gguf_weights import dequantize_rows
+from minipaged.models.checkpoint.loader import default_model_path
 from minipaged.tokenizer.gguf_file import read_gguf_file
 
 RESULTS = Path(__file__).parent / "results" / "startup.json"

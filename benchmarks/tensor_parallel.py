@@ -45,8 +45,8 @@ from machine import report_header, save_report
 
 from minipaged.engine.config import EngineConfig
 from minipaged.engine.engine import LLMEngine
-from minipaged.parallel.worker import CheckpointShards, free_port
 from minipaged.runner.model_runner import ModelRunner
+from minipaged.runner.parallel.worker import CheckpointShards, free_port
 from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 
 RESULTS = Path(__file__).parent / "results" / "tensor_parallel.json"
@@ -69,8 +69,8 @@ def write_model(folder: Path) -> None:
     """A random model of `HF_CONFIG`'s shape, as a Hugging Face safetensors folder."""
     from safetensors.torch import save_file
 
-    from minipaged.checkpoint.model_config import ModelConfig
-    from minipaged.checkpoint.weight_names import expected_shapes
+    from minipaged.models.checkpoint.model_config import ModelConfig
+    from minipaged.models.checkpoint.weight_names import expected_shapes
     from minipaged.models.registry import FAMILIES
 
     config = ModelConfig.from_hf_dict(HF_CONFIG, FAMILIES)
@@ -125,7 +125,7 @@ def engine_runner(path: Path, tp: int, blocks: int) -> LLMEngine:
         num_gpu_blocks=blocks, num_cpu_blocks=0, block_size=16, tensor_parallel_size=tp,
         tensor_parallel_timeout=120,
     )
-    from minipaged.checkpoint.loader import checkpoint_config
+    from minipaged.models.checkpoint.loader import checkpoint_config
     from minipaged.models.registry import FAMILIES
 
     model_config = checkpoint_config(path, FAMILIES)

@@ -47,10 +47,10 @@ from machine import report_header, save_report
 from roofline import Roofline, StepShape, cpu_features, measure, step_floor
 from tqdm import tqdm
 
-from minipaged.checkpoint.loader import default_model_path
 from minipaged.engine.config import DTYPES
 from minipaged.engine.engine import LLMEngine
 from minipaged.engine.record import StepRecord
+from minipaged.models.checkpoint.loader import default_model_path
 from minipaged.sampling.params import SamplingParams
 from minipaged.sim.traces import sharegpt_like
 from minipaged.testing.dense import DenseAttentionBackend, DenseKVCache

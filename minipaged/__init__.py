@@ -21,7 +21,7 @@ _LAZY = {
     "RequestOutput": "minipaged.sampling.outputs",
     "CompletionOutput": "minipaged.sampling.outputs",
     "StepRecord": "minipaged.engine.record",
-    "ModelConfig": "minipaged.checkpoint.model_config",
+    "ModelConfig": "minipaged.models.checkpoint.model_config",
     "Tokenizer": "minipaged.tokenizer.tokenizer",
 }
 

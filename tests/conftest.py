@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def bundled_path() -> Path:
     """The bundled SmolLM2-135M-Instruct GGUF file."""
-    from minipaged.checkpoint.loader import default_model_path
+    from minipaged.models.checkpoint.loader import default_model_path
 
     return default_model_path()
 
@@ -57,7 +57,7 @@ def bundled_path() -> Path:
 @pytest.fixture(scope="session")
 def bundled_checkpoint(bundled_path: Path) -> tuple:
     """(ModelConfig, state dict) of the bundled model, dequantised once."""
-    from minipaged.checkpoint.loader import load_checkpoint
+    from minipaged.models.checkpoint.loader import load_checkpoint
     from minipaged.models.registry import FAMILIES
 
     return load_checkpoint(bundled_path, FAMILIES, progress=False)

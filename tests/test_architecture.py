@@ -1,12 +1,14 @@
 """The shape of the code base, checked from its source.
 
 * `LAYERS` below is the package's layer order: each subpackage of `minipaged/` (and `kernels/`,
-  imported as `minipaged.kernels`) is one layer, and imports only its own layer or the ones
-  listed before it; the module import graph has no cycle. Imports inside functions and under
-  `TYPE_CHECKING` count: a lazy import is still an import. `docs/architecture.md`'s table lists
-  the same layers in the same order.
-* Every subpackage names its public face (`__all__` in its `__init__.py`); no folder holds more
-  than 12 modules and subpackages, and no two modules of one folder share a name prefix.
+  imported as `minipaged.kernels`) is one layer, or two where a nested subpackage is a layer of its
+  own below or above its parent (`models.checkpoint`, `runner.parallel`, `kernels.cpu`); a module
+  imports only its own layer or the ones listed before it; the module import graph has no cycle.
+  Imports inside functions and under `TYPE_CHECKING` count: a lazy import is still an import.
+  `docs/architecture.md`'s table lists the same layers in the same order.
+* Every subpackage names its public face (`__all__` in its `__init__.py`); no folder, the
+  package's own included, holds more than 12 modules and subpackages (`__init__` aside), and
+  no two modules of one folder share a name prefix.
 * No module reads another module's private names (`obj._name`, `from x import _name`) in
   `minipaged/`, `kernels/`, `benchmarks/` or the notebooks, and nothing outside the engine
   replaces an engine's parts by assignment.
@@ -30,24 +32,23 @@ MAX_FOLDER_ENTRIES = 12
 
 # The layers, bottom-up: a unit imports only units at or before its own position.
 LAYERS = (
-    "cpu",  # 0: the CPU's native kernels (C, built on first use)
+    "kernels.cpu",  # 0: the CPU's C kernels (built on first use), in `kernels/cpu/`
     "tokenizer",  # 1
-    "checkpoint",  # 2
+    "models.checkpoint",  # 2
     "models",  # 3
     "kv",  # 4
     "attention",  # 5
-    "kernels",  # 6
+    "kernels",  # 6: the Triton kernels
     "sampling",  # 7
     "sched",  # 8
     "runner",  # 9
-    "parallel",  # 10
+    "runner.parallel",  # 10
     "engine",  # 11
     "sim",  # 12
     "server",  # 13
-    "cli",  # 14: the front ends (with `__main__` and the package's own `__init__`)
+    "__main__",  # 14: the command line (with the package's own `__init__`)
     "testing",  # 15: the oracles tests and notebooks compare against
 )
-FRONT_END = {"__main__": "cli", "": "cli"}
 
 # Names an object outside the engine must never be given by assignment.
 ENGINE_PARTS = frozenset(
@@ -67,7 +68,7 @@ ALLOWED_PRIVATE = {
 
 
 def core_files() -> list[Path]:
-    return sorted((ROOT / "minipaged").rglob("*.py")) + sorted((ROOT / "kernels").glob("*.py"))
+    return sorted((ROOT / "minipaged").rglob("*.py")) + sorted((ROOT / "kernels").rglob("*.py"))
 
 
 def module_name(path: Path) -> str:
@@ -81,10 +82,14 @@ def module_name(path: Path) -> str:
 
 
 def unit_of(module: str) -> str:
-    """The layer unit of a module: its subpackage, or the front end's name."""
-    parts = module.split(".")
-    first = parts[1] if len(parts) > 1 else ""
-    return FRONT_END.get(first, first)
+    """The layer unit of a module: the longest entry of `LAYERS` its dotted path starts with
+    (a nested layer such as `models.checkpoint` before its parent's); the package itself is
+    the front end's."""
+    path = module.removeprefix("minipaged").removeprefix(".")
+    if not path:
+        return "__main__"
+    matches = [u for u in LAYERS if path == u or path.startswith(u + ".")]
+    return max(matches, key=len) if matches else path.split(".")[0]
 
 
 def imported_modules(tree: ast.AST, importer: str) -> Iterator[str]:
@@ -181,8 +186,8 @@ def test_the_architecture_page_lists_the_layers_in_order() -> None:
     for line in text[1].split("\n## ", 1)[0].splitlines():
         row = re.match(r"\|\s*(\d+)\s*\|\s*`([\w/.]+)`", line)
         if row:
-            path = row.group(2).removeprefix("minipaged/").removesuffix("/")
-            rows.append((int(row.group(1)), path.removesuffix(".py")))
+            path = row.group(2).removeprefix("minipaged/").removesuffix("/").removesuffix(".py")
+            rows.append((int(row.group(1)), path.replace("/", ".")))
     assert rows == list(enumerate(LAYERS))
 
 
@@ -204,7 +209,11 @@ def test_every_subpackage_names_its_public_face() -> None:
 
 
 def test_folders_are_small_and_their_modules_have_distinct_prefixes() -> None:
-    folders = [ROOT / "kernels", *(p for p in (ROOT / "minipaged").rglob("*") if p.is_dir())]
+    folders = [
+        folder
+        for top in (ROOT / "minipaged", ROOT / "kernels")
+        for folder in (top, *(p for p in top.rglob("*") if p.is_dir()))
+    ]
     problems = []
     for folder in folders:
         if folder.name in {"__pycache__", "csrc"}:

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-from minipaged.checkpoint.model_config import ModelConfig
 from minipaged.engine.config import EngineConfig
 from minipaged.engine.engine import LLMEngine
+from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.registry import FAMILIES, build_model
 from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 from minipaged.testing.dense import DenseAttentionBackend, DenseKVCache

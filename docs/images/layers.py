@@ -11,9 +11,9 @@ from xml.sax.saxutils import escape
 
 # (number, title, subpackage, notebooks, group): the table of docs/architecture.md.
 LAYERS = [
-    (0, "CPU kernels", "minipaged/cpu/", ["04"], "paged"),
+    (0, "CPU kernels", "kernels/cpu/", ["04"], "paged"),
     (1, "Tokenizer", "minipaged/tokenizer/", ["01"], "model"),
-    (2, "Checkpoints", "minipaged/checkpoint/", ["02"], "model"),
+    (2, "Checkpoints", "minipaged/models/checkpoint/", ["02"], "model"),
     (3, "Models", "minipaged/models/", ["02"], "model"),
     (4, "KV cache manager", "minipaged/kv/", ["03"], "paged"),
     (5, "Paged attention", "minipaged/attention/", ["04"], "paged"),
@@ -21,11 +21,11 @@ LAYERS = [
     (7, "Sampling", "minipaged/sampling/", ["06"], "serving"),
     (8, "Scheduling", "minipaged/sched/", ["07"], "mlfq"),
     (9, "Model runner", "minipaged/runner/", ["06"], "serving"),
-    (10, "Tensor parallelism", "minipaged/parallel/", ["10"], "serving"),
+    (10, "Tensor parallelism", "minipaged/runner/parallel/", ["10"], "serving"),
     (11, "Engine", "minipaged/engine/", ["06"], "serving"),
     (12, "Simulator", "minipaged/sim/", ["07", "08"], "mlfq"),
     (13, "Serving", "minipaged/server/", ["09"], "serving"),
-    (14, "Command line", "minipaged/cli.py", ["06"], "serving"),
+    (14, "Command line", "minipaged/__main__.py", ["06"], "serving"),
     (15, "Test oracles", "minipaged/testing/", ["04"], "oracle"),
 ]
 # group: (fill, stroke, legend)

@@ -11,7 +11,7 @@ measures each against the reference):
   bfloat16 or float16 attention in float32 inside its kernel and rounds the output once, so the
   result is the reference's within one rounding of the output (bf16 tolerances in the tests).
 * **Decodes read their blocks in place.** Every decode of the step (one query per sequence) goes
-  to the native kernel (`minipaged.cpu.native`, C with an online softmax over the sequence's
+  to the native kernel (`minipaged.kernels.cpu.native`, C with an online softmax over the sequence's
   blocks where they lie in the cache), in one call per layer: no gather copy, each K/V row read
   once for all the query heads that share it. Where the kernel cannot be built (no C compiler)
   or does not take the dtype (float16), decodes are gathered like prefills, with the grouped
@@ -40,7 +40,11 @@ from minipaged.attention.reference import (
     gather_context,
     plan_attention,
 )
-from minipaged.cpu.native import native_decode_available, native_decode_supports, paged_decode
+from minipaged.kernels.cpu.native import (
+    native_decode_available,
+    native_decode_supports,
+    paged_decode,
+)
 
 
 @dataclass(frozen=True)

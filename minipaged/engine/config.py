@@ -104,7 +104,8 @@ class EngineConfig:
     quantization: str | None = None  # "int8": weight-only int8 at load (a CPU, one rank)
     seed: int = 0  # the engine's generator, for requests without a seed of their own
     # Tensor parallelism: ranks (worker processes) the model is split over, and how long a
-    # collective waits for a rank before the run is declared dead (`minipaged.parallel.runner`).
+    # collective waits for a rank before the run is declared dead
+    # (`minipaged.runner.parallel.runner`).
     tensor_parallel_size: int = 1
     tensor_parallel_timeout: float = 60.0
 

@@ -28,19 +28,19 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from minipaged.checkpoint.model_config import ModelConfig
 from minipaged.engine.config import EngineConfig
 from minipaged.engine.postprocess import OutputProcessor, StepUpdate
 from minipaged.engine.record import StepRecord, StepTimings
 from minipaged.engine.requests import RequestStream, check_params, prompt_token_ids
-from minipaged.parallel.runner import WorkerDiedError, build_runner
-from minipaged.parallel.worker import CheckpointShards, ShardSource
+from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.runner.model_runner import (
     GiB,
     ModelRunner,
     blocks_that_fit,
     num_blocks_for_memory,
 )
+from minipaged.runner.parallel.runner import WorkerDiedError, build_runner
+from minipaged.runner.parallel.worker import CheckpointShards, ShardSource
 from minipaged.runner.profiler import profile_runner
 from minipaged.sampling.outputs import RequestOutput
 from minipaged.sampling.params import SamplingParams
@@ -167,7 +167,7 @@ class LLMEngine:
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, **kwargs: Any) -> LLMEngine:
         """Load a model folder or GGUF file (default: the bundled SmolLM2) with its tokenizer."""
-        from minipaged.checkpoint.loader import checkpoint_config, default_model_path
+        from minipaged.models.checkpoint.loader import checkpoint_config, default_model_path
         from minipaged.models.registry import FAMILIES, load_model
         from minipaged.tokenizer.tokenizer import Tokenizer
 

@@ -16,8 +16,8 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from minipaged.checkpoint.gguf_weights import GGUFMetadata
-from minipaged.checkpoint.model_config import FamilySpec, ModelConfig, head_size, required
+from minipaged.models.checkpoint.gguf_weights import GGUFMetadata
+from minipaged.models.checkpoint.model_config import FamilySpec, ModelConfig, head_size, required
 from minipaged.models.layers import AttentionBackend, CausalLM, Linear, check_flat_batch
 from minipaged.models.tensor_parallel import (
     SINGLE_RANK,

@@ -23,14 +23,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from minipaged.checkpoint.model_config import ModelConfig
-from minipaged.cpu.gemv import (
+from minipaged.kernels.cpu.gemv import (
     GemvPlan,
     Int8Weight,
     best_times,
     gemv_available,
     gemv_row_limit,
 )
+from minipaged.models.checkpoint.model_config import ModelConfig
 
 
 class AttentionBackend(Protocol):

@@ -23,8 +23,8 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from minipaged.checkpoint.gguf_weights import GGUFMetadata
-from minipaged.checkpoint.model_config import (
+from minipaged.models.checkpoint.gguf_weights import GGUFMetadata
+from minipaged.models.checkpoint.model_config import (
     FamilySpec,
     ModelConfig,
     cap_to_sliding_window,

@@ -1,12 +1,12 @@
 """Weight-only int8: a model's linear layers (and its token embedding) quantised at load.
 
-A decode step of one request reads every weight once, so its time is the weights' bytes over
-the memory's bandwidth; int8 weights are a quarter of float32's bytes. `quantize_model` turns
-every `Linear` of a loaded model into int8 values with a float32 scale per group of
-`group_size` input features of each output row (`minipaged.cpu.gemv.quantize_int8`) and drops
-its float weight; the CPU's GEMV kernel multiplies them, dequantising in registers, and more
-rows than it takes dequantise a layer's weight for PyTorch's GEMM (`Linear.forward`).
-Activations, norms and the KV cache stay float32: only the weights are rounded.
+A decode step of one request reads every weight once, so its time is the weights' bytes over the
+memory's bandwidth; int8 weights are a quarter of float32's bytes. `quantize_model` turns every
+`Linear` of a loaded model into int8 values with a float32 scale per group of `group_size` input
+features of each output row (`minipaged.kernels.cpu.gemv.quantize_int8`) and drops its float weight;
+the CPU's GEMV kernel multiplies them, dequantising in registers, and more rows than it takes
+dequantise a layer's weight for PyTorch's GEMM (`Linear.forward`). Activations, norms and the KV
+cache stay float32: only the weights are rounded.
 
 A tied head shares the token embedding's matrix: both become one `Int8Weight`, the embedding
 looking its rows up and dequantising just those (`Int8Embedding`), so no float copy of the
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from minipaged.cpu.gemv import Int8Weight, quantize_int8
+from minipaged.kernels.cpu.gemv import Int8Weight, quantize_int8
 from minipaged.models.layers import CausalLM, Linear
 
 QUANTIZATIONS = ("int8",)  # what `quantize_model` (and `EngineConfig.quantization`) takes

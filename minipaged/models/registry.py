@@ -1,17 +1,17 @@
 """The model families and how a model is built: `FAMILIES`, `build_model`, `load_model`.
 
 A family is one module and one entry here. Its module declares it as a `FamilySpec`
-(`minipaged.checkpoint.model_config`): the config.json model types and the GGUF architecture it
-reads, its config quirks, its parameters' names and shapes, llama.cpp's conversions of it, the
-class that runs it, its tensor-parallel splits. `FAMILIES` maps `ModelConfig.architecture` to
-it; the checkpoint readers are given `FAMILIES` and the config they return carries its family.
-Two model classes cover every family: `LlamaForCausalLM` (`minipaged.models.llama`: LLaMA,
-SmolLM2, Mistral, Qwen2 / Qwen2.5, Qwen3) and `GPT2ForCausalLM` (`minipaged.models.gpt2`), built
-from the blocks of `minipaged.models.layers`. Each runs on a flat token batch and attends through
-an `AttentionBackend`, which owns the KV cache; the model never sees it.
+(`minipaged.models.checkpoint.model_config`): the config.json model types and the GGUF architecture
+it reads, its config quirks, its parameters' names and shapes, llama.cpp's conversions of it, the
+class that runs it, its tensor-parallel splits. `FAMILIES` maps `ModelConfig.architecture` to it;
+the checkpoint readers are given `FAMILIES` and the config they return carries its family. Two model
+classes cover every family: `LlamaForCausalLM` (`minipaged.models.llama`: LLaMA, SmolLM2, Mistral,
+Qwen2 / Qwen2.5, Qwen3) and `GPT2ForCausalLM` (`minipaged.models.gpt2`), built from the blocks of
+`minipaged.models.layers`. Each runs on a flat token batch and attends through an
+`AttentionBackend`, which owns the KV cache; the model never sees it.
 
 `build_model` checks a Hugging Face-named state dict against the family's table
-(`minipaged.checkpoint.weight_names.expected_shapes`, the one the checkpoint readers use) and
+(`minipaged.models.checkpoint.weight_names.expected_shapes`, the one the checkpoint readers use) and
 loads it by name.
 """
 
@@ -24,9 +24,9 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from minipaged.checkpoint.loader import load_checkpoint
-from minipaged.checkpoint.model_config import FamilySpec, ModelConfig
-from minipaged.checkpoint.weight_names import (
+from minipaged.models.checkpoint.loader import load_checkpoint
+from minipaged.models.checkpoint.model_config import FamilySpec, ModelConfig
+from minipaged.models.checkpoint.weight_names import (
     CheckpointError,
     expected_shapes,
     full_name,

@@ -35,8 +35,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from minipaged.checkpoint.model_config import ModelConfig
-from minipaged.checkpoint.weight_names import (
+from minipaged.models.checkpoint.model_config import ModelConfig
+from minipaged.models.checkpoint.weight_names import (
     PendingTensor,
     expected_shapes,
     full_name,

@@ -22,7 +22,7 @@ from minipaged.attention.contract import (
     check_paged_attention_args,
     check_reshape_and_cache_args,
 )
-from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.layers import choose_gemms
 from minipaged.runner.backends import (
     PagedAttentionBackend,

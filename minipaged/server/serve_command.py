@@ -1,4 +1,4 @@
-"""`minipaged serve`: its flags and its run function (`minipaged.cli` registers them).
+"""`minipaged serve`: its flags and its run function (`minipaged.__main__` registers them).
 
 The engine flags are the other subcommands' (the caller passes its `add_engine_flags`, so the
 two stay one list); the server's own are `--host`, `--port`, `--served-model-name`,
@@ -50,7 +50,7 @@ def served_model_name(args: argparse.Namespace) -> str:
         return args.served_model_name
     if args.model:
         return Path(args.model).stem if Path(args.model).is_file() else Path(args.model).name
-    from minipaged.checkpoint.loader import DEFAULT_MODEL_FILE
+    from minipaged.models.checkpoint.loader import DEFAULT_MODEL_FILE
 
     return Path(DEFAULT_MODEL_FILE).stem
 

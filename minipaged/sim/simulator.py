@@ -29,11 +29,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from minipaged.checkpoint.model_config import ModelConfig
 from minipaged.engine.engine import LLMEngine
 from minipaged.engine.postprocess import OutputProcessor, StepUpdate
 from minipaged.engine.record import StepRecord
 from minipaged.kv.manager import KVCacheManager
+from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.registry import FAMILIES
 from minipaged.sampling.params import SamplingParams
 from minipaged.sampling.sequence import Sequence, SequenceGroup

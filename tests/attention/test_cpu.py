@@ -1,13 +1,13 @@
 """The CPU arrangement of paged attention against the dense oracle and the PyTorch reference.
 
-`cpu_paged_attention` sends decodes to the native kernel (`minipaged.cpu.native`) and computes
-the rest with the reference's plan and gather in the cache's dtype, packing grouped query heads
-onto their KV head for decodes the kernel does not take. Both ways (`native`: the kernel built,
-or as on a machine without a compiler) are checked on random block tables (hypothesis) with
+`cpu_paged_attention` sends decodes to the native kernel (`minipaged.kernels.cpu.native`) and
+computes the rest with the reference's plan and gather in the cache's dtype, packing grouped query
+heads onto their KV head for decodes the kernel does not take. Both ways (`native`: the kernel
+built, or as on a machine without a compiler) are checked on random block tables (hypothesis) with
 every GQA ratio, decode-only batches and mixed ones, garbage in every slot no sequence owns, and
-chunk budgets that cut a batch into many chunks. float32 matches the oracle within 1e-5;
-bfloat16 and float16 within the tolerances of `minipaged.testing.paged_examples.TOLERANCES` (about
-two units in the last place of the output).
+chunk budgets that cut a batch into many chunks. float32 matches the oracle within 1e-5; bfloat16
+and float16 within the tolerances of `minipaged.testing.paged_examples.TOLERANCES` (about two units
+in the last place of the output).
 """
 
 from __future__ import annotations

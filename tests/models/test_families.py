@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from minipaged.checkpoint.loader import load_checkpoint
-from minipaged.checkpoint.model_config import ModelConfig
-from minipaged.checkpoint.weight_names import CheckpointError, expected_shapes
+from minipaged.models.checkpoint.loader import load_checkpoint
+from minipaged.models.checkpoint.model_config import ModelConfig
+from minipaged.models.checkpoint.weight_names import CheckpointError, expected_shapes
 from minipaged.models.layers import CausalLM
 from minipaged.models.llama import LLAMA, LlamaForCausalLM, llama_shapes
 from minipaged.models.registry import FAMILIES, build_model, load_model

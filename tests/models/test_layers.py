@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import dense_last_logits, tiny_engine, tiny_llama_parts
 
-from minipaged.cpu.gemv import MAX_ROWS, GemvPlan, gemv_available
 from minipaged.engine.config import EngineConfig
+from minipaged.kernels.cpu.gemv import MAX_ROWS, GemvPlan, gemv_available
 from minipaged.models.layers import FewRows, Linear, LinearGroup, choose_gemms
 from minipaged.models.quantization import Int8Embedding, quantize_model
 from minipaged.sampling.params import SamplingParams

@@ -27,11 +27,11 @@ transformers = pytest.importorskip("transformers")
 from tiny_models import random_gpt2, random_hf, random_llama  # noqa: E402
 
 from minipaged.attention.contract import dense_attention  # noqa: E402
-from minipaged.checkpoint.loader import load_checkpoint  # noqa: E402
-from minipaged.checkpoint.model_config import ModelConfig  # noqa: E402
-from minipaged.checkpoint.weight_names import expected_shapes, is_transposed, to_module_name  # noqa: E402
 from minipaged.engine.config import EngineConfig  # noqa: E402
 from minipaged.engine.engine import LLMEngine  # noqa: E402
+from minipaged.models.checkpoint.loader import load_checkpoint  # noqa: E402
+from minipaged.models.checkpoint.model_config import ModelConfig  # noqa: E402
+from minipaged.models.checkpoint.weight_names import expected_shapes, is_transposed, to_module_name  # noqa: E402
 from minipaged.models.layers import (  # noqa: E402
     ONEDNN_AVAILABLE,
     Linear,
@@ -653,7 +653,7 @@ def _chat_ids(tok, prompt: str) -> list[int]:
 
 
 def test_smollm2_first_step_logits(bundled_hf_model, bundled_tokenizer, bundled_model):
-    """minipaged dequantises the GGUF with `minipaged.checkpoint.loader`, transformers on its
+    """minipaged dequantises the GGUF with `minipaged.models.checkpoint.loader`, transformers on its
     own."""
     hf, tok, (model, _) = bundled_hf_model, bundled_tokenizer, bundled_model
     seqs = [_chat_ids(tok, p) for p in CHAT_PROMPTS[:2]]

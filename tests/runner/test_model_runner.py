@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tiny_models import dense_last_logits, plan_of, scheduled
 
 from minipaged.attention.reference import paged_attention, plan_attention
-from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.gpt2 import GPT2ForCausalLM
 from minipaged.models.llama import LlamaForCausalLM
 from minipaged.models.registry import FAMILIES

@@ -534,7 +534,7 @@ def test_a_signal_aborts_in_flight_requests_and_exits_cleanly(sig, child_weights
 
 
 def test_serve_flags_are_checked_before_loading(capsys):
-    from minipaged import cli
+    from minipaged import __main__ as cli
 
     assert cli.main(["serve", "--port", "70000"]) == 2
     assert "port must be in 1..65535, got 70000" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tiny_models import assert_llama_config_matches
 from transformers import GPT2Config, LlamaConfig
 
-from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.registry import FAMILIES
 
 ROPE_SCALINGS = [

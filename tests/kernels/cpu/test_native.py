@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged.attention.contract import dense_attention
-from minipaged.cpu.native import (
+from minipaged.kernels.cpu.native import (
     MAX_GROUP,
     SOURCE,
     build_native_decode,
@@ -167,7 +167,7 @@ def test_a_failing_build_leaves_nothing(tmp_path: Path, caplog):
 def test_profiles_under_its_own_name():
     from torch.profiler import ProfilerActivity, profile
 
-    from minipaged.cpu.native import PROFILER_NAME
+    from minipaged.kernels.cpu.native import PROFILER_NAME
 
     q, k_cache, v_cache, tables, _, _ = make_batch(4, 2, 16, 4, [5, 3], 0, torch.float32)
     lens, rows = torch.tensor([5, 3], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)

@@ -1,4 +1,4 @@
-"""`minipaged.checkpoint.safetensors_folder` on its own: finding the files and reading their
+"""`minipaged.models.checkpoint.safetensors_folder` on its own: finding the files and reading their
 headers.
 
 Random tensors of every dtype safetensors stores are written with the `safetensors` library and
@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from minipaged.checkpoint.model_config import ModelConfig
-from minipaged.checkpoint.safetensors_folder import safetensors_folder, safetensors_tensors
-from minipaged.checkpoint.weight_names import CheckpointError
+from minipaged.models.checkpoint.model_config import ModelConfig
+from minipaged.models.checkpoint.safetensors_folder import safetensors_folder, safetensors_tensors
+from minipaged.models.checkpoint.weight_names import CheckpointError
 from minipaged.models.registry import FAMILIES
 
 CONFIG = ModelConfig(

@@ -7,13 +7,13 @@ on anyone's loading. A worker (ranks 1..N-1, `worker_main`) then receives each s
 batch entries and cache operations rank 0's scheduler produced -- over a pipe from rank 0, runs
 the same `execute` (whose collectives meet rank 0's), and drops the logits: only rank 0 samples.
 
-On one machine rank 0 starts each worker as `python -m minipaged.parallel FD` (`start_worker`),
-a fresh interpreter that imports only minipaged and whatever the rank's `RankSpec` names, never
-the caller's main module: a script read from standard input, one without an
-`if __name__ == "__main__":` guard, `python -c` and a notebook all start workers alike (the
-`multiprocessing` spawn start re-imports the caller's main module in every child). The worker's
-end of a socket pair is its inherited descriptor FD; the spec (and the model's shards, when they
-are in memory) comes over it, pickled.
+On one machine rank 0 starts each worker as `python -m minipaged.runner.parallel FD`
+(`start_worker`), a fresh interpreter that imports only minipaged and whatever the rank's `RankSpec`
+names, never the caller's main module: a script read from standard input, one without an `if
+__name__ == "__main__":` guard, `python -c` and a notebook all start workers alike (the
+`multiprocessing` spawn start re-imports the caller's main module in every child). The worker's end
+of a socket pair is its inherited descriptor FD; the spec (and the model's shards, when they are in
+memory) comes over it, pickled.
 
 A worker never outlives its parent: the pipe's end-of-file, a parent that is no longer alive,
 or a collective that fails (a dead peer) or times out all end its loop and its process.
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.layers import CausalLM
 from minipaged.models.registry import build_model, load_model
 from minipaged.models.tensor_parallel import TensorParallel, kv_heads, q_heads, shard_state_dict
@@ -59,8 +59,8 @@ PARENT_CHECK_S = 1.0
 READY = "ready"
 # How long a `torchrun` worker waits for rank 0's next plan (an idle engine sends none).
 IDLE_TIMEOUT = timedelta(days=30)
-# The module a worker process runs (`python -m`): `minipaged/parallel/__main__.py`.
-WORKER_MODULE = "minipaged.parallel"
+# The module a worker process runs (`python -m`): `minipaged/runner/parallel/__main__.py`.
+WORKER_MODULE = "minipaged.runner.parallel"
 # The folder that holds the `minipaged` package, put on a worker's path before anything else.
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -205,7 +205,7 @@ def join_group(spec: RankSpec) -> None:
 
 @dataclass
 class WorkerProcess:
-    """A worker rank as rank 0 holds it: its `python -m minipaged.parallel` process and rank
+    """A worker rank as rank 0 holds it: its `python -m minipaged.runner.parallel` process and rank
     0's end of the socket pair between them."""
 
     rank: int
@@ -241,7 +241,7 @@ class WorkerProcess:
 
 
 def start_worker(rank: int) -> WorkerProcess:
-    """Start the process of worker `rank`: `python -m minipaged.parallel FD`, FD its end of a
+    """Start the process of worker `rank`: `python -m minipaged.runner.parallel FD`, FD its end of a
     new socket pair; it waits for its spec (`send_spec`). Standard input is not inherited;
     standard output and error are (a worker's tracebacks show where the caller's do). It runs in
     a session of its own, so that a Ctrl-C at the terminal reaches rank 0 only, which then

@@ -1,6 +1,6 @@
 """Tensor-parallel workers do not depend on the caller's main module.
 
-Rank 0 starts each worker as `python -m minipaged.parallel FD`, so the program that creates
+Rank 0 starts each worker as `python -m minipaged.runner.parallel FD`, so the program that creates
 `LLM(..., tensor_parallel_size=2)` may be anything Python runs: a script read from standard
 input, a script without an `if __name__ == "__main__":` guard, `python -c`, a notebook. Each
 test runs one such program as a real subprocess (gloo on the CPU) on a tiny model with a tiny
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from tiny_models import SMALL_LLAMA, random_llama
 
 from minipaged.engine.llm import LLM
-from minipaged.parallel.runner import WorkerDiedError
+from minipaged.runner.parallel.runner import WorkerDiedError
 from minipaged.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.xdist_group("tensor_parallel")
@@ -160,7 +160,7 @@ def test_a_notebook(tiny):
 
 DYING_SOURCE = """
 import os
-from minipaged.parallel.worker import CheckpointShards
+from minipaged.runner.parallel.worker import CheckpointShards
 
 
 class DyingShards(CheckpointShards):

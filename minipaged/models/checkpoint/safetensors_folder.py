@@ -5,7 +5,7 @@ or shards listed in `model.safetensors.index.json`, or one `.safetensors` file n
 Tensor names are already Hugging Face's and the hyper-parameters are in `config.json`, so the
 work here is finding the files, reading their headers strictly enough that a cut-off or foreign
 file fails clearly, and describing each tensor (`PendingTensor`) for the checks of
-`minipaged.checkpoint.weight_names` before any data is read.
+`minipaged.models.checkpoint.weight_names` before any data is read.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from minipaged.checkpoint.model_config import FamilySpec, ModelConfig
-from minipaged.checkpoint.weight_names import (
+from minipaged.models.checkpoint.model_config import FamilySpec, ModelConfig
+from minipaged.models.checkpoint.weight_names import (
     CheckpointError,
     PendingTensor,
     expected_shapes,

@@ -6,9 +6,9 @@ one scheduler, on rank 0, plans each step; the runner sends the plan (the batch 
 block movements, a small pickled object) to every worker, runs its own shard's forward pass,
 whose collectives meet the workers', and gets the whole logits from the vocabulary-parallel
 head (`minipaged.models.tensor_parallel`). On one machine the workers are `python -m
-minipaged.parallel` processes, independent of the caller's main module, joined over a TCP store
-on 127.0.0.1 and sent plans over a socket pair each; under `torchrun` the launcher starts them
-and plans go out as broadcasts (`minipaged.parallel.worker`).
+minipaged.runner.parallel` processes, independent of the caller's main module, joined over a TCP
+store on 127.0.0.1 and sent plans over a socket pair each; under `torchrun` the launcher starts them
+and plans go out as broadcasts (`minipaged.runner.parallel.worker`).
 
 A worker that dies is noticed before a step is sent (its process is gone) or by the step's
 collectives (they fail, or time out after `tensor_parallel_timeout` seconds): the runner then
@@ -26,14 +26,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.tensor_parallel import (
     SINGLE_RANK,
     TensorParallelError,
     check_shardable,
     checkpoint_state_dict,
 )
-from minipaged.parallel.worker import (
+from minipaged.runner.model_runner import ModelRunner
+from minipaged.runner.parallel.worker import (
     READY,
     PlanBroadcast,
     RankSpec,
@@ -48,7 +49,6 @@ from minipaged.parallel.worker import (
     torchrun_rank,
     torchrun_worker,
 )
-from minipaged.runner.model_runner import ModelRunner
 from minipaged.sched.output import SchedulerOutput
 
 # How long `close()` waits for a worker to leave before terminating it, then killing it.

@@ -5,8 +5,8 @@ models, in `minipaged.models.tensor_parallel`).
 
 from __future__ import annotations
 
-from minipaged.parallel.runner import TensorParallelRunner, WorkerDiedError, build_runner
-from minipaged.parallel.worker import CheckpointShards, ShardSource
+from minipaged.runner.parallel.runner import TensorParallelRunner, WorkerDiedError, build_runner
+from minipaged.runner.parallel.worker import CheckpointShards, ShardSource
 
 __all__ = [
     "CheckpointShards",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from minipaged.checkpoint.model_config import ModelConfig
+from minipaged.models.checkpoint.model_config import ModelConfig
 
 
 class CheckpointError(ValueError):

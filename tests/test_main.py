@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from minipaged import cli
+from minipaged import __main__ as cli
 from minipaged.engine import config as engine_config
 from minipaged.engine import llm as llm_module
 from minipaged.engine.config import EngineConfig

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from minipaged.cpu.native import build_native
+from minipaged.kernels.cpu.native import build_native
 
 SOURCE = Path(__file__).with_name("csrc") / "gemv.c"
 MAX_ROWS = 8  # the few-row range: rows the kernel takes in one pass over the weights

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from minipaged.checkpoint.model_config import FamilySpec, ModelConfig, check_token_ids
-from minipaged.checkpoint.weight_names import (
+from minipaged.models.checkpoint.model_config import FamilySpec, ModelConfig, check_token_ids
+from minipaged.models.checkpoint.weight_names import (
     CheckpointError,
     PendingTensor,
     check_layer_count,

@@ -20,10 +20,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tiny_models import SMALL_LLAMA, minipaged_parts, plan_of, random_gpt2, random_llama, scheduled
 
-from minipaged.checkpoint.model_config import ModelConfig
 from minipaged.engine.config import EngineConfig
 from minipaged.engine.engine import LLMEngine
 from minipaged.engine.llm import LLM
+from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.llama import LLAMA
 from minipaged.models.tensor_parallel import (
     TensorParallel,
@@ -34,8 +34,8 @@ from minipaged.models.tensor_parallel import (
     token_embedding,
     vocab_range,
 )
-from minipaged.parallel.runner import WorkerDiedError
-from minipaged.parallel.worker import CheckpointShards, StateDictShards
+from minipaged.runner.parallel.runner import WorkerDiedError
+from minipaged.runner.parallel.worker import CheckpointShards, StateDictShards
 from minipaged.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.xdist_group("tensor_parallel")
@@ -346,7 +346,7 @@ def test_tp3_smollm2_equals_tp1(bundled_path, bundled_model, bundled_tokenizer):
 
 
 def test_command_line_flag_reaches_the_engine_and_its_checks(bundled_path, capsys):
-    from minipaged.cli import build_parser, engine_kwargs_from_args, main
+    from minipaged.__main__ import build_parser, engine_kwargs_from_args, main
 
     args = build_parser().parse_args(["serve", "--tensor-parallel-size", "3"])
     assert engine_kwargs_from_args(args)["tensor_parallel_size"] == 3
@@ -359,11 +359,11 @@ def test_command_line_flag_reaches_the_engine_and_its_checks(bundled_path, capsy
 
 TORCHRUN_SCRIPT = """
 import json, sys
-from minipaged.checkpoint.loader import checkpoint_config
+from minipaged.models.checkpoint.loader import checkpoint_config
 from minipaged.models.registry import FAMILIES
 from minipaged.engine.engine import LLMEngine
 from minipaged.engine.config import EngineConfig
-from minipaged.parallel.worker import CheckpointShards
+from minipaged.runner.parallel.worker import CheckpointShards
 from minipaged.sampling.params import SamplingParams
 
 path, size, prompts = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
@@ -405,11 +405,11 @@ def test_torchrun_ranks_serve_rank_0s_plans(tmp_path):
 
 ORPHAN_SCRIPT = """
 import sys, time
-from minipaged.checkpoint.loader import checkpoint_config
+from minipaged.models.checkpoint.loader import checkpoint_config
 from minipaged.models.registry import FAMILIES
 from minipaged.engine.engine import LLMEngine
 from minipaged.engine.config import EngineConfig
-from minipaged.parallel.worker import CheckpointShards
+from minipaged.runner.parallel.worker import CheckpointShards
 
 if __name__ == "__main__":
     path = sys.argv[1]

@@ -37,15 +37,15 @@ from transformers import (
     PreTrainedModel,
 )
 
-from minipaged.checkpoint.gguf_weights import unpermute_qk
-from minipaged.checkpoint.loader import (
+from minipaged.models.checkpoint.gguf_weights import unpermute_qk
+from minipaged.models.checkpoint.loader import (
     CheckpointError,
     config_from_gguf,
     default_model_path,
     load_checkpoint,
 )
-from minipaged.checkpoint.model_config import ModelConfig
-from minipaged.checkpoint.weight_names import expected_shapes
+from minipaged.models.checkpoint.model_config import ModelConfig
+from minipaged.models.checkpoint.weight_names import expected_shapes
 from minipaged.models.registry import FAMILIES, build_model
 from minipaged.testing.dense import DenseAttentionBackend, DenseKVCache
 from minipaged.tokenizer.gguf_file import read_gguf_file

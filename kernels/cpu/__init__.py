@@ -8,7 +8,7 @@ it; their reference paths are plain PyTorch and run without a compiler.
 
 from __future__ import annotations
 
-from minipaged.cpu.gemv import (
+from minipaged.kernels.cpu.gemv import (
     GemvPlan,
     Int8Weight,
     gemv,
@@ -17,7 +17,7 @@ from minipaged.cpu.gemv import (
     gemv_row_limit,
     quantize_int8,
 )
-from minipaged.cpu.native import (
+from minipaged.kernels.cpu.native import (
     build_native,
     build_native_decode,
     native_decode_available,

@@ -5,9 +5,13 @@ given (each a `FamilySpec`, declared by its module in `minipaged.models`).
 
 from __future__ import annotations
 
-from minipaged.checkpoint.loader import checkpoint_config, default_model_path, load_checkpoint
-from minipaged.checkpoint.model_config import FamilySpec, ModelConfig
-from minipaged.checkpoint.weight_names import CheckpointError
+from minipaged.models.checkpoint.loader import (
+    checkpoint_config,
+    default_model_path,
+    load_checkpoint,
+)
+from minipaged.models.checkpoint.model_config import FamilySpec, ModelConfig
+from minipaged.models.checkpoint.weight_names import CheckpointError
 
 __all__ = [
     "CheckpointError",

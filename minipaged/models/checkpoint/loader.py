@@ -2,17 +2,17 @@
 
 Two on-disk formats are read, so that the models never need to know where weights came from:
 
-* **Hugging Face safetensors** (`minipaged.checkpoint.safetensors_folder`): a folder with
+* **Hugging Face safetensors** (`minipaged.models.checkpoint.safetensors_folder`): a folder with
   `config.json` and `model.safetensors` (or shards listed in `model.safetensors.index.json`), or
   one `.safetensors` file next to a `config.json`. Names are already Hugging Face's.
-* **GGUF** (`minipaged.checkpoint.gguf_weights`), llama.cpp's single-file format:
+* **GGUF** (`minipaged.models.checkpoint.gguf_weights`), llama.cpp's single-file format:
   hyper-parameters in the metadata, weights usually block-quantised, dequantised and renamed to
   Hugging Face's names.
 
 The format is told by a file's first bytes, not its name. The file names its family (config.json's
 `model_type`, GGUF's `general.architecture`), found among the `FamilySpec`s the caller gives
-(`minipaged.models.FAMILIES`). Whatever the format, every tensor is checked against the table of
-the parameters its family needs (`minipaged.checkpoint.weight_names.expected_shapes`) before any
+(`minipaged.models.FAMILIES`). Whatever the format, every tensor is checked against the table of the
+parameters its family needs (`minipaged.models.checkpoint.weight_names.expected_shapes`) before any
 data is read, so a model built from the config can load the state dict strictly. Every problem
 raises `CheckpointError`, whose message names the file and what is wrong with it.
 """
@@ -26,15 +26,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from minipaged.checkpoint.gguf_weights import config_from_gguf, gguf_checkpoint, open_gguf
-from minipaged.checkpoint.model_config import FamilySpec, ModelConfig
-from minipaged.checkpoint.safetensors_folder import (
+from minipaged.models.checkpoint.gguf_weights import config_from_gguf, gguf_checkpoint, open_gguf
+from minipaged.models.checkpoint.model_config import FamilySpec, ModelConfig
+from minipaged.models.checkpoint.safetensors_folder import (
     count_safetensors_tensors,
     read_config_json,
     safetensors_folder,
     safetensors_tensors,
 )
-from minipaged.checkpoint.weight_names import (
+from minipaged.models.checkpoint.weight_names import (
     CheckpointError,
     PendingTensor,
     check_layer_count,
