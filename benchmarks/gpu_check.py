@@ -18,7 +18,7 @@ compiled-resource table read back from the loaded kernels.
 4. Prefill TFLOP/s of the varlen paged prefill kernel, next to causal dense SDPA on the same
    prompts, and for a prefix-cache hit (few new queries over a long cached context).
 5. The resource table of `benchmarks/kernel_resources.py` on the device: every program of
-   `minipaged.kernels.aot.CONFIGURATIONS` is compiled ahead of time for this card's
+   `minipaged.kernels.triton.aot.CONFIGURATIONS` is compiled ahead of time for this card's
    architecture (in parallel, which also fills Triton's cache), then launched by the launchers
    themselves; the registers and spills the driver reports for each loaded kernel must equal the
    ahead-of-time numbers, and the loaded cubin must be the ahead-of-time one (same bytes).
@@ -48,7 +48,7 @@ from minipaged import kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-KERNEL_TESTS = ["tests/kernels/test_attention.py", "tests/kernels/test_cache.py"]
+KERNEL_TESTS = ["tests/kernels/triton/test_attention.py", "tests/kernels/triton/test_cache.py"]
 
 # Targets of issue #5 for the headline decode case.
 MIN_FRACTION_OF_COPY_BANDWIDTH = 0.70
@@ -106,7 +106,8 @@ def require_cuda() -> None:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU is available (torch.cuda.is_available() is False).\n"
               "It times the Triton kernels on a GPU; on CPU, run the kernel tests instead:\n"
-              "    pytest tests/kernels/test_attention.py tests/kernels/test_cache.py",
+              "    pytest tests/kernels/triton/test_attention.py "
+              "tests/kernels/triton/test_cache.py",
               file=sys.stderr)
         sys.exit(2)
 
@@ -259,7 +260,7 @@ def time_prefill(case: PrefillCase, device: str, timer: Callable) -> dict:
 
 def device_resources(workers: int) -> dict:
     """Registers and spills of every program, ahead of time and as loaded on this GPU."""
-    from minipaged.kernels import aot
+    from minipaged.kernels.triton import aot
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"

@@ -4,7 +4,7 @@ launchers use on a GPU, read from Triton's compiler on a machine without one.
     python benchmarks/kernel_resources.py               # all configurations, sm_80 and sm_90
     python benchmarks/kernel_resources.py --workers 2   # compile in 2 processes
 
-`minipaged.kernels.aot` plans the launches of every configuration of `aot.CONFIGURATIONS`
+`minipaged.kernels.triton.aot` plans the launches of every configuration of `aot.CONFIGURATIONS`
 (cache dtypes float32 / float16 / bfloat16, head dims 64, 128 and 256, GQA groups 1, 3, 4 and 8,
 block sizes 16 and 32, each with the tiles and warps the launchers pick on a GPU), compiles each
 distinct program for sm_80 and sm_90 and reads its cubin. Occupancy is computed as CUDA's
@@ -30,8 +30,8 @@ import torch
 from gpu_check import DECODE_CASES, DecodeCase
 from machine import report_header, save_report
 
-from minipaged.kernels.decode import split_count
-from minipaged.kernels.launch import MIN_DOT_SIZE, default_key_tile, pow2_at_least
+from minipaged.kernels.triton.decode import split_count
+from minipaged.kernels.triton.launch import MIN_DOT_SIZE, default_key_tile, pow2_at_least
 
 RESULTS = Path(__file__).parent / "results" / "kernel_resources.json"
 KiB = 1024
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton
 
-    from minipaged.kernels import aot
+    from minipaged.kernels.triton import aot
 
     programs = aot.compile_programs(aot.plan_programs(aot.CONFIGURATIONS, aot.ARCHS),
                                     args.workers)

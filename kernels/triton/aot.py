@@ -11,7 +11,7 @@ shared memory (`cuobjdump --dump-resource-usage`), and whether each `tl.dot` bec
 tensor-core instructions (`mma` / `wgmma`).
 
 The compiler needs the real `@triton.jit` functions, so `TRITON_INTERPRET` must be unset when
-this module is imported. `python -m minipaged.kernels.aot --out FILE` writes the records as
+this module is imported. `python -m minipaged.kernels.triton.aot --out FILE` writes the records as
 JSON: that is how the tests, whose process runs the interpreter, reach it.
 """
 

@@ -2,10 +2,10 @@
 
 Nothing here runs on the device. Each launcher first plans its launches (`KernelLaunch`: kernel,
 grid, arguments, compile-time constants, warps), then runs them; the same plans are what
-`minipaged.kernels.aot` compiles ahead of time for real GPUs, so the compiled programs are the
-launched ones. The one policy decision is tile sizes: on a GPU, tiles are sized for registers
-and occupancy; under Triton's CPU interpreter every loop iteration costs the same few
-milliseconds whatever its size, so tiles are made as large as allowed.
+`minipaged.kernels.triton.aot` compiles ahead of time for real GPUs, so the compiled programs are
+the launched ones. The one policy decision is tile sizes: on a GPU, tiles are sized for registers
+and occupancy; under Triton's CPU interpreter every loop iteration costs the same few milliseconds
+whatever its size, so tiles are made as large as allowed.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def default_key_tile(dtype: torch.dtype, head_dim_pad: int) -> int:
     `FP32_KV_TILE_ELEMENTS` (32 keys up to head dim 128, 16 at 256). A float32 tile is twice
     the bytes, and "tf32x3" keeps every float32 operand as two TF32 parts besides, so 64-key
     float32 tiles at head dim 128, or 32-key ones at 256, need more than the 255 registers a
-    thread can have and spill to local memory (`minipaged.kernels.aot` measures it). The
+    thread can have and spill to local memory (`minipaged.kernels.triton.aot` measures it). The
     interpreter takes 128.
     """
     if interpreting():

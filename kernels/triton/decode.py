@@ -174,7 +174,7 @@ def decode_warps(dtype: torch.dtype, head_dim_pad: int) -> int:
     """Warps of a stage-1 program: 4, or 8 for float32 caches at head dims above 128, whose
     [16, head dim] accumulator and tf32x3 operands (two TF32 parts each) spill out of 4 warps'
     registers on sm_90 (24-56 bytes of stack at head dim 256, with 16- or 32-key tiles;
-    `minipaged.kernels.aot`)."""
+    `minipaged.kernels.triton.aot`)."""
     return 8 if dtype == torch.float32 and head_dim_pad > 128 else 4
 
 
@@ -227,7 +227,7 @@ def decode_launches(
 
     The tile and split choices of `paged_decode_attention`, on arguments whose metadata has
     been validated; no launch for an empty batch. Works on meta tensors too, which is how
-    `minipaged.kernels.aot` compiles exactly these launches for a GPU.
+    `minipaged.kernels.triton.aot` compiles exactly these launches for a GPU.
     """
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")

@@ -175,7 +175,7 @@ def prefill_launches(
 
     The tile and warp choices of `paged_prefill_attention`, on arguments whose metadata has
     been validated; no launch for an empty batch. Works on meta tensors too, which is how
-    `minipaged.kernels.aot` compiles exactly this launch for a GPU.
+    `minipaged.kernels.triton.aot` compiles exactly this launch for a GPU.
     """
     block_size = k_cache.shape[1]
     num_seqs = block_tables.shape[0]

@@ -84,7 +84,7 @@ def reshape_and_cache_launches(
 ) -> list[KernelLaunch]:
     """The one launch `reshape_and_cache` makes (none for no tokens), on validated arguments.
 
-    Works on meta tensors too, which is how `minipaged.kernels.aot` compiles it for a GPU.
+    Works on meta tensors too, which is how `minipaged.kernels.triton.aot` compiles it for a GPU.
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:

@@ -1,4 +1,5 @@
-"""`minipaged.kernels.launch`: launches as data and the tile-size rules every launcher uses."""
+"""`minipaged.kernels.triton.launch`: launches as data and the tile-size rules every launcher
+uses."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minipaged.kernels import launch
-from minipaged.kernels.launch import (
+from minipaged.kernels.triton import launch
+from minipaged.kernels.triton.launch import (
     FP32_KV_TILE_ELEMENTS,
     MIN_DOT_SIZE,
     KernelLaunch,

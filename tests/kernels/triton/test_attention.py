@@ -27,11 +27,10 @@ from paged_utils import lengths, seq_and_query_lens
 import minipaged.attention.reference as reference
 from minipaged import kernels
 from minipaged.attention.contract import dense_attention
-from minipaged.kernels.decode import paged_decode_attention
-from minipaged.kernels.prefill import paged_prefill_attention
+from minipaged.kernels.triton import attention as dispatch  # the dispatcher's module, to patch
+from minipaged.kernels.triton.decode import paged_decode_attention
+from minipaged.kernels.triton.prefill import paged_prefill_attention
 from minipaged.testing.paged_examples import dense_reference, make_attention_case, tolerance
-
-dispatch = kernels.attention  # the module holding the dispatcher, for patching
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" \
     else "cpu"
@@ -135,7 +134,7 @@ def test_boundary_lengths_and_odd_head_shapes(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_head_dim_256_with_the_gpu_tiles(dtype: torch.dtype) -> None:
     """Head dim 256 (Gemma's) through the dispatcher and through both kernels with the tiles a
-    GPU takes there (`minipaged.kernels.aot` shows them spill-free): 16-key tiles, half of
+    GPU takes there (`minipaged.kernels.triton.aot` shows them spill-free): 16-key tiles, half of
     each 32-key block for float32, and 16 query rows; 64-key tiles for 16-bit caches."""
     bs = 32
     seq_lens, query_lens = [1, bs + 1, 2 * bs + 6], [1, bs + 1, 5]

@@ -62,7 +62,7 @@ def copy_blocks(
 def copy_blocks_launches(kv_caches: Sequence[Tensor], block_mapping: Tensor) -> list[KernelLaunch]:
     """One launch per layer's cache (none for no pairs), on validated arguments.
 
-    Works on meta tensors too, which is how `minipaged.kernels.aot` compiles it for a GPU.
+    Works on meta tensors too, which is how `minipaged.kernels.triton.aot` compiles it for a GPU.
     """
     num_pairs = block_mapping.shape[0]
     if num_pairs == 0:

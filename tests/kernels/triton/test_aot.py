@@ -2,7 +2,7 @@
 
 The interpreter proves the kernels equal to dense attention, but accepts programs a GPU compiler
 rejects and says nothing about registers. Here Triton's own compiler, which runs without a GPU,
-compiles the programs the launchers choose on a GPU (`minipaged.kernels.aot`, which asks the
+compiles the programs the launchers choose on a GPU (`minipaged.kernels.triton.aot`, which asks the
 launchers' `*_launches` planners for them) down to cubins, and the checks read the artefacts:
 registers, stack and local memory (`cuobjdump`) and the tensor-core instructions.
 
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from minipaged.kernels import aot
+from minipaged.kernels.triton import aot
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 COMMITTED = ROOT / "benchmarks" / "results" / "kernel_resources.json"
 KERNELS = {"decode_partition", "decode_merge", "prefill", "reshape_and_cache", "copy_blocks"}
 
@@ -43,8 +43,8 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
     env["TRITON_CACHE_DIR"] = str(folder / "triton-cache")
     out = folder / "programs.json"
     proc = subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "minipaged.kernels.aot", "--compile", "covering",
-         "--out", str(out)],
+        [sys.executable, "-W", "ignore", "-m", "minipaged.kernels.triton.aot",
+         "--compile", "covering", "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
