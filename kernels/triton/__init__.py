@@ -10,7 +10,7 @@ before the import to run the kernels through Triton's CPU interpreter.
 * `copy_blocks`: copy-on-write block copies, in every layer.
 
 Each launcher plans its launches (`*_launches`, `launch.KernelLaunch`) before running them;
-`minipaged.kernels.aot` compiles the same plans ahead of time for real GPUs, without one.
+`minipaged.kernels.triton.aot` compiles the same plans ahead of time for real GPUs, without one.
 """
 
 from .attention import paged_attention
