@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from minipaged.kernels.cpu.native import build_native
+from minipaged.kernels.cpu.native import build_native, profiled
 
 SOURCE = Path(__file__).with_name("csrc") / "gemv.c"
 MAX_ROWS = 8  # the few-row range: rows the kernel takes in one pass over the weights
@@ -213,7 +213,7 @@ class GemvPlan:
         if rows == 0:
             return out
         level = library.gemv_isa() if isa is None else min(ISAS[isa], library.gemv_isa())
-        with torch.profiler.record_function(PROFILER_NAME):
+        with profiled(PROFILER_NAME):
             status = library.gemv(x.data_ptr(), rows, self.in_features,
                                   int(self.dtype == torch.bfloat16), *self._args,
                                   out.data_ptr(), level, torch.get_num_threads())

@@ -1,5 +1,5 @@
-"""Building this layer's C kernels (`build_native`), and the native paged-decode kernel
-(`csrc/paged_decode.c`): built once per machine, loaded with `ctypes`.
+"""Building this layer's C kernels (`build_native`), and the native paged-attention kernels
+(`csrc/paged_decode.c`: decode, and the KV write): built once per machine, loaded with `ctypes`.
 
 PyTorch has no operator that attends over K/V scattered in blocks, so the PyTorch backends copy
 every sequence's blocks out of the cache before attending (`attention.gather_context`): on a
@@ -14,7 +14,12 @@ built for.
 
 `native_decode_available()` says whether the kernel could be built here (it is built then, once
 per process); without a compiler the CPU backend attends the PyTorch way and says so in the log.
-`paged_decode` runs it on `torch.get_num_threads()` OpenMP threads.
+`paged_decode` runs it on `torch.get_num_threads()` OpenMP threads. `write_kv` stores a step's
+new keys and values in their slots in one call: PyTorch's way (a mask of the written slots, an
+index, two `index_copy_`) is six operators a layer, each costing more than the copy at a decode.
+
+Every kernel call of this layer shows in torch's profiler under its own name (`profiled`),
+at no cost when no profiler runs.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -45,6 +51,15 @@ OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-march=native",), ())
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads and writes
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 64, 256, 256  # the kernel's fixed buffers
 PROFILER_NAME = "minipaged::paged_decode"  # its calls, as torch's profiler lists them
+WRITE_PROFILER_NAME = "minipaged::write_kv"
+
+
+def profiled(name: str) -> AbstractContextManager:
+    """`torch.profiler.record_function(name)` while a profiler runs, else nothing: entering a
+    record_function costs ~7 us even with no profiler, and a decode step calls ~150 kernels."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return nullcontext()
 
 
 def _cpu_identity() -> str:
@@ -127,6 +142,9 @@ def _library() -> ctypes.CDLL | None:
     library.paged_decode.argtypes = [pointer] * 5 + [i64] + [pointer] * 3 + [i64] + [i32] * 4 + [
         f32, i32, i32]
     library.paged_decode.restype = ctypes.c_int
+    library.write_kv.argtypes = [pointer, i64, pointer, i64, pointer, pointer, pointer, i64, i64,
+                                 i32]
+    library.write_kv.restype = None
     return library
 
 
@@ -158,15 +176,36 @@ def paged_decode(
     rows: Tensor,
     seqs: Tensor,
     scale: float,
+    *,
+    validate: bool = True,
 ) -> None:
     """Write into `out [T, H, D]` the attention of q's rows `rows` (one query each, sequence
     `seqs[i]` of the batch) over their sequences' `seq_lens` keys in the paged cache, read in
     place through `block_tables`. The int tensors must be int32 and contiguous, `q`, `out` and
     the caches contiguous; other rows of `out` are left as they are. Raises `RuntimeError` when
-    the kernel is not available (`native_decode_available`)."""
+    the kernel is not available (`native_decode_available`). `validate=False` skips the checks
+    of layouts and sizes, for a caller that checked them once for every layer of a step."""
     library = _library()
     if library is None:
         raise RuntimeError("the native CPU paged-decode kernel could not be built here")
+    if validate:
+        _check_decode_args(out, q, k_cache, v_cache, block_tables, seq_lens, rows, seqs)
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    with profiled(PROFILER_NAME):
+        status = library.paged_decode(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+            block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), rows.data_ptr(),
+            seqs.data_ptr(), rows.numel(), num_heads, num_kv_heads, head_dim, block_size, scale,
+            int(q.dtype == torch.bfloat16), torch.get_num_threads(),
+        )
+    if status != 0:
+        raise ValueError("the native decode kernel refused these sizes")
+
+
+def _check_decode_args(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                       block_tables: Tensor, seq_lens: Tensor, rows: Tensor,
+                       seqs: Tensor) -> None:
     if not native_decode_supports(k_cache, q.shape[1]):
         raise ValueError(f"the native decode kernel takes {DTYPES} on CPU, at most {MAX_GROUP} "
                          f"query heads per KV head, head dim {MAX_HEAD_DIM}, block {MAX_BLOCK}")
@@ -177,14 +216,36 @@ def paged_decode(
                     ("seqs", seqs)):
         if t.dtype != torch.int32 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous int32 tensor, got {t.dtype}")
-    _, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    with torch.profiler.record_function(PROFILER_NAME):
-        status = library.paged_decode(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-            block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), rows.data_ptr(),
-            seqs.data_ptr(), rows.numel(), num_heads, num_kv_heads, head_dim, block_size, scale,
-            int(q.dtype == torch.bfloat16), torch.get_num_threads(),
-        )
-    if status != 0:
-        raise ValueError("the native decode kernel refused these sizes")
+
+
+def write_kv_supports(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                      slot_mapping: Tensor) -> bool:
+    """Whether `write_kv` takes these: contiguous CPU caches of one of `DTYPES`, int64 slots,
+    and keys and values of the caches' dtype whose rows each hold their heads side by side
+    (`[T, H_kv, D]` with strides `(any, D, 1)`: contiguous, or the columns of a fused
+    projection's output)."""
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    return (
+        k_cache.device.type == "cpu" and k_cache.dtype in DTYPES
+        and k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype
+        and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+        and all(t.dtype == k_cache.dtype and t.dim() == 3 and t.shape[1:] == k_cache.shape[2:]
+                and t.stride(1) == head_dim and t.stride(2) == 1 for t in (key, value))
+    )
+
+
+def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+             slot_mapping: Tensor) -> None:
+    """The attention contract's `reshape_and_cache` in one call: row t of `key` and `value`
+    (`[T, H_kv, D]`, as `write_kv_supports` takes them) into slot `slot_mapping[t]` (int64, -1:
+    skip) of the contiguous caches `[num_blocks, block_size, H_kv, D]`. The slots must lie in
+    the cache (`minipaged.attention.contract.check_reshape_and_cache_args`): they are not
+    checked here. Raises `RuntimeError` when the kernel is not available."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the native CPU paged-attention kernels could not be built here")
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    with profiled(WRITE_PROFILER_NAME):
+        library.write_kv(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                         k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
+                         key.shape[0], num_kv_heads * head_dim, key.element_size())

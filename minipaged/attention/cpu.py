@@ -17,11 +17,14 @@ measures each against the reference):
   or does not take the dtype (float16), decodes are gathered like prefills, with the grouped
   query heads packed onto their KV head so each block is read once per KV head and the
   attention multiplies several rows at a time (its single-row path is slow in bfloat16).
+* **New keys and values are written in one call** (`write_kv`, beside the decode kernel): the
+  reference's masked index and two `index_copy_` are six operators a layer, each dearer than the
+  copy itself at a decode step.
 
 `cpu_paged_attention` has the attention contract's signature (`minipaged.attention.contract`);
 `CPU_OPS` is the backend "cpu" of `minipaged.runner.backends`: its plan (`plan_cpu_attention`,
-the reference's chunks with the decodes set apart) and attention beside the reference's KV
-writes and block copies.
+the reference's chunks with the decodes set apart), attention and KV writes
+(`cpu_reshape_and_cache`) beside the reference's block copies.
 """
 
 from __future__ import annotations
@@ -33,7 +36,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from minipaged.attention import reference as attention
-from minipaged.attention.contract import AttentionOps, check_paged_attention_args
+from minipaged.attention.contract import (
+    AttentionOps,
+    check_paged_attention_args,
+    check_reshape_and_cache_args,
+)
 from minipaged.attention.reference import (
     AttentionChunk,
     check_plan_covers,
@@ -44,6 +51,8 @@ from minipaged.kernels.cpu.native import (
     native_decode_available,
     native_decode_supports,
     paged_decode,
+    write_kv,
+    write_kv_supports,
 )
 
 
@@ -123,10 +132,30 @@ def cpu_paged_attention(
     if plan.decodes is not None:
         d = plan.decodes
         paged_decode(out, q.contiguous(), k_cache, v_cache, d.block_tables, d.seq_lens, d.rows,
-                     d.seqs, scale)
+                     d.seqs, scale, validate=validate)
     for chunk in plan.chunks:
         out[chunk.tokens] = _attend_chunk(q[chunk.tokens], k_cache, v_cache, chunk, scale)
     return out
+
+
+def cpu_reshape_and_cache(
+    key: Tensor,
+    value: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    validate: bool = True,
+) -> None:
+    """`attention.reshape_and_cache` (same arguments and result), in one native call where the
+    kernel is built and takes these tensors (`write_kv_supports`), else the reference's way."""
+    if validate:
+        check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping)
+    if native_decode_available() and write_kv_supports(key, value, k_cache, v_cache,
+                                                       slot_mapping):
+        write_kv(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        attention.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, validate=False)
 
 
 def _attend_chunk(q: Tensor, k_cache: Tensor, v_cache: Tensor, chunk: AttentionChunk,
@@ -154,7 +183,7 @@ def _attend_chunk(q: Tensor, k_cache: Tensor, v_cache: Tensor, chunk: AttentionC
 CPU_OPS = AttentionOps(
     name="cpu",
     paged_attention=cpu_paged_attention,
-    reshape_and_cache=attention.reshape_and_cache,
+    reshape_and_cache=cpu_reshape_and_cache,
     copy_blocks=attention.copy_blocks,
     swap_blocks=attention.swap_blocks,
     plan=plan_cpu_attention,

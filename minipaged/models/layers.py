@@ -30,6 +30,7 @@ from minipaged.kernels.cpu.gemv import (
     gemv_available,
     gemv_row_limit,
 )
+from minipaged.kernels.cpu.norm_rotary import rms_norm, rms_norm_supports, rotary, rotary_supports
 from minipaged.models.checkpoint.model_config import ModelConfig
 
 
@@ -346,7 +347,8 @@ class LinearGroup:
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight over the last dimension, computed in float32 (as Hugging Face does)
-    and cast back."""
+    and cast back. On a CPU, one C call where it applies (`minipaged.kernels.cpu.norm_rotary`:
+    the same roundings, the sum of squares added in another order)."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -354,6 +356,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if rms_norm_supports(x, self.weight):
+            return rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -431,7 +435,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate each pair (i, i + D/2) of every head of `x [T, heads, D]` by its angle."""
+    """Rotate each pair (i, i + D/2) of every head of `x [T, heads, D]` by its angle. On a CPU,
+    one C call where it applies (`minipaged.kernels.cpu.norm_rotary`, bit for bit the same)."""
+    if rotary_supports(x, cos, sin):
+        return rotary(x, cos, sin)
     return x * cos + rotate_half(x) * sin
 
 

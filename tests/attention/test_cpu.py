@@ -21,7 +21,12 @@ from hypothesis import strategies as st
 from paged_utils import seq_and_query_lens
 
 from minipaged.attention import reference as attention
-from minipaged.attention.cpu import CPU_OPS, cpu_paged_attention, plan_cpu_attention
+from minipaged.attention.cpu import (
+    CPU_OPS,
+    cpu_paged_attention,
+    cpu_reshape_and_cache,
+    plan_cpu_attention,
+)
 from minipaged.attention.reference import paged_attention
 from minipaged.runner.backends import get_attention_ops
 from minipaged.testing.paged_examples import dense_reference, make_attention_case, tolerance
@@ -121,6 +126,57 @@ def test_is_the_cpu_backend_and_the_default_on_a_cpu():
     assert get_attention_ops("cpu") is CPU_OPS
     assert get_attention_ops(device="cpu") is CPU_OPS
     assert get_attention_ops("auto", device="cpu") is CPU_OPS
-    assert CPU_OPS.plan is plan_cpu_attention  # its own plan; the reference's KV writes, copies
-    assert CPU_OPS.reshape_and_cache is attention.reshape_and_cache
+    assert CPU_OPS.plan is plan_cpu_attention  # its own plan and KV writes; the reference's copies
+    assert CPU_OPS.reshape_and_cache is cpu_reshape_and_cache
+    assert CPU_OPS.copy_blocks is attention.copy_blocks
     assert get_attention_ops("torch").paged_attention is attention.paged_attention
+
+
+@st.composite
+def kv_writes(draw: st.DrawFn):
+    """New keys and values for random slots of a cache (some tokens skipped with -1), given
+    contiguous or as the columns of a fused projection's output, in any of the three dtypes."""
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    num_kv_heads, head_dim = draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([4, 8, 64]))
+    num_blocks, block_size = draw(st.integers(1, 6)), draw(st.sampled_from([1, 2, 16]))
+    num_tokens = draw(st.integers(0, min(12, num_blocks * block_size)))
+    slots = draw(st.permutations(range(num_blocks * block_size)))[:num_tokens]
+    skipped = draw(st.lists(st.booleans(), min_size=num_tokens, max_size=num_tokens))
+    fused = draw(st.booleans())
+    seed = draw(st.integers(0, 2**16))
+    return dtype, num_kv_heads, head_dim, num_blocks, block_size, slots, skipped, fused, seed
+
+
+@given(case=kv_writes())
+@settings(max_examples=80, deadline=None)
+def test_kv_writes_equal_the_reference(case):
+    """Every written slot holds its token's key and value, every other slot is untouched: the
+    same caches as the reference's `reshape_and_cache`, to the bit (a copy), whichever way the
+    keys come (the native write, or the reference's for float16)."""
+    dtype, num_kv_heads, head_dim, num_blocks, block_size, slots, skipped, fused, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    width = num_kv_heads * head_dim
+    if fused:  # q | k | v columns of one projection's output, as the models hand them on
+        out = torch.randn(len(slots), 3 * width, generator=gen).to(dtype)
+        key = out[:, width:2 * width].view(-1, num_kv_heads, head_dim)
+        value = out[:, 2 * width:].view(-1, num_kv_heads, head_dim)
+    else:
+        key = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen).to(dtype)
+        value = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen).to(dtype)
+    mapping = torch.tensor([-1 if skip else slot for slot, skip in zip(slots, skipped,
+                                                                       strict=True)],
+                           dtype=torch.int64)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    before = torch.randn(2, *shape, generator=gen).to(dtype)
+    caches = [before.clone(), before.clone()]
+    cpu_reshape_and_cache(key, value, caches[0][0], caches[0][1], mapping)
+    attention.reshape_and_cache(key, value, caches[1][0], caches[1][1], mapping)
+    assert torch.equal(caches[0], caches[1])
+
+
+def test_kv_writes_check_their_arguments_unless_told_not_to():
+    k_cache = torch.zeros(2, 4, 1, 8)
+    key = torch.ones(3, 1, 8)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cpu_reshape_and_cache(key, key, k_cache, k_cache.clone(),
+                              torch.tensor([0, 1, 99], dtype=torch.int64))

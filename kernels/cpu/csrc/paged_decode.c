@@ -17,24 +17,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_GROUP 64    /* query heads per KV head */
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256   /* tokens per block */
-
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(bits >> 16);
-}
 
 /* One row of D values as float32: in place for a float32 cache, else widened into `buf`. */
 static inline const float *row_f32(const void *base, int64_t index, int bf16, int d,
@@ -155,4 +142,21 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *
                    seq_lens[seq], (int)(p % hkv), h, hkv, d, bs, scale, bf16, then);
     }
     return 0;
+}
+
+/* The step's new keys and values into their cache slots (the attention contract's
+ * reshape_and_cache): row t of key and of value, `width` = H_kv * D values each, `key_stride` /
+ * `value_stride` elements after row t - 1 (views of a fused projection's output need no copy),
+ * to slot slot_mapping[t] of k_cache and v_cache ([num_slots, width] contiguous); a slot of -1
+ * is skipped. `elem` bytes per value. The caller checks the slots against the cache. */
+void write_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride,
+              void *k_cache, void *v_cache, const int64_t *slot_mapping, int64_t t,
+              int64_t width, int elem) {
+    const size_t row = (size_t)width * elem;
+    for (int64_t i = 0; i < t; i++) {
+        const int64_t slot = slot_mapping[i];
+        if (slot < 0) continue;
+        memcpy((char *)k_cache + slot * row, (const char *)key + i * key_stride * elem, row);
+        memcpy((char *)v_cache + slot * row, (const char *)value + i * value_stride * elem, row);
+    }
 }

@@ -1,0 +1,78 @@
+/* RMSNorm and rotary position embeddings for a CPU, one call each over a step's rows.
+ *
+ * Each is a handful of PyTorch ops (RMSNorm: a square, a mean, an add, a reciprocal square
+ * root, two products; rotary: two products, a half swap with a negation, a sum), and at a
+ * decode step's one row every op costs more to dispatch than to compute: two norms and two
+ * rotaries a layer are a few hundred microseconds of a step's ~30 layers. Here each is one
+ * pass over the row.
+ *
+ * Both compute what minipaged.models.layers' PyTorch code computes, in the same order and with
+ * the same roundings: RMSNorm's statistics in float32, its normalised row rounded to the
+ * input's dtype and then multiplied by the weight (rounded again); the rotary's two products
+ * and their sum each rounded to the input's dtype. Only the norm's sum of squares is added in
+ * another order. Products are never fused into multiply-adds (`fp-contract=off` below), so the
+ * rotary matches PyTorch's bit for bit.
+ *
+ * Built by minipaged.kernels.cpu.native (-O3 -ffast-math -march=native: the loops vectorize). */
+
+#pragma GCC optimize("fp-contract=off")
+
+#include <math.h>
+#include <stdint.h>
+
+#include "bf16.h"
+
+static inline float load(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* A float32 value as the dtype's value would be (bfloat16: rounded), in float32. */
+static inline float round_to(float v, int bf16) {
+    return bf16 ? bf16_to_float(float_to_bf16(v)) : v;
+}
+
+static inline void store(void *p, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = float_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
+/* out[t] = weight * (x[t] / sqrt(mean(x[t]^2) + eps)) for rows t < rows of n features; x and
+ * out [rows, n] contiguous (out may be x), weight [n], all float32 or all bfloat16 (bf16). */
+void rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t n, float eps,
+              int bf16) {
+    for (int64_t t = 0; t < rows; t++) {
+        float squares = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            const float v = load(x, t * n + i, bf16);
+            squares += v * v;
+        }
+        const float scale = 1.0f / sqrtf(squares / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) {
+            const float normed = round_to(load(x, t * n + i, bf16) * scale, bf16);
+            store(out, t * n + i, load(weight, i, bf16) * normed, bf16);
+        }
+    }
+}
+
+/* Rotary embedding of x [rows, heads, d] into out (contiguous, same shape): the pair (i,
+ * i + d/2) of every head of row t turned by the angle whose cos and sin are cos[t, i] and
+ * sin[t, i] ([rows, d] contiguous, x's dtype). x's rows are `row_stride` elements apart and its
+ * heads `d` (the q or k columns of a fused projection's output), so no copy is needed. */
+void rotary(const void *x, int64_t row_stride, const void *cos, const void *sin, void *out,
+            int64_t rows, int64_t heads, int64_t d, int bf16) {
+    const int64_t half = d / 2;
+    for (int64_t t = 0; t < rows; t++) {
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t in = t * row_stride + h * d, at = (t * heads + h) * d;
+            for (int64_t i = 0; i < d; i++) {
+                const float v = load(x, in + i, bf16);
+                /* rotate_half: (x1, x2) -> (-x2, x1) */
+                const float turned = i < half ? -load(x, in + i + half, bf16)
+                                              : load(x, in + i - half, bf16);
+                const float a = round_to(v * load(cos, t * d + i, bf16), bf16);
+                const float b = round_to(turned * load(sin, t * d + i, bf16), bf16);
+                store(out, at + i, a + b, bf16);
+            }
+        }
+    }
+}

@@ -1,0 +1,115 @@
+"""RMSNorm and rotary embeddings in one C call each (`csrc/norm_rotary.c`).
+
+In PyTorch an RMSNorm is eight operators (a cast, a square, a mean, an add, a reciprocal square
+root, two products, a cast back) and a rotary six per tensor (two products, a half swap with a
+negation and a concatenation, a sum). At the one row of a request's decode step each operator
+costs a few microseconds to dispatch and almost nothing to compute; a step of SmolLM2 runs 61
+norms and 60 rotaries. Here each is one pass over its rows, rounding as PyTorch rounds
+(`minipaged.models.layers` computes the same in PyTorch and calls these where they apply).
+
+`norm_rotary_available()` says whether the kernels could be built (`build_native`); without a
+compiler the models keep their PyTorch code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from minipaged.kernels.cpu.native import build_native, profiled
+
+SOURCE = Path(__file__).with_name("csrc") / "norm_rotary.c"
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write
+NORM_PROFILER_NAME = "minipaged::rms_norm"
+ROTARY_PROFILER_NAME = "minipaged::rotary"
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The kernels, built (`build_native`) and loaded once per process; None without."""
+    path = build_native(SOURCE)
+    if path is None:
+        return None
+    library = ctypes.CDLL(str(path))
+    pointer, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    library.rms_norm.argtypes = [pointer, pointer, pointer, i64, i64, f32, i32]
+    library.rms_norm.restype = None
+    library.rotary.argtypes = [pointer, i64, pointer, pointer, pointer, i64, i64, i64, i32]
+    library.rotary.restype = None
+    return library
+
+
+def norm_rotary_available() -> bool:
+    """Whether the kernels are built and loaded in this process (building them if need be)."""
+    return _library() is not None
+
+
+def _takes(*tensors: Tensor) -> bool:
+    """CPU tensors of one of `DTYPES`, all of one dtype, nothing to differentiate."""
+    dtype = tensors[0].dtype
+    return (
+        dtype in DTYPES
+        and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        and norm_rotary_available()
+    )
+
+
+def rms_norm_supports(x: Tensor, weight: Tensor) -> bool:
+    """Whether `rms_norm` takes `x` (contiguous, normalised over its last dimension) and
+    `weight` (contiguous, of x's last size): CPU tensors of one of `DTYPES`, x's dtype,
+    nothing to differentiate, and the kernel built."""
+    return (
+        x.dim() >= 1 and weight.dim() == 1 and weight.shape[0] == x.shape[-1]
+        and x.is_contiguous() and weight.is_contiguous() and _takes(x, weight)
+    )
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """`weight * (x / sqrt(mean(x^2) + eps))` over x's last dimension, as a new tensor: the
+    statistics in float32, the normalised value rounded to x's dtype, then multiplied by the
+    weight (as `minipaged.models.layers.RMSNorm` computes it). Arguments as
+    `rms_norm_supports` takes them."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the native CPU norm kernel could not be built here")
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    with profiled(NORM_PROFILER_NAME):
+        library.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps,
+                         int(x.dtype == torch.bfloat16))
+    return out
+
+
+def rotary_supports(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    """Whether `rotary` takes `x [T, heads, D]` (each row's heads side by side: strides
+    `(any, D, 1)`) with `cos`, `sin` (`[T, 1, D]` or `[T, D]`, contiguous): CPU tensors of
+    one of `DTYPES`, x's dtype, nothing to differentiate, and the kernel built."""
+    tokens, _, head_dim = x.shape if x.dim() == 3 else (None, None, None)
+    return (
+        tokens is not None and head_dim % 2 == 0
+        and x.stride(1) == head_dim and x.stride(2) == 1
+        and all(t.is_contiguous() and t.numel() == tokens * head_dim
+                and t.shape[-1] == head_dim for t in (cos, sin))
+        and _takes(x, cos, sin)
+    )
+
+
+def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """`x * cos + rotate_half(x) * sin` (`minipaged.models.layers.apply_rotary`) as a new
+    contiguous `[T, heads, D]`: each pair (i, i + D/2) of every head of token t turned by the
+    angle of `cos[t, i]`, `sin[t, i]`, each product and the sum rounded to x's dtype.
+    Arguments as `rotary_supports` takes them."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the native CPU rotary kernel could not be built here")
+    tokens, heads, head_dim = x.shape
+    out = torch.empty(x.shape, dtype=x.dtype)
+    with profiled(ROTARY_PROFILER_NAME):
+        library.rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                       tokens, heads, head_dim, int(x.dtype == torch.bfloat16))
+    return out

@@ -1,0 +1,141 @@
+"""The C RMSNorm and rotary kernels against the PyTorch code they replace.
+
+`minipaged.models.layers` computes both in PyTorch (`RMSNorm`, `apply_rotary`, whose rotary is
+Hugging Face's `rotate_half` form) and calls these kernels where they apply. The rotary must equal
+PyTorch's bit for bit in float32 and bfloat16 (each product and the sum rounded to the dtype, no
+fused multiply-add); the norm adds its squares in another order, so it is within a few units in
+the last place in float32 and within one bfloat16 rounding. Inputs are drawn with hypothesis:
+row counts from 1, head dims and widths that are and are not multiples of a vector, rows of a
+fused projection's output (strided), and magnitudes from tiny to large.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minipaged.kernels.cpu.norm_rotary import (
+    NORM_PROFILER_NAME,
+    norm_rotary_available,
+    rms_norm,
+    rms_norm_supports,
+    rotary,
+    rotary_supports,
+)
+
+DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`minipaged.models.layers.RMSNorm`'s PyTorch path."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def torch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`minipaged.models.layers.apply_rotary`'s PyTorch path."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def test_the_kernels_are_built_on_this_machine():
+    assert norm_rotary_available()
+
+
+@given(dtype=DTYPES, rows=st.integers(1, 9), width=st.sampled_from([1, 7, 16, 64, 576, 1000]),
+       scale=st.sampled_from([1e-3, 1.0, 300.0]), eps=st.sampled_from([1e-6, 1e-5]),
+       seed=st.integers(0, 2**16))
+@settings(max_examples=80, deadline=None)
+def test_rms_norm_equals_pytorch(dtype, rows, width, scale, eps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, width, generator=gen) * scale).to(dtype)
+    weight = (torch.randn(width, generator=gen) + 1).to(dtype)
+    assert rms_norm_supports(x, weight)
+    got, want = rms_norm(x, weight, eps), torch_rms_norm(x, weight, eps)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:  # the normalised value may round the other way: one bfloat16 step, twice
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 * 2**-8, atol=1e-6)
+
+
+@given(dtype=DTYPES, tokens=st.integers(1, 6), heads=st.integers(1, 5),
+       head_dim=st.sampled_from([2, 8, 64, 128]), fused=st.booleans(),
+       seed=st.integers(0, 2**16))
+@settings(max_examples=80, deadline=None)
+def test_rotary_equals_pytorch_bit_for_bit(dtype, tokens, heads, head_dim, fused, seed):
+    gen = torch.Generator().manual_seed(seed)
+    if fused:  # the q columns of a fused q | k | v output: rows further apart than the heads
+        x = torch.randn(tokens, 3 * heads * head_dim, generator=gen).to(dtype)
+        x = x[:, : heads * head_dim].view(tokens, heads, head_dim)
+    else:
+        x = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype)
+    angles = torch.rand(tokens, 1, head_dim // 2, generator=gen) * 100
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    assert rotary_supports(x, cos, sin)
+    got = rotary(x, cos, sin)
+    assert got.is_contiguous()
+    assert torch.equal(got, torch_rotary(x, cos, sin))
+
+
+def test_what_the_kernels_do_not_take_is_left_to_pytorch():
+    x, weight = torch.randn(2, 8), torch.ones(8)
+    assert not rms_norm_supports(x.t(), torch.ones(2))  # not contiguous
+    assert not rms_norm_supports(x.half(), weight.half())  # float16
+    assert not rms_norm_supports(x, weight.double())  # dtypes differ
+    assert not rms_norm_supports(x, torch.ones(4))  # wrong width
+    with torch.enable_grad():
+        assert not rms_norm_supports(x.requires_grad_(), weight)  # gradients wanted
+    q = torch.randn(2, 3, 8)
+    cos = sin = torch.randn(2, 1, 8)
+    assert rotary_supports(q, cos, sin)
+    assert not rotary_supports(q.transpose(0, 1), cos[:1].expand(3, 1, 8), sin[:1].expand(3, 1, 8))
+    assert not rotary_supports(q[..., ::2], cos[..., :4], sin[..., :4])  # heads strided
+    assert not rotary_supports(q, cos.expand(2, 3, 8), sin)  # a cos per head
+    assert not rotary_supports(torch.randn(2, 3, 7), torch.randn(2, 1, 7), torch.randn(2, 1, 7))
+
+
+def test_models_take_the_kernels_and_agree_with_their_pytorch_code():
+    """`RMSNorm` and `apply_rotary` call the kernels on a CPU, and give what their own PyTorch
+    code gives (the kernels off: a tensor that wants gradients)."""
+    from minipaged.models.layers import RMSNorm, apply_rotary
+
+    norm = RMSNorm(16, 1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        fast = norm(x)
+    with torch.enable_grad():
+        slow = norm(x.clone().requires_grad_())
+    torch.testing.assert_close(fast, slow.detach(), rtol=1e-5, atol=1e-6)
+    q, cos, sin = torch.randn(3, 2, 16), torch.randn(3, 1, 16), torch.randn(3, 1, 16)
+    with torch.inference_mode():
+        fast = apply_rotary(q, cos, sin)
+    with torch.enable_grad():
+        slow = apply_rotary(q.clone().requires_grad_(), cos, sin)
+    assert torch.equal(fast, slow.detach())
+
+
+@pytest.mark.parametrize("profiling", [False, True])
+def test_profiles_under_its_own_name_only_while_a_profiler_runs(profiling):
+    from torch.profiler import ProfilerActivity, profile
+
+    x, weight = torch.randn(2, 8), torch.ones(8)
+    if profiling:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            rms_norm(x, weight, 1e-6)
+        assert NORM_PROFILER_NAME in {event.key for event in prof.key_averages()}
+    else:
+        entered = []
+        real = torch.profiler.record_function
+        torch.profiler.record_function = lambda name: entered.append(name) or real(name)
+        try:
+            rms_norm(x, weight, 1e-6)
+        finally:
+            torch.profiler.record_function = real
+        assert entered == []
