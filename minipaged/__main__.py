@@ -137,6 +137,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     flag("quantization", choices=list(QUANTIZATIONS),
          help="weight-only int8 weights, quantised at load (CPU)")
     engine.add_argument("--no-prefix-caching", action="store_true")  # EngineConfig's default: on
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="run every step through the model's modules (no replayed decode "
+                             "steps on a CPU)")
     flag("tensor_parallel_size", type=int,
          help="split the model over N worker processes (torch.distributed)")
     engine.add_argument("--threads", type=int, default=None,
@@ -219,6 +222,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         attention_backend=args.attention_backend,
         quantization=args.quantization,
+        enforce_eager=args.enforce_eager,
         enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
     )

@@ -197,29 +197,39 @@ class GemvPlan:
     def __call__(self, x: Tensor, isa: str | None = None, out: Tensor | None = None) -> Tensor:
         """`[rows, width]` outputs for `x [rows, in]` (contiguous, the plan's dtype); `isa`
         forces a slower path ("c", "avx2") for tests; `out` is written if given."""
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if out is None and x.dim() == 2:
+            out = torch.empty(x.shape[0], self.width, dtype=self.dtype)
+        call = self.bind(x, out, isa)
+        if x.shape[0] > 0:
+            with profiled(PROFILER_NAME):
+                status = call()
+            if status != 0:
+                raise ValueError("the GEMV kernel refused these sizes")
+        return out
+
+    def bind(self, x: Tensor, out: Tensor | None, isa: str | None = None) -> Callable[[], int]:
+        """The kernel's call `out = self(x)` with every argument fixed, to run again and again
+        over the same tensors (their contents changing: a step replayed,
+        `minipaged.runner.cpu_decode`); it returns the kernel's status, 0. `x [rows, in]` and
+        `out [rows, width]` contiguous, the plan's dtype, alive while the call is; threads as
+        many as torch's now."""
         library = _library()
         if library is None:
             raise RuntimeError("the native CPU GEMV kernel could not be built here")
-        if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != self.dtype:
-            raise ValueError(f"x must be [rows, {self.in_features}] {self.dtype}, got "
-                             f"{x.dtype} {tuple(x.shape)}")
-        if not x.is_contiguous():
-            x = x.contiguous()
+        if (x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != self.dtype
+                or not x.is_contiguous()):
+            raise ValueError(f"x must be a contiguous [rows, {self.in_features}] {self.dtype}, "
+                             f"got {x.dtype} {tuple(x.shape)}")
         rows = x.shape[0]
-        if out is None:
-            out = torch.empty(rows, self.width, dtype=self.dtype)
-        elif out.shape != (rows, self.width) or out.dtype != self.dtype or not out.is_contiguous():
+        if (out is None or out.shape != (rows, self.width) or out.dtype != self.dtype
+                or not out.is_contiguous()):
             raise ValueError(f"out must be a contiguous [{rows}, {self.width}] {self.dtype}")
-        if rows == 0:
-            return out
         level = library.gemv_isa() if isa is None else min(ISAS[isa], library.gemv_isa())
-        with profiled(PROFILER_NAME):
-            status = library.gemv(x.data_ptr(), rows, self.in_features,
-                                  int(self.dtype == torch.bfloat16), *self._args,
-                                  out.data_ptr(), level, torch.get_num_threads())
-        if status != 0:
-            raise ValueError("the GEMV kernel refused these sizes")
-        return out
+        return functools.partial(library.gemv, x.data_ptr(), rows, self.in_features,
+                                 int(self.dtype == torch.bfloat16), *self._args,
+                                 out.data_ptr(), level, torch.get_num_threads())
 
 
 def gemv(x: Tensor, weights: Sequence[Tensor | Int8Weight],

@@ -33,6 +33,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -185,6 +186,30 @@ def paged_decode(
     the caches contiguous; other rows of `out` are left as they are. Raises `RuntimeError` when
     the kernel is not available (`native_decode_available`). `validate=False` skips the checks
     of layouts and sizes, for a caller that checked them once for every layer of a step."""
+    call = bind_paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, rows, seqs, scale,
+                             validate=validate)
+    with profiled(PROFILER_NAME):
+        status = call()
+    if status != 0:
+        raise ValueError("the native decode kernel refused these sizes")
+
+
+def bind_paged_decode(
+    out: Tensor,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    rows: Tensor,
+    seqs: Tensor,
+    scale: float,
+    *,
+    validate: bool = True,
+) -> Callable[[], int]:
+    """`paged_decode(...)` as a call with every argument fixed, to run again and again over the
+    same tensors (their contents changing: a step replayed); it returns the kernel's status, 0.
+    All of `rows` are decoded; threads as many as torch's now."""
     library = _library()
     if library is None:
         raise RuntimeError("the native CPU paged-decode kernel could not be built here")
@@ -192,15 +217,12 @@ def paged_decode(
         _check_decode_args(out, q, k_cache, v_cache, block_tables, seq_lens, rows, seqs)
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    with profiled(PROFILER_NAME):
-        status = library.paged_decode(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-            block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), rows.data_ptr(),
-            seqs.data_ptr(), rows.numel(), num_heads, num_kv_heads, head_dim, block_size, scale,
-            int(q.dtype == torch.bfloat16), torch.get_num_threads(),
-        )
-    if status != 0:
-        raise ValueError("the native decode kernel refused these sizes")
+    return functools.partial(
+        library.paged_decode, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        out.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
+        rows.data_ptr(), seqs.data_ptr(), rows.numel(), num_heads, num_kv_heads, head_dim,
+        block_size, scale, int(q.dtype == torch.bfloat16), torch.get_num_threads(),
+    )
 
 
 def _check_decode_args(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -241,11 +263,20 @@ def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
     skip) of the contiguous caches `[num_blocks, block_size, H_kv, D]`. The slots must lie in
     the cache (`minipaged.attention.contract.check_reshape_and_cache_args`): they are not
     checked here. Raises `RuntimeError` when the kernel is not available."""
+    call = bind_write_kv(key, value, k_cache, v_cache, slot_mapping)
+    with profiled(WRITE_PROFILER_NAME):
+        call()
+
+
+def bind_write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                  slot_mapping: Tensor) -> Callable[[], None]:
+    """`write_kv(...)` as a call with every argument fixed, to run again and again over the
+    same tensors (their contents changing: a step replayed)."""
     library = _library()
     if library is None:
         raise RuntimeError("the native CPU paged-attention kernels could not be built here")
     _, _, num_kv_heads, head_dim = k_cache.shape
-    with profiled(WRITE_PROFILER_NAME):
-        library.write_kv(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-                         k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
-                         key.shape[0], num_kv_heads * head_dim, key.element_size())
+    return functools.partial(
+        library.write_kv, key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+        k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
+        num_kv_heads * head_dim, key.element_size())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -74,15 +75,25 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     statistics in float32, the normalised value rounded to x's dtype, then multiplied by the
     weight (as `minipaged.models.layers.RMSNorm` computes it). Arguments as
     `rms_norm_supports` takes them."""
+    out = torch.empty_like(x)
+    call = bind_rms_norm(x, weight, eps, out)
+    with profiled(NORM_PROFILER_NAME):
+        call()
+    return out
+
+
+def bind_rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> Callable[[], None]:
+    """`out = rms_norm(x, weight, eps)` as a call with every argument fixed, to run again and
+    again over the same tensors (their contents changing: a step replayed). `out` is
+    contiguous, of x's shape and dtype (it may be x)."""
     library = _library()
     if library is None:
         raise RuntimeError("the native CPU norm kernel could not be built here")
-    out = torch.empty_like(x)
+    if not (out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {tuple(x.shape)} {x.dtype}")
     n = x.shape[-1]
-    with profiled(NORM_PROFILER_NAME):
-        library.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps,
-                         int(x.dtype == torch.bfloat16))
-    return out
+    return functools.partial(library.rms_norm, x.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                             x.numel() // n, n, eps, int(x.dtype == torch.bfloat16))
 
 
 def rotary_supports(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
@@ -104,12 +115,23 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     contiguous `[T, heads, D]`: each pair (i, i + D/2) of every head of token t turned by the
     angle of `cos[t, i]`, `sin[t, i]`, each product and the sum rounded to x's dtype.
     Arguments as `rotary_supports` takes them."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    call = bind_rotary(x, cos, sin, out)
+    with profiled(ROTARY_PROFILER_NAME):
+        call()
+    return out
+
+
+def bind_rotary(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor) -> Callable[[], None]:
+    """`out = rotary(x, cos, sin)` as a call with every argument fixed, to run again and again
+    over the same tensors (their contents changing: a step replayed). `out` is a contiguous
+    `[T, heads, D]` of x's dtype."""
     library = _library()
     if library is None:
         raise RuntimeError("the native CPU rotary kernel could not be built here")
+    if not (out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {tuple(x.shape)} {x.dtype}")
     tokens, heads, head_dim = x.shape
-    out = torch.empty(x.shape, dtype=x.dtype)
-    with profiled(ROTARY_PROFILER_NAME):
-        library.rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
-                       tokens, heads, head_dim, int(x.dtype == torch.bfloat16))
-    return out
+    return functools.partial(library.rotary, x.data_ptr(), x.stride(0), cos.data_ptr(),
+                             sin.data_ptr(), out.data_ptr(), tokens, heads, head_dim,
+                             int(x.dtype == torch.bfloat16))

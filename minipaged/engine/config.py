@@ -102,6 +102,9 @@ class EngineConfig:
     preemption_mode: str | None = None  # None: recompute single sequences, swap groups
     attention_backend: str | None = None  # None: Triton on CUDA; on a CPU "cpu" for 16 bits
     quantization: str | None = None  # "int8": weight-only int8 at load (a CPU, one rank)
+    # True: every step through the model's modules, never a replayed decode step
+    # (`minipaged.runner.cpu_decode`; vLLM's flag of the same name turns off CUDA graphs).
+    enforce_eager: bool = False
     seed: int = 0  # the engine's generator, for requests without a seed of their own
     # Tensor parallelism: ranks (worker processes) the model is split over, and how long a
     # collective waits for a rank before the run is declared dead

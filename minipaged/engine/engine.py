@@ -116,6 +116,7 @@ class LLMEngine:
                 tensor_parallel_size=config.tensor_parallel_size,
                 tensor_parallel_timeout=config.tensor_parallel_timeout,
                 attention_backend=config.attention_backend,
+                enforce_eager=config.enforce_eager,
                 block_size=(
                     config.block_size if scheduler is None else scheduler.kv_manager.block_size
                 ),

@@ -29,6 +29,7 @@ from minipaged.runner.backends import (
     allocate_kv_caches,
     get_attention_ops,
 )
+from minipaged.runner.cpu_decode import DecodeProgram
 from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 
 GiB = 1 << 30
@@ -83,9 +84,12 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         attention_backend: str | None = None,
         heads: tuple[int, int] | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         """`heads`: (query heads, KV heads) of this runner's model when it is one
-        tensor-parallel rank's shard; by default the config's."""
+        tensor-parallel rank's shard; by default the config's. Decode steps of a few sequences
+        run as a `DecodeProgram` where one applies (the CPU backend, a one-rank LLaMA-family
+        model), unless `enforce_eager`: then every step runs the model's modules."""
         self.model = model
         choose_gemms(model)  # times the two CPU GEMMs per weight shape: once, before any step
         self.config = config
@@ -110,6 +114,10 @@ class ModelRunner:
         self.host_caches = allocate_kv_caches(
             config.num_layers, num_cpu_blocks, *layer, dtype=dtype,
             pin_memory=self.device.type == "cuda", zeroed=False,
+        )
+        self.decode_program = (
+            DecodeProgram.build(model, self.kv_caches, block_size)
+            if not enforce_eager and self.ops.name == "cpu" else None
         )
 
     def close(self) -> None:
@@ -203,8 +211,12 @@ class ModelRunner:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         input_ids, positions, metadata = self.prepare(entries)
         self.check_metadata(metadata, len(input_ids))
-        attention = PagedAttentionBackend(self.kv_caches, metadata, self.layer_ops)
-        hidden = self.model(input_ids, positions, attention)
+        program = self.decode_program
+        if program is not None and program.takes(len(input_ids), metadata):
+            hidden = program.run(input_ids, positions, metadata)
+        else:
+            attention = PagedAttentionBackend(self.kv_caches, metadata, self.layer_ops)
+            hidden = self.model(input_ids, positions, attention)
         last_rows = [
             end - 1
             for entry, end in zip(entries, metadata.query_start_loc[1:].tolist(), strict=True)

@@ -12,46 +12,21 @@ embedding looks its rows up from the same int8 values).
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import dense_last_logits, tiny_engine, tiny_llama_parts
+from tiny_models import dense_last_logits, force_kernel, tiny_engine, tiny_llama_parts
 
 from minipaged.engine.config import EngineConfig
-from minipaged.kernels.cpu.gemv import MAX_ROWS, GemvPlan, gemv_available
-from minipaged.models.layers import FewRows, Linear, LinearGroup, choose_gemms
+from minipaged.kernels.cpu.gemv import gemv_available
+from minipaged.models.layers import Linear, LinearGroup
 from minipaged.models.quantization import Int8Embedding, quantize_model
 from minipaged.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not gemv_available(), reason="needs a C compiler")
-
-
-def force_kernel(model: torch.nn.Module, max_rows: int = MAX_ROWS) -> int:
-    """Give every layer and group the kernel up to `max_rows` rows; the number given."""
-    choose_gemms(model)
-    count = 0
-    for module in model.modules():
-        paths = [module] if isinstance(module, Linear) else []
-        paths += [v for v in vars(module).values() if isinstance(v, LinearGroup)]
-        for owner in paths:
-            current = owner.few_rows if isinstance(owner, Linear) else owner.path
-            if current is None:
-                layers = owner.layers if isinstance(owner, LinearGroup) else (owner,)
-                weights = [layer.multiplied_weight() for layer in layers]
-                dtype = torch.float32 if not isinstance(weights[0], torch.Tensor) \
-                    else weights[0].dtype
-                current = FewRows(GemvPlan(weights, [la.bias for la in layers], dtype), 0)
-            forced = replace(current, max_rows=max_rows)
-            if isinstance(owner, Linear):
-                owner.few_rows = forced
-            else:
-                owner.path = forced
-            count += 1
-    return count
 
 
 @settings(max_examples=30, deadline=None)

@@ -224,6 +224,7 @@ def build_runner(
     block_size: int,
     num_gpu_blocks: int,
     num_cpu_blocks: int,
+    enforce_eager: bool = False,
 ) -> ModelRunner:
     """The engine's runner: a `ModelRunner` over `model`, or with `tensor_parallel_size` > 1 a
     `TensorParallelRunner` whose ranks take their shards of it (a model in memory is sliced;
@@ -240,7 +241,7 @@ def build_runner(
             model.to(device=device, dtype=dtype).eval(), model_config,
             block_size=block_size, num_gpu_blocks=num_gpu_blocks,
             num_cpu_blocks=num_cpu_blocks, device=device, dtype=dtype,
-            attention_backend=attention_backend,
+            attention_backend=attention_backend, enforce_eager=enforce_eager,
         )
     check_shardable(model_config, size)
     check_backend(device, size)

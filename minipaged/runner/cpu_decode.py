@@ -1,0 +1,225 @@
+"""A decode step replayed: the CPU's answer to CUDA graphs, for a few sequences at a time.
+
+At one request a decode step is memory-bound: it reads every weight once, which on a CPU takes
+~10-25 ms for SmolLM2 (`benchmarks/decode_cpu.py`). Run through the model's modules, the same
+step also pays Python for every call: 30 layers of module calls, checks of shapes and dtypes,
+new tensors, one `ctypes` call per kernel, ~0.3 ms a layer, as much as the bandwidth itself.
+CUDA has graphs for this (capture a step's kernel launches once, replay them); vLLM and
+nano-vllm replay a captured graph per batch size. `DecodeProgram` does the same with the CPU
+kernels of `minipaged.kernels.cpu`: for each row count it binds every kernel of the step to
+static buffers once (`bind_*`, `GemvPlan.bind`), and a step copies its inputs into those buffers,
+calls the bound kernels in order and copies the final hidden states out.
+
+A step of a LLaMA-family model (one rank, no per-head q/k norm) that only decodes, with at most
+`max_rows` sequences (the fewest rows any layer's few-row path takes), runs this way; any other
+step runs the model's modules. Each layer is what `minipaged.models.llama` computes:
+
+    h = rms_norm(x);  q, k, v = qkv(h);  q, k = rotary(q), rotary(k);  cache k, v
+    x += o(paged_decode(q));  h = rms_norm(x);  x += down(silu(gate(h)) * up(h))
+
+with the same kernels the modules call at a few rows, so outputs equal the modules' except
+for the residual adds and the SiLU, computed by PyTorch in place on the buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from minipaged.attention.contract import AttentionMetadata
+from minipaged.kernels.cpu.gemv import GemvPlan
+from minipaged.kernels.cpu.native import (
+    bind_paged_decode,
+    bind_write_kv,
+    native_decode_available,
+    native_decode_supports,
+    profiled,
+)
+from minipaged.kernels.cpu.norm_rotary import bind_rms_norm, bind_rotary, norm_rotary_available
+from minipaged.models.layers import Linear, check_flat_batch
+from minipaged.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+PROFILER_NAME = "minipaged::decode_program"  # a replayed step, as torch's profiler lists it
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class LayerPlans:
+    """One decoder layer's kernels and weights, as the program binds them."""
+
+    input_norm: Tensor
+    qkv: GemvPlan
+    o: GemvPlan
+    post_norm: Tensor
+    gate_up: GemvPlan
+    down: GemvPlan
+
+
+@dataclass
+class Replay:
+    """A row count's static buffers and its step's kernel calls bound to them: a step writes
+    its inputs into the first six buffers, runs `calls` in order and reads `hidden`. The calls
+    point into every buffer: the replay keeps them alive."""
+
+    x: Tensor  # [rows, hidden]: the residual stream; the embedding goes in here
+    cos: Tensor  # [rows, head_dim]
+    sin: Tensor
+    slot_mapping: Tensor  # [rows] int64
+    block_tables: Tensor  # [rows, max_blocks] int32
+    seq_lens: Tensor  # [rows] int32
+    hidden: Tensor  # [rows, hidden]: the final norm's output
+    calls: list[Callable[[], object]]
+    scratch: list[Tensor]  # the buffers between the kernels
+
+
+class DecodeProgram:
+    """Decode steps of `model` over `kv_caches`, replayed from bound kernel calls (module
+    docstring). Build it with `DecodeProgram.build`, which says None where it does not apply."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: Sequence[Tensor],
+                 layers: list[LayerPlans], max_rows: int, max_blocks: int) -> None:
+        self.model, self.kv_caches, self.layers = model, list(kv_caches), layers
+        self.max_rows, self.max_blocks = max_rows, max_blocks
+        self.dtype = layers[0].qkv.dtype
+        self.final_norm = model.norm.weight
+        self._replays: dict[tuple[int, int], Replay] = {}  # by rows and threads
+        self._watched = self._weights()
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, kv_caches: Sequence[Tensor],
+              block_size: int) -> DecodeProgram | None:
+        """The program of `model` (after `choose_gemms` planned its few-row paths) over these
+        caches, or None where it does not apply: not a one-rank LLaMA-family model without
+        per-head q/k norms, a layer without a few-row path, the kernels not built, or a cache
+        the decode kernel does not take."""
+        if not (isinstance(model, LlamaForCausalLM) and not model.config.qk_norm
+                and norm_rotary_available() and native_decode_available()
+                and kv_caches and kv_caches[0].dtype in DTYPES
+                and native_decode_supports(kv_caches[0][0], model.config.num_heads)):
+            return None
+        planned = [_layer_plans(layer) for layer in model.layers]
+        if any(plans is None for plans in planned):
+            return None
+        layers = [plans for plans, _ in planned]
+        max_rows = min(rows for _, rows in planned)
+        dtypes = {plans.qkv.dtype for plans in layers}
+        if dtypes != {kv_caches[0].dtype} or model.norm.weight.dtype != kv_caches[0].dtype:
+            return None
+        max_blocks = -(-model.config.max_position_embeddings // block_size)
+        return cls(model, kv_caches, layers, max_rows, max_blocks)  # type: ignore[arg-type]
+
+    def _weights(self) -> list[object]:
+        """Every weight object the bound calls read, in order: a module given a new weight
+        since makes the program stale (`takes`)."""
+        watched: list[object] = [self.model.norm.weight]
+        for layer in self.model.layers:
+            watched += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                           layer.self_attn.v_proj, layer.self_attn.o_proj,
+                           layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                watched += [linear.multiplied_weight(), linear.bias]
+        return watched
+
+    def takes(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
+        """Whether a step of `num_tokens` new tokens with this metadata is a replayable decode:
+        one token per sequence, at most `max_rows` of them, block tables that fit the buffers,
+        the model's weights those the calls were bound to."""
+        return (
+            metadata.max_query_len == 1 and num_tokens <= self.max_rows
+            and metadata.block_tables.shape[1] <= self.max_blocks
+            and all(a is b for a, b in zip(self._weights(), self._watched, strict=True))
+        )
+
+    def run(self, input_ids: Tensor, positions: Tensor, metadata: AttentionMetadata) -> Tensor:
+        """The final hidden states `[T, hidden]` of a step that `takes` accepts, as the model's
+        forward returns them (its K/V written into the caches)."""
+        check_flat_batch(self.model.config, input_ids, positions)
+        rows = input_ids.shape[0]
+        key = (rows, torch.get_num_threads())
+        replay = self._replays.get(key)
+        if replay is None:
+            replay = self._replays[key] = self._bind(rows)
+        with profiled(PROFILER_NAME):
+            replay.x.copy_(self.model.embed_tokens(input_ids))
+            cos, sin = self.model.rotary(positions, self.dtype)
+            replay.cos.copy_(cos.view(rows, -1))
+            replay.sin.copy_(sin.view(rows, -1))
+            replay.slot_mapping.copy_(metadata.slot_mapping)
+            replay.seq_lens.copy_(metadata.seq_lens)
+            width = metadata.block_tables.shape[1]
+            replay.block_tables[:, :width].copy_(metadata.block_tables)
+            for call in replay.calls:
+                call()
+        return replay.hidden.clone()
+
+    def _bind(self, rows: int) -> Replay:
+        """Static buffers for `rows` decodes, and every kernel of the step bound to them."""
+        config, dtype = self.model.config, self.dtype
+        head_dim, hidden = config.head_dim, config.hidden_size
+        num_heads, num_kv_heads = config.num_heads, config.num_kv_heads
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+
+        def buffer(*shape: int, of: torch.dtype = dtype) -> Tensor:
+            return torch.zeros(*shape, dtype=of)
+
+        x, h = buffer(rows, hidden), buffer(rows, hidden)
+        replay = Replay(
+            x=x, cos=buffer(rows, head_dim), sin=buffer(rows, head_dim),
+            slot_mapping=buffer(rows, of=torch.int64),
+            block_tables=buffer(rows, self.max_blocks, of=torch.int32),
+            seq_lens=buffer(rows, of=torch.int32), hidden=buffer(rows, hidden), calls=[],
+            scratch=[],
+        )
+        decoded = torch.arange(rows, dtype=torch.int32)  # row i is sequence i's decode
+        qkv = buffer(rows, q_size + 2 * kv_size)
+        q, k = buffer(rows, num_heads, head_dim), buffer(rows, num_kv_heads, head_dim)
+        q_in = qkv[:, :q_size].view(rows, num_heads, head_dim)
+        k_in = qkv[:, q_size:q_size + kv_size].view(rows, num_kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size:].view(rows, num_kv_heads, head_dim)
+        attended, projected = buffer(rows, num_heads, head_dim), buffer(rows, hidden)
+        gate_up = buffer(rows, 2 * self.layers[0].down.in_features)
+        gate, up = gate_up.chunk(2, dim=1)
+        act = buffer(rows, self.layers[0].down.in_features)
+        eps = config.norm_eps
+        calls = replay.calls
+        for plans, cache in zip(self.layers, self.kv_caches, strict=True):
+            calls += [
+                bind_rms_norm(x, plans.input_norm, eps, h),
+                plans.qkv.bind(h, qkv),
+                bind_rotary(q_in, replay.cos, replay.sin, q),
+                bind_rotary(k_in, replay.cos, replay.sin, k),
+                bind_write_kv(k, v, cache[0], cache[1], replay.slot_mapping),
+                bind_paged_decode(attended, q, cache[0], cache[1], replay.block_tables,
+                                  replay.seq_lens, decoded, decoded, head_dim**-0.5),
+                plans.o.bind(attended.view(rows, q_size), projected),
+                partial(x.add_, projected),
+                bind_rms_norm(x, plans.post_norm, eps, h),
+                plans.gate_up.bind(h, gate_up),
+                partial(F.silu, gate, inplace=True),
+                partial(torch.mul, gate, up, out=act),
+                plans.down.bind(act, projected),
+                partial(x.add_, projected),
+            ]
+        calls.append(bind_rms_norm(x, self.final_norm, eps, replay.hidden))
+        replay.scratch += [h, decoded, qkv, q, k, attended, projected, gate_up, act]
+        return replay
+
+
+def _layer_plans(layer: LlamaDecoderLayer) -> tuple[LayerPlans, int] | None:
+    """The layer's few-row kernel plans and the most rows all of them take, or None where one
+    of its projections has none (the kernel not faster there, or not built) or the layer is a
+    tensor-parallel shard."""
+    attn, mlp = layer.self_attn, layer.mlp
+    paths = (attn.qkv.path, attn.o_proj.few_rows, mlp.gate_up.path, mlp.down_proj.few_rows)
+    if (any(path is None for path in paths) or type(attn.o_proj) is not Linear
+            or type(mlp.down_proj) is not Linear):
+        return None
+    qkv, o, gate_up, down = (path.plan for path in paths)
+    plans = LayerPlans(layer.input_layernorm.weight, qkv, o,
+                       layer.post_attention_layernorm.weight, gate_up, down)
+    return plans, min(path.max_rows for path in paths)

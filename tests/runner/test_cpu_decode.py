@@ -1,0 +1,150 @@
+"""A replayed decode step (`DecodeProgram`) against the model's own modules.
+
+The program binds the same kernels the modules call at a few rows, so a step it replays must
+give the modules' hidden states and caches to the bit: for float32, bfloat16 and int8 weights,
+GQA ratios, q/k/v and output biases, one to eight sequences of random lengths in shuffled
+blocks, several steps in a row through one replay (block tables growing, rows reused). Every
+projection is forced onto the kernel (`force_kernel`) so the test does not depend on this
+machine's timings. What it does not take (prefills, more rows than its kernels, a replaced
+weight, per-head q/k norms, GPT-2, the reference backend, `enforce_eager`) runs the modules.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import random
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_models import (
+    force_kernel,
+    minipaged_parts,
+    plan_of,
+    random_hf,
+    scheduled,
+    tiny_llama_parts,
+)
+from torch.profiler import ProfilerActivity, profile
+
+from minipaged.models.quantization import quantize_model
+from minipaged.runner.backends import PagedAttentionBackend
+from minipaged.runner.cpu_decode import PROFILER_NAME, DecodeProgram
+from minipaged.runner.model_runner import ModelRunner
+
+BLOCK_SIZE, NUM_BLOCKS = 4, 80  # 8 sequences of up to 33 tokens fit
+
+
+@functools.cache
+def model_of(dtype: torch.dtype, num_kv_heads: int, bias: bool, int8: bool) -> torch.nn.Module:
+    model, _ = tiny_llama_parts(num_key_value_heads=num_kv_heads, attention_bias=bias)
+    if int8:
+        quantize_model(model, "int8")
+    return model.to(dtype).eval()
+
+
+def runner_of(model: torch.nn.Module, **kwargs) -> ModelRunner:
+    return ModelRunner(model, model.config, block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS,
+                       dtype=next(model.parameters()).dtype, **kwargs)
+
+
+def fill(caches: list[torch.Tensor], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for cache in caches:
+        cache.copy_(torch.randn(cache.shape, generator=gen).to(cache.dtype))
+
+
+CONFIGS = [  # dtype, KV heads (of 4 query heads), biases, int8
+    (torch.float32, 2, False, False),
+    (torch.float32, 4, True, False),
+    (torch.bfloat16, 1, False, False),
+    (torch.bfloat16, 2, True, False),
+    (torch.float32, 2, False, True),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
+@given(lens=st.lists(st.integers(1, 30), min_size=1, max_size=8), seed=st.integers(0, 2**16))
+@settings(max_examples=12, deadline=None)
+def test_a_replayed_step_equals_the_modules_to_the_bit(config, lens, seed):
+    model = model_of(*config)
+    runner = runner_of(model, enforce_eager=True)
+    force_kernel(model, max_rows=8)
+    assert runner.decode_program is None
+    fill(runner.kv_caches, seed)
+    replayed_caches = copy.deepcopy(runner.kv_caches)
+    program = DecodeProgram.build(model, replayed_caches, BLOCK_SIZE)
+    assert program is not None and program.max_rows == 8
+    rng = random.Random(seed)
+    blocks = rng.sample(range(NUM_BLOCKS), NUM_BLOCKS)
+    tables = [[blocks.pop() for _ in range(-(-(n + 3) // BLOCK_SIZE))] for n in lens]
+    for step in range(3):  # the same replay again, the tables' used width growing
+        entries = [scheduled([rng.randrange(64)], n + step - 1, table, seq_id=i)
+                   for i, (n, table) in enumerate(zip(lens, tables, strict=True))]
+        input_ids, positions, metadata = runner.prepare(entries)
+        assert program.takes(len(entries), metadata)
+        with torch.inference_mode():
+            eager = model(input_ids, positions,
+                          PagedAttentionBackend(runner.kv_caches, metadata, runner.layer_ops))
+            replayed = program.run(input_ids, positions, metadata)
+        assert torch.equal(replayed, eager)
+        for ours, theirs in zip(replayed_caches, runner.kv_caches, strict=True):
+            assert torch.equal(ours, theirs)
+
+
+def test_what_it_does_not_take_runs_the_modules():
+    model = model_of(torch.float32, 2, False, False)
+    runner = runner_of(model, enforce_eager=True)
+    force_kernel(model, max_rows=2)
+    program = DecodeProgram.build(model, runner.kv_caches, BLOCK_SIZE)
+    assert program is not None and program.max_rows == 2
+    decodes = [scheduled([1], 4, [0, 1], seq_id=0), scheduled([2], 2, [2], seq_id=1)]
+    assert program.takes(2, runner.prepare(decodes)[2])
+    three = decodes + [scheduled([3], 0, [3], seq_id=2)]
+    assert not program.takes(3, runner.prepare(three)[2])  # more rows than its kernels take
+    prefill = [scheduled([1, 2, 3], 0, [0], seq_id=0)]
+    assert not program.takes(3, runner.prepare(prefill)[2])
+    layer = model.layers[1].mlp.up_proj
+    weight = layer.weight
+    layer.weight = torch.nn.Parameter(weight.detach().clone())  # new storage: stale calls
+    try:
+        assert not program.takes(2, runner.prepare(decodes)[2])
+    finally:
+        layer.weight = weight
+    assert program.takes(2, runner.prepare(decodes)[2])
+
+
+def test_it_applies_only_to_one_rank_llama_models_on_the_cpu_backend():
+    model = model_of(torch.float32, 2, False, False)
+    assert runner_of(model, attention_backend="torch").decode_program is None
+    assert runner_of(model, enforce_eager=True).decode_program is None
+    qwen3, _ = minipaged_parts(random_hf("qwen3", vocab_size=64, hidden_size=32,
+                                         intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=8))
+    force_kernel(qwen3)
+    assert DecodeProgram.build(qwen3, runner_of(qwen3).kv_caches, BLOCK_SIZE) is None  # q/k norms
+    gpt2, _ = minipaged_parts(random_hf("gpt2", vocab_size=64, n_embd=32, n_layer=1, n_head=4,
+                                        bos_token_id=0, eos_token_id=0))
+    assert DecodeProgram.build(gpt2, runner_of(gpt2).kv_caches, BLOCK_SIZE) is None
+
+
+def test_the_runner_replays_decodes_and_gives_the_eager_runners_logits():
+    """Two runners over one float32 model, one eager: a prefill then decodes, their logits equal
+    to the bit; the replaying runner's decodes went through its program (profiled by name).
+    The runners plan the model's GEMMs as they start: forced onto the kernel here."""
+    model = model_of(torch.float32, 2, True, False)
+    with mock.patch("minipaged.runner.model_runner.choose_gemms", force_kernel):
+        eager, replaying = runner_of(model, enforce_eager=True), runner_of(model)
+    assert replaying.decode_program is not None
+    tokens = [5, 9, 2, 7, 11]
+    steps = [plan_of([scheduled(tokens, 0, [3, 1])])] + [
+        plan_of([scheduled([t], len(tokens) + i, [3, 1])]) for i, t in enumerate([4, 8, 1])]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for plan in steps:
+            assert torch.equal(replaying.execute(plan), eager.execute(plan))
+    events = [event for event in prof.key_averages() if event.key == PROFILER_NAME]
+    assert events and events[0].count == 3
