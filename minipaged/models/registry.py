@@ -97,8 +97,8 @@ def build_model(
         model = config.family.model_class(config, tp)
     loaded = model.load_state_dict(
         {
-            to_module_name(config, name): (w.t() if is_transposed(config, name) else w).to(
-                device=device, dtype=dtype
+            to_module_name(config, name): aligned(
+                (w.t() if is_transposed(config, name) else w).to(device=device, dtype=dtype)
             )
             for name, w in weights.items()
         },
@@ -111,6 +111,20 @@ def build_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.input_embedding().weight
     return model.to(device).eval()  # the rotary tables are computed on the CPU
+
+
+# Bytes a parameter's data is aligned to: a cache line, as PyTorch's CPU allocator aligns.
+ALIGNMENT = 64
+
+
+def aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or a copy of it whose data starts on a cache line. Tensors made from NumPy
+    arrays (the GGUF reader's) start on 16 bytes: every 64-byte vector load of their rows then
+    spans two cache lines, and the CPU's few-row kernel reads the bundled model's float32
+    weights at ~21 GB/s instead of ~24 (one thread, AMD EPYC)."""
+    if tensor.device.type != "cpu" or tensor.data_ptr() % ALIGNMENT == 0:
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def load_model(

@@ -195,12 +195,13 @@ typedef void (*tile_fn)(const float *, int64_t, const weight_t *, int64_t, float
 #define TILES(isa, T) TILES_M(isa, 4, T) TILES_M(isa, 2, T) TILES_M8(isa, 1, T)
 TILES(tile512, 0) TILES(tile512, 1) TILES(tile512, 2)
 TILES(tile256, 0) TILES(tile256, 1) TILES(tile256, 2)
+TILE(tile512, 1, 1, 0) TILE(tile512, 1, 2, 0) TILE(tile256, 1, 1, 0) TILE(tile256, 1, 2, 0)
 
 #define ROW4(isa, R, T) {isa##_##R##_1_##T, isa##_##R##_2_##T, isa##_##R##_3_##T, isa##_##R##_4_##T}
 #define ROW8(isa, T) {isa##_1_5_##T, isa##_1_6_##T, isa##_1_7_##T, isa##_1_8_##T}
 /* [type][m - 1]: R as tile_rows says. */
 #define TABLE(isa)                                                                           \
-    {{isa##_2_1_0, isa##_2_2_0, isa##_2_3_0, isa##_2_4_0, isa##_1_5_0, isa##_1_6_0,          \
+    {{isa##_1_1_0, isa##_1_2_0, isa##_2_3_0, isa##_2_4_0, isa##_1_5_0, isa##_1_6_0,          \
       isa##_1_7_0, isa##_1_8_0},                                                             \
      {isa##_4_1_1, isa##_4_2_1, isa##_2_3_1, isa##_2_4_1, isa##_1_5_1, isa##_1_6_1,          \
       isa##_1_7_1, isa##_1_8_1},                                                             \
@@ -210,12 +211,12 @@ static const tile_fn TABLE512[3][MAX_ROWS] = TABLE(tile512);
 static const tile_fn TABLE256[3][MAX_ROWS] = TABLE(tile256);
 
 /* Output rows a tile computes at once for m input rows of a weight of `type`. The rows of a
- * tile are read side by side, as R short streams: bfloat16 and int8 rows at m <= 2 read
- * fastest four at a time, float32 ones (twice or four times the bytes) two at a time (one
- * row, SmolLM2's weights, AMD EPYC, one thread: float32 16 GB/s with R = 4, 20 with R = 2;
- * bfloat16 23 with R = 4, 14 with R = 2). */
+ * tile are read side by side, as R short streams. At m <= 2, float32 rows read fastest one at
+ * a time and bfloat16 and int8 ones four at a time (SmolLM2's 30 layers and head, one row,
+ * one thread, AMD EPYC with 27-30 GB/s of streaming reads: float32 24-25 GB/s with R = 1,
+ * 18 with R = 2, 23 with R = 4; bfloat16 23-24 GB/s with any R). */
 static int tile_rows(int m, int type) {
-    if (m <= 2) return type == W_F32 ? 2 : 4;
+    if (m <= 2) return type == W_F32 ? 1 : 4;
     return m <= 4 ? 2 : 1;
 }
 
