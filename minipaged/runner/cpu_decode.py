@@ -113,16 +113,19 @@ class DecodeProgram:
         max_blocks = -(-model.config.max_position_embeddings // block_size)
         return cls(model, kv_caches, layers, max_rows, max_blocks)  # type: ignore[arg-type]
 
-    def _weights(self) -> list[object]:
-        """Every weight object the bound calls read, in order: a module given a new weight
-        since makes the program stale (`takes`)."""
-        watched: list[object] = [self.model.norm.weight]
+    def _weights(self) -> list[tuple[torch.nn.Module, str, object]]:
+        """(module, attribute, the object it holds now) for every weight the bound calls read:
+        a module given another object since makes the program stale (`takes`)."""
+        watched: list[tuple[torch.nn.Module, str, object]] = [
+            (self.model.norm, "weight", self.model.norm.weight)]
         for layer in self.model.layers:
-            watched += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            watched += [(norm, "weight", norm.weight) for norm in norms]
             for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj,
                            layer.self_attn.v_proj, layer.self_attn.o_proj,
                            layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-                watched += [linear.multiplied_weight(), linear.bias]
+                name = "weight" if linear.int8 is None else "int8"
+                watched += [(linear, name, getattr(linear, name)), (linear, "bias", linear.bias)]
         return watched
 
     def takes(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
@@ -132,7 +135,7 @@ class DecodeProgram:
         return (
             metadata.max_query_len == 1 and num_tokens <= self.max_rows
             and metadata.block_tables.shape[1] <= self.max_blocks
-            and all(a is b for a, b in zip(self._weights(), self._watched, strict=True))
+            and all(getattr(module, name) is held for module, name, held in self._watched)
         )
 
     def run(self, input_ids: Tensor, positions: Tensor, metadata: AttentionMetadata) -> Tensor:
