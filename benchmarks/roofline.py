@@ -346,13 +346,15 @@ def print_decode_floors(result: dict) -> None:
 
 # torch profiler op names -> the part of the roofline they are.
 OP_KINDS = {
-    "GEMM (projections, head)": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
+    "GEMM (projections, head)": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise",
+                                 "minipaged::gemv"),
     "attention kernel": ("aten::_scaled_dot_product_flash_attention_for_cpu",
                          "aten::_scaled_dot_product_attention_math", "aten::bmm",
                          "minipaged::paged_decode"),
     "K/V gather (block copies)": ("aten::index_select",),
     "dtype conversions": ("aten::copy_",),
-    "KV write, tail zeroing": ("aten::index_copy_", "aten::_index_put_impl_"),
+    "KV write, tail zeroing": ("aten::index_copy_", "aten::_index_put_impl_",
+                               "minipaged::write_kv"),
 }
 
 
