@@ -1,9 +1,11 @@
 """Layer 0 -- the CPU's native kernels: C sources beside this package, compiled by the
 system's C compiler on first use for the machine's own instruction set and loaded with ctypes.
 
-Two kernels: paged-attention decode (`native`) and the few-row linear layers, float32,
-bfloat16 or weight-only int8 (`gemv`). Only the CPU fast paths of the layers above call into
-it; their reference paths are plain PyTorch and run without a compiler.
+Paged attention (`native`: decode over blocks read in place, and the KV write), the few-row
+linear layers, float32, bfloat16 or weight-only int8 (`gemv`), and RMSNorm and rotary
+embeddings (`norm_rotary`). Each has a `bind_*` form (`GemvPlan.bind`) that fixes a call's
+arguments for a step replayed again and again. Only the CPU fast paths of the layers above call
+into it; their reference paths are plain PyTorch and run without a compiler.
 """
 
 from __future__ import annotations
@@ -18,24 +20,52 @@ from minipaged.kernels.cpu.gemv import (
     quantize_int8,
 )
 from minipaged.kernels.cpu.native import (
+    bind_paged_decode,
+    bind_write_kv,
     build_native,
     build_native_decode,
+    load_native,
     native_decode_available,
     native_decode_supports,
     paged_decode,
+    profiled,
+    write_kv,
+    write_kv_supports,
+)
+from minipaged.kernels.cpu.norm_rotary import (
+    bind_rms_norm,
+    bind_rotary,
+    norm_rotary_available,
+    rms_norm,
+    rms_norm_supports,
+    rotary,
+    rotary_supports,
 )
 
 __all__ = [
     "GemvPlan",
     "Int8Weight",
+    "bind_paged_decode",
+    "bind_rms_norm",
+    "bind_rotary",
+    "bind_write_kv",
     "build_native",
     "build_native_decode",
     "gemv",
     "gemv_available",
     "gemv_isa",
     "gemv_row_limit",
+    "load_native",
     "native_decode_available",
     "native_decode_supports",
+    "norm_rotary_available",
     "paged_decode",
+    "profiled",
     "quantize_int8",
+    "rms_norm",
+    "rms_norm_supports",
+    "rotary",
+    "rotary_supports",
+    "write_kv",
+    "write_kv_supports",
 ]

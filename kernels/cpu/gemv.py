@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from minipaged.kernels.cpu.native import build_native, profiled
+from minipaged.kernels.cpu.native import I32, I64, POINTER, load_native, profiled
 
 SOURCE = Path(__file__).with_name("csrc") / "gemv.c"
 MAX_ROWS = 8  # the few-row range: rows the kernel takes in one pass over the weights
@@ -96,16 +96,11 @@ def quantize_int8(weight: Tensor, group_size: int | None = None) -> Int8Weight:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The kernel, built (`build_native`) and loaded once per process; None without."""
-    path = build_native(SOURCE)
-    if path is None:
-        return None
-    library = ctypes.CDLL(str(path))
-    pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    library.gemv.argtypes = [pointer, i64, i64, i32, i32] + [pointer] * 7 + [i32, i32]
-    library.gemv.restype = ctypes.c_int
-    library.gemv_isa.restype = ctypes.c_int
-    return library
+    """The kernel, built and loaded once per process (`load_native`); None without."""
+    return load_native(SOURCE, {
+        "gemv": ([POINTER, I64, I64, I32, I32] + [POINTER] * 7 + [I32, I32], ctypes.c_int),
+        "gemv_isa": ([], ctypes.c_int),
+    })
 
 
 def gemv_available() -> bool:

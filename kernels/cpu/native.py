@@ -33,7 +33,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -132,21 +132,34 @@ def _compile(
     return None if result.returncode == 0 else result.stderr
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The kernel, built (`build_native_decode`) and loaded once per process; None without."""
-    path = build_native_decode()
+def load_native(source: Path,
+                signatures: Mapping[str, tuple[Sequence[type], type | None]]) -> ctypes.CDLL | None:
+    """The shared library of the C file `source` (`build_native`), loaded with `ctypes`, each
+    function named in `signatures` given its argument and result types (name -> (argtypes,
+    restype)); None where it cannot be built. Every kernel module of this layer loads its C
+    file this way, once per process."""
+    path = build_native(source)
     if path is None:
         return None
     library = ctypes.CDLL(str(path))
-    pointer, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    library.paged_decode.argtypes = [pointer] * 5 + [i64] + [pointer] * 3 + [i64] + [i32] * 4 + [
-        f32, i32, i32]
-    library.paged_decode.restype = ctypes.c_int
-    library.write_kv.argtypes = [pointer, i64, pointer, i64, pointer, pointer, pointer, i64, i64,
-                                 i32]
-    library.write_kv.restype = None
+    for name, (argtypes, restype) in signatures.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = list(argtypes), restype
     return library
+
+
+POINTER, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The kernels, built and loaded once per process (`load_native`); None without."""
+    return load_native(SOURCE, {
+        "paged_decode": ([POINTER] * 5 + [I64] + [POINTER] * 3 + [I64] + [I32] * 4
+                         + [F32, I32, I32], ctypes.c_int),
+        "write_kv": ([POINTER, I64, POINTER, I64, POINTER, POINTER, POINTER, I64, I64, I32],
+                     None),
+    })
 
 
 def native_decode_available() -> bool:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from minipaged.kernels.cpu.native import build_native, profiled
+from minipaged.kernels.cpu.native import F32, I32, I64, POINTER, load_native, profiled
 
 SOURCE = Path(__file__).with_name("csrc") / "norm_rotary.c"
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write
@@ -31,17 +31,11 @@ ROTARY_PROFILER_NAME = "minipaged::rotary"
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The kernels, built (`build_native`) and loaded once per process; None without."""
-    path = build_native(SOURCE)
-    if path is None:
-        return None
-    library = ctypes.CDLL(str(path))
-    pointer, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    library.rms_norm.argtypes = [pointer, pointer, pointer, i64, i64, f32, i32]
-    library.rms_norm.restype = None
-    library.rotary.argtypes = [pointer, i64, pointer, pointer, pointer, i64, i64, i64, i32]
-    library.rotary.restype = None
-    return library
+    """The kernels, built and loaded once per process (`load_native`); None without."""
+    return load_native(SOURCE, {
+        "rms_norm": ([POINTER, POINTER, POINTER, I64, I64, F32, I32], None),
+        "rotary": ([POINTER, I64, POINTER, POINTER, POINTER, I64, I64, I64, I32], None),
+    })
 
 
 def norm_rotary_available() -> bool:
