@@ -109,7 +109,7 @@ class StepLog:
         self.tokens.append(record.num_batched_tokens)
         self.decode_only.append(bool(work) and all(w.num_new_tokens == 1 for w in work))
         self.num_seqs.append(len(work))
-        self.logits_rows.append(sum(w.samples for w in work))
+        self.logits_rows.append(sum(w.needs_logits for w in work))
         self.context_tokens.append(sum(w.start + w.num_new_tokens for w in work))
         self.attended_pairs.append(sum(  # query r of a chunk sees start + r + 1 keys
             w.num_new_tokens * w.start + w.num_new_tokens * (w.num_new_tokens + 1) // 2

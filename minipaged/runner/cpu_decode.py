@@ -88,7 +88,7 @@ class DecodeProgram:
         self.dtype = layers[0].qkv.dtype
         self.final_norm = model.norm.weight
         self._replays: dict[tuple[int, int], Replay] = {}  # by rows and threads
-        self._watched = self._weights()
+        self._watched = self._watch_list()
 
     @classmethod
     def build(cls, model: torch.nn.Module, kv_caches: Sequence[Tensor],
@@ -113,7 +113,7 @@ class DecodeProgram:
         max_blocks = -(-model.config.max_position_embeddings // block_size)
         return cls(model, kv_caches, layers, max_rows, max_blocks)  # type: ignore[arg-type]
 
-    def _weights(self) -> list[tuple[torch.nn.Module, str, object]]:
+    def _watch_list(self) -> list[tuple[torch.nn.Module, str, object]]:
         """(module, attribute, the object it holds now) for every weight the bound calls read:
         a module given another object since makes the program stale (`takes`)."""
         watched: list[tuple[torch.nn.Module, str, object]] = [
