@@ -54,6 +54,7 @@ class LayerPlans:
 
     input_norm: Tensor
     qkv: GemvPlan
+    scale: float  # the attention's, as the layer's module holds it
     o: GemvPlan
     post_norm: Tensor
     gate_up: GemvPlan
@@ -198,7 +199,7 @@ class DecodeProgram:
                 bind_rotary(k_in, replay.cos, replay.sin, k),
                 bind_write_kv(k, v, cache[0], cache[1], replay.slot_mapping),
                 bind_paged_decode(attended, q, cache[0], cache[1], replay.block_tables,
-                                  replay.seq_lens, decoded, decoded, head_dim**-0.5),
+                                  replay.seq_lens, decoded, decoded, plans.scale),
                 plans.o.bind(attended.view(rows, q_size), projected),
                 partial(x.add_, projected),
                 bind_rms_norm(x, plans.post_norm, eps, h),
@@ -223,6 +224,6 @@ def _layer_plans(layer: LlamaDecoderLayer) -> tuple[LayerPlans, int] | None:
             or type(mlp.down_proj) is not Linear):
         return None
     qkv, o, gate_up, down = (path.plan for path in paths)
-    plans = LayerPlans(layer.input_layernorm.weight, qkv, o,
+    plans = LayerPlans(layer.input_layernorm.weight, qkv, attn.scale, o,
                        layer.post_attention_layernorm.weight, gate_up, down)
     return plans, min(path.max_rows for path in paths)
