@@ -13,6 +13,7 @@ from __future__ import annotations
 from minipaged.kernels.cpu.gemv import (
     GemvPlan,
     Int8Weight,
+    fetch_ahead,
     gemv,
     gemv_available,
     gemv_isa,
@@ -51,6 +52,7 @@ __all__ = [
     "bind_write_kv",
     "build_native",
     "build_native_decode",
+    "fetch_ahead",
     "gemv",
     "gemv_available",
     "gemv_isa",

@@ -37,6 +37,8 @@ SOURCE = Path(__file__).with_name("csrc") / "gemv.c"
 MAX_ROWS = 8  # the few-row range: rows the kernel takes in one pass over the weights
 PROBE_ROWS = (1, 2, 4, 8)  # row counts `gemv_row_limit` times
 PROBE_BYTES = 48 << 20  # weight copies per probe: more than a server CPU's last-level cache
+FETCH_PROBE_SHAPE = (1536, 576)  # the weight `fetch_ahead` reads: a small model's MLP's
+FETCH_PROBE_GROUP = 64  # and its int8 group, as quantised models have them (GROUP_SIZE)
 IO_DTYPES = (torch.float32, torch.bfloat16)  # x and out
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # csrc/gemv.c's enum
 ISAS = {"c": 0, "avx2": 1, "avx512": 2}  # the kernel's paths, by what they need
@@ -98,7 +100,7 @@ def quantize_int8(weight: Tensor, group_size: int | None = None) -> Int8Weight:
 def _library() -> ctypes.CDLL | None:
     """The kernel, built and loaded once per process (`load_native`); None without."""
     return load_native(SOURCE, {
-        "gemv": ([POINTER, I64, I64, I32, I32] + [POINTER] * 7 + [I32, I32], ctypes.c_int),
+        "gemv": ([POINTER, I64, I64, I32, I32] + [POINTER] * 7 + [I32, I32, I32], ctypes.c_int),
         "gemv_isa": ([], ctypes.c_int),
     })
 
@@ -164,6 +166,7 @@ class GemvPlan:
             data.append(tensor)
             scales.append(w.scales if isinstance(w, Int8Weight) else None)
             groups.append(w.group_size if isinstance(w, Int8Weight) else self.in_features)
+        self.weight_dtype = data[0].dtype  # its reads are measured by this one (`fetch_ahead`)
         self.out_features = [t.shape[0] for t in data]
         self.width = sum(self.out_features)
         self._args = (
@@ -189,14 +192,16 @@ class GemvPlan:
         return len(weights) == len(self.weights) and all(
             a is b for a, b in zip(weights, self.weights, strict=True))
 
-    def __call__(self, x: Tensor, isa: str | None = None, out: Tensor | None = None) -> Tensor:
+    def __call__(self, x: Tensor, isa: str | None = None, out: Tensor | None = None,
+                 ahead: bool | None = None) -> Tensor:
         """`[rows, width]` outputs for `x [rows, in]` (contiguous, the plan's dtype); `isa`
-        forces a slower path ("c", "avx2") for tests; `out` is written if given."""
+        forces a slower path ("c", "avx2") and `ahead` whether weights are fetched ahead, for
+        tests and measurements; `out` is written if given."""
         if not x.is_contiguous():
             x = x.contiguous()
         if out is None and x.dim() == 2:
             out = torch.empty(x.shape[0], self.width, dtype=self.dtype)
-        call = self.bind(x, out, isa)
+        call = self.bind(x, out, isa, ahead)
         if x.shape[0] > 0:
             with profiled(PROFILER_NAME):
                 status = call()
@@ -204,12 +209,14 @@ class GemvPlan:
                 raise ValueError("the GEMV kernel refused these sizes")
         return out
 
-    def bind(self, x: Tensor, out: Tensor | None, isa: str | None = None) -> Callable[[], int]:
+    def bind(self, x: Tensor, out: Tensor | None, isa: str | None = None,
+             ahead: bool | None = None) -> Callable[[], int]:
         """The kernel's call `out = self(x)` with every argument fixed, to run again and again
         over the same tensors (their contents changing: a step replayed,
         `minipaged.runner.cpu_decode`); it returns the kernel's status, 0. `x [rows, in]` and
         `out [rows, width]` contiguous, the plan's dtype, alive while the call is; threads as
-        many as torch's now."""
+        many as torch's now; weights fetched ahead as `fetch_ahead` measured, unless `ahead`
+        says."""
         library = _library()
         if library is None:
             raise RuntimeError("the native CPU GEMV kernel could not be built here")
@@ -222,9 +229,11 @@ class GemvPlan:
                 or not out.is_contiguous()):
             raise ValueError(f"out must be a contiguous [{rows}, {self.width}] {self.dtype}")
         level = library.gemv_isa() if isa is None else min(ISAS[isa], library.gemv_isa())
+        if ahead is None:
+            ahead = rows > 0 and fetch_ahead(self.weight_dtype, rows)
         return functools.partial(library.gemv, x.data_ptr(), rows, self.in_features,
                                  int(self.dtype == torch.bfloat16), *self._args,
-                                 out.data_ptr(), level, torch.get_num_threads())
+                                 out.data_ptr(), level, int(ahead), torch.get_num_threads())
 
 
 def gemv(x: Tensor, weights: Sequence[Tensor | Int8Weight],
@@ -289,3 +298,40 @@ def gemv_row_limit(shapes: tuple[tuple[int, int], ...], dtype: torch.dtype,
                 break
             limit = rows if rows < PROBE_ROWS[-1] else MAX_ROWS
     return limit
+
+
+def fetch_ahead(weight_dtype: torch.dtype, rows: int) -> bool:
+    """Whether the kernel reads weights of `weight_dtype` (float32, bfloat16 or int8) faster
+    at `rows` input rows when it fetches each weight row `csrc/gemv.c`'s PREFETCH bytes ahead
+    into L2. Some CPUs need it for one thread to keep memory busy (a Xeon: 9.8 -> 11.3 GB/s);
+    on others the hardware prefetcher does it alone and the extra requests slow it (an AMD
+    EPYC, float32 at one row: 25-26 -> 22 GB/s); so it is measured, once per process for each
+    weight type and each of the kernel's tile shapes (one or two rows, three or four, more)."""
+    return _fetch_ahead(weight_dtype, 1 if rows <= 2 else 4 if rows <= 4 else MAX_ROWS)
+
+
+@functools.cache
+def _fetch_ahead(weight_dtype: torch.dtype, rows: int) -> bool:
+    """`fetch_ahead` at `rows` (1, 4 or 8): one kernel call over each of the copies of a
+    weight that together overflow the caches (`PROBE_BYTES`), fetching ahead and not, in turns,
+    best of five; the faster wins."""
+    if not gemv_available():
+        return False
+    shape = FETCH_PROBE_SHAPE
+    element = torch.tensor([], dtype=weight_dtype).element_size()
+    copies = max(1, PROBE_BYTES // (shape[0] * shape[1] * element))
+    with torch.inference_mode():
+        if weight_dtype == torch.int8:
+            scales = torch.full((shape[0], shape[1] // FETCH_PROBE_GROUP), 0.01)
+            plans = [GemvPlan([Int8Weight(torch.ones(shape, dtype=torch.int8), scales,
+                                          FETCH_PROBE_GROUP)]) for _ in range(copies)]
+        else:
+            plans = [GemvPlan([torch.full(shape, 0.01, dtype=weight_dtype)])
+                     for _ in range(copies)]
+        x = torch.ones(rows, shape[1])
+        out = torch.empty(rows, shape[0])
+        calls = {ahead: [plan.bind(x, out, ahead=ahead) for plan in plans]
+                 for ahead in (False, True)}
+        times = best_times({str(ahead): lambda _, c=c: [call() for call in c]
+                            for ahead, c in calls.items()}, [x])
+    return times["True"] < times["False"]

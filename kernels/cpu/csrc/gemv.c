@@ -30,9 +30,14 @@
 enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2 };
 #define MAX_ROWS 8 /* input rows per pass over the weights */
 
-/* Bytes ahead of each weight row's read that it is fetched into L2: one thread's demand misses
- * alone leave memory idle. At one row, SmolLM2's 49152 x 576 head, bfloat16: 8.7 GB/s with
- * 2 KiB, 11.2 with 16 KiB (Xeon with AVX-512, one thread; float32 9.8 -> 11.3). */
+/* Bytes ahead of each weight row's read that it is fetched into L2, where a call fetches ahead
+ * (`fetch_ahead`): on some CPUs one thread's demand misses alone leave memory idle, on others
+ * the hardware prefetcher keeps up alone and the extra requests only slow it. Measured, one
+ * row, one thread: SmolLM2's 49152 x 576 head on a Xeon with AVX-512, bfloat16 8.7 GB/s with
+ * 2 KiB, 11.2 with 16 KiB (float32 9.8 -> 11.3); its 30 layers and head on an AMD EPYC, float32
+ * one weight row at a time, 22 GB/s with 16 KiB and 25-26 without, bfloat16 four rows at a
+ * time 21 with 16 KiB and 9 without. The caller chooses by measurement
+ * (minipaged.kernels.cpu.gemv.fetch_ahead). */
 #ifndef PREFETCH
 #define PREFETCH 16384
 #endif
@@ -86,9 +91,10 @@ static AVX512 __m512 load_w512(const void *w, int type, int64_t i, __mmask16 mas
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
 }
 
-/* R output rows from r, M input rows: sums in out_acc[R][M]. Inlined with R, M, type fixed. */
+/* R output rows from r, M input rows: sums in out_acc[R][M]; each read's weight bytes `ahead`
+ * (0: none) fetched into L2. Inlined with R, M, type and ahead fixed. */
 static AVX512 void tile512(const float *x, int64_t k, const weight_t *wt, int64_t r, int R,
-                           int M, int type, float out_acc[4][MAX_ROWS]) {
+                           int M, int type, int64_t ahead, float out_acc[4][MAX_ROWS]) {
     const int64_t groups = k / wt->group, group = wt->group;
     __m512 acc[4][MAX_ROWS];
     for (int a = 0; a < R; a++)
@@ -103,7 +109,7 @@ static AVX512 void tile512(const float *x, int64_t k, const weight_t *wt, int64_
             __m512 wv[4];
             for (int a = 0; a < R; a++) {
                 wv[a] = load_w512(wt->w, type, (r + a) * k + j, mask);
-                _mm_prefetch(w_byte(wt->w, type, (r + a) * k + j) + PREFETCH, _MM_HINT_T1);
+                if (ahead) _mm_prefetch(w_byte(wt->w, type, (r + a) * k + j) + ahead, _MM_HINT_T1);
             }
             for (int i = 0; i < M; i++) {
                 const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * k + j);
@@ -145,7 +151,7 @@ static AVX2 float hsum256(__m256 v) {
 }
 
 static AVX2 void tile256(const float *x, int64_t k, const weight_t *wt, int64_t r, int R,
-                         int M, int type, float out_acc[4][MAX_ROWS]) {
+                         int M, int type, int64_t ahead, float out_acc[4][MAX_ROWS]) {
     const int64_t groups = k / wt->group, group = wt->group;
     for (int a = 0; a < R; a++)
         for (int i = 0; i < M; i++) out_acc[a][i] = 0.0f;
@@ -158,7 +164,7 @@ static AVX2 void tile256(const float *x, int64_t k, const weight_t *wt, int64_t 
             __m256 wv[4];
             for (int a = 0; a < R; a++) {
                 wv[a] = load_w256(wt->w, type, (r + a) * k + j);
-                _mm_prefetch(w_byte(wt->w, type, (r + a) * k + j) + PREFETCH, _MM_HINT_T1);
+                if (ahead) _mm_prefetch(w_byte(wt->w, type, (r + a) * k + j) + ahead, _MM_HINT_T1);
             }
             for (int i = 0; i < M; i++) {
                 const __m256 xv = _mm256_loadu_ps(x + i * k + j);
@@ -181,40 +187,39 @@ static AVX2 void tile256(const float *x, int64_t k, const weight_t *wt, int64_t 
 
 typedef void (*tile_fn)(const float *, int64_t, const weight_t *, int64_t, float[4][MAX_ROWS]);
 
-/* One specialised tile function per (ISA, R, M, type): the compiler keeps R * M accumulators
- * in registers only when the loops' bounds are constants. */
-#define TILE(isa, R, M, T)                                                                    \
-    static void isa##_##R##_##M##_##T(const float *x, int64_t k, const weight_t *wt,        \
-                                      int64_t r, float acc[4][MAX_ROWS]) {                  \
-        isa(x, k, wt, r, R, M, T, acc);                                                      \
+/* One specialised tile function per (ISA, R, M, type, fetching ahead or not): the compiler keeps
+ * R * M accumulators in registers only when the loops' bounds are constants. */
+#define TILE(isa, R, M, T, P)                                                                 \
+    static void isa##_##R##_##M##_##T##_##P(const float *x, int64_t k, const weight_t *wt,  \
+                                            int64_t r, float acc[4][MAX_ROWS]) {            \
+        isa(x, k, wt, r, R, M, T, P ? PREFETCH : 0, acc);                                    \
     }
-#define TILES_M(isa, R, T) \
-    TILE(isa, R, 1, T) TILE(isa, R, 2, T) TILE(isa, R, 3, T) TILE(isa, R, 4, T)
-#define TILES_M8(isa, R, T) \
-    TILE(isa, R, 5, T) TILE(isa, R, 6, T) TILE(isa, R, 7, T) TILE(isa, R, 8, T)
-#define TILES(isa, T) TILES_M(isa, 4, T) TILES_M(isa, 2, T) TILES_M8(isa, 1, T)
-TILES(tile512, 0) TILES(tile512, 1) TILES(tile512, 2)
-TILES(tile256, 0) TILES(tile256, 1) TILES(tile256, 2)
-TILE(tile512, 1, 1, 0) TILE(tile512, 1, 2, 0) TILE(tile256, 1, 1, 0) TILE(tile256, 1, 2, 0)
+/* The tiles tile_rows picks: R = 1 (float32) or 4 at one or two rows, 2 at three or four, 1
+ * beyond. */
+#define TILES(isa, T, P)                                                                      \
+    TILE(isa, 2, 3, T, P) TILE(isa, 2, 4, T, P) TILE(isa, 1, 5, T, P) TILE(isa, 1, 6, T, P)   \
+    TILE(isa, 1, 7, T, P) TILE(isa, 1, 8, T, P)
+#define ALL_TILES(isa, P)                                                                    \
+    TILES(isa, 0, P) TILES(isa, 1, P) TILES(isa, 2, P) TILE(isa, 1, 1, 0, P)                 \
+    TILE(isa, 1, 2, 0, P) TILE(isa, 4, 1, 1, P) TILE(isa, 4, 2, 1, P) TILE(isa, 4, 1, 2, P)  \
+    TILE(isa, 4, 2, 2, P)
+ALL_TILES(tile512, 0) ALL_TILES(tile512, 1) ALL_TILES(tile256, 0) ALL_TILES(tile256, 1)
 
-#define ROW4(isa, R, T) {isa##_##R##_1_##T, isa##_##R##_2_##T, isa##_##R##_3_##T, isa##_##R##_4_##T}
-#define ROW8(isa, T) {isa##_1_5_##T, isa##_1_6_##T, isa##_1_7_##T, isa##_1_8_##T}
-/* [type][m - 1]: R as tile_rows says. */
-#define TABLE(isa)                                                                           \
-    {{isa##_1_1_0, isa##_1_2_0, isa##_2_3_0, isa##_2_4_0, isa##_1_5_0, isa##_1_6_0,          \
-      isa##_1_7_0, isa##_1_8_0},                                                             \
-     {isa##_4_1_1, isa##_4_2_1, isa##_2_3_1, isa##_2_4_1, isa##_1_5_1, isa##_1_6_1,          \
-      isa##_1_7_1, isa##_1_8_1},                                                             \
-     {isa##_4_1_2, isa##_4_2_2, isa##_2_3_2, isa##_2_4_2, isa##_1_5_2, isa##_1_6_2,          \
-      isa##_1_7_2, isa##_1_8_2}}
-static const tile_fn TABLE512[3][MAX_ROWS] = TABLE(tile512);
-static const tile_fn TABLE256[3][MAX_ROWS] = TABLE(tile256);
+/* [fetch ahead][type][m - 1]: R as tile_rows says. */
+#define TYPE_ROW(isa, R, T, P)                                                               \
+    {isa##_##R##_1_##T##_##P, isa##_##R##_2_##T##_##P, isa##_2_3_##T##_##P,                 \
+     isa##_2_4_##T##_##P, isa##_1_5_##T##_##P, isa##_1_6_##T##_##P, isa##_1_7_##T##_##P,    \
+     isa##_1_8_##T##_##P}
+#define TABLE(isa, P) {TYPE_ROW(isa, 1, 0, P), TYPE_ROW(isa, 4, 1, P), TYPE_ROW(isa, 4, 2, P)}
+static const tile_fn TABLE512[2][3][MAX_ROWS] = {TABLE(tile512, 0), TABLE(tile512, 1)};
+static const tile_fn TABLE256[2][3][MAX_ROWS] = {TABLE(tile256, 0), TABLE(tile256, 1)};
 
 /* Output rows a tile computes at once for m input rows of a weight of `type`. The rows of a
  * tile are read side by side, as R short streams. At m <= 2, float32 rows read fastest one at
  * a time and bfloat16 and int8 ones four at a time (SmolLM2's 30 layers and head, one row,
- * one thread, AMD EPYC with 27-30 GB/s of streaming reads: float32 24-25 GB/s with R = 1,
- * 18 with R = 2, 23 with R = 4; bfloat16 23-24 GB/s with any R). */
+ * one thread, AMD EPYC with 26-28 GB/s of streaming reads: float32 25-26 GB/s with R = 1 and
+ * 13 with R = 4, not fetching ahead; bfloat16 21-23 GB/s with R = 4 and 7-8 with R = 1, where
+ * a tile's fixed cost is paid every 1152 bytes, fetching ahead). */
 static int tile_rows(int m, int type) {
     if (m <= 2) return type == W_F32 ? 1 : 4;
     return m <= 4 ? 2 : 1;
@@ -232,10 +237,11 @@ int gemv_isa(void) {
 
 /* out [m, sum(n)] (float32, or bfloat16 when io_bf16) = x [m, k] (same dtype) times each of
  * the nw weights, side by side. ws/types/ns/scales/groups/biases: one entry per weight.
- * isa: as gemv_isa() returns, or lower to force a path. Returns 0, or -1 for bad sizes. */
+ * isa: as gemv_isa() returns, or lower to force a path; fetch_ahead: 1 to fetch weights
+ * PREFETCH bytes ahead into L2, 0 not to. Returns 0, or -1 for bad sizes. */
 int gemv(const void *x_in, int64_t m, int64_t k, int io_bf16, int nw, const void *const *ws,
          const int *types, const int64_t *ns, const float *const *scales, const int64_t *groups,
-         const void *const *biases, void *out, int isa, int threads) {
+         const void *const *biases, void *out, int isa, int fetch_ahead, int threads) {
     if (m < 1 || k < 1 || nw < 1) return -1;
     int64_t width = 0;
     for (int w = 0; w < nw; w++) {
@@ -260,8 +266,9 @@ int gemv(const void *x_in, int64_t m, int64_t k, int io_bf16, int nw, const void
             const weight_t wt = {ws[w], types[w], scales[w],
                                  types[w] == W_INT8 ? groups[w] : k, biases[w]};
             const int64_t n = ns[w], tiles = (n + R - 1) / R;
-            const tile_fn fn = isa == 2 ? TABLE512[wt.type][mm - 1]
-                               : isa == 1 ? TABLE256[wt.type][mm - 1] : NULL;
+            const int ahead = fetch_ahead != 0;
+            const tile_fn fn = isa == 2 ? TABLE512[ahead][wt.type][mm - 1]
+                               : isa == 1 ? TABLE256[ahead][wt.type][mm - 1] : NULL;
 #pragma omp parallel for schedule(static) num_threads(threads)
             for (int64_t t = 0; t < tiles; t++) {
                 float acc[4][MAX_ROWS];

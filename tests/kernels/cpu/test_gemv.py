@@ -25,6 +25,7 @@ from minipaged.kernels.cpu.gemv import (
     SOURCE,
     GemvPlan,
     Int8Weight,
+    fetch_ahead,
     gemv,
     gemv_available,
     gemv_isa,
@@ -75,12 +76,12 @@ def problems(draw: st.DrawFn):
 
 
 @settings(max_examples=120, deadline=None)
-@given(problems(), st.sampled_from(PATHS), st.sampled_from([1, 2]))
-def test_equals_f_linear(problem, isa, threads):
+@given(problems(), st.sampled_from(PATHS), st.sampled_from([1, 2]), st.booleans())
+def test_equals_f_linear(problem, isa, threads, ahead):
     x, weights, biases = problem
     torch.set_num_threads(threads)
     try:
-        out = GemvPlan(weights, biases, x.dtype)(x, isa=isa)
+        out = GemvPlan(weights, biases, x.dtype)(x, isa=isa, ahead=ahead)
     finally:
         torch.set_num_threads(1)
     expected = reference(x, weights, biases)
@@ -163,6 +164,18 @@ def test_row_limit_is_within_range_and_measured_once():
     misses = gemv_row_limit.cache_info().misses
     assert gemv_row_limit(shapes, torch.float32, F.linear) == limit
     assert gemv_row_limit.cache_info().misses == misses
+
+
+def test_fetching_ahead_is_chosen_per_tile_shape_and_changes_no_result():
+    w = torch.randn(40, 64)
+    x = torch.randn(2, 64)
+    plan = GemvPlan([w])
+    assert torch.equal(plan(x, ahead=True), plan(x, ahead=False))
+    for dtype in (torch.float32, torch.bfloat16, torch.int8):
+        chosen = [fetch_ahead(dtype, rows) for rows in range(1, 17)]
+        assert all(isinstance(c, bool) for c in chosen)
+        # one measurement per tile shape: 1-2 rows, 3-4, more (8 at a time beyond 8)
+        assert len({*chosen[:2]}) == len({*chosen[2:4]}) == len({*chosen[4:]}) == 1
 
 
 def test_built_by_the_layers_one_builder(tmp_path: Path):
