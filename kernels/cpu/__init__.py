@@ -2,10 +2,11 @@
 system's C compiler on first use for the machine's own instruction set and loaded with ctypes.
 
 Paged attention (`native`: decode over blocks read in place, and the KV write), the few-row
-linear layers, float32, bfloat16 or weight-only int8 (`gemv`), and RMSNorm and rotary
-embeddings (`norm_rotary`). Each has a `bind_*` form (`GemvPlan.bind`) that fixes a call's
-arguments for a step replayed again and again. Only the CPU fast paths of the layers above call
-into it; their reference paths are plain PyTorch and run without a compiler.
+linear layers, float32, bfloat16 or weight-only int8 (`gemv`), and RMSNorm, rotary
+embeddings and SwiGLU's SiLU-and-multiply (`norm_rotary`). Each has a `bind_*` form
+(`GemvPlan.bind`) that fixes a call's arguments for a step replayed again and again. Only the
+CPU fast paths of the layers above call into it; their reference paths are plain PyTorch and
+run without a compiler.
 """
 
 from __future__ import annotations
@@ -34,21 +35,27 @@ from minipaged.kernels.cpu.native import (
     write_kv_supports,
 )
 from minipaged.kernels.cpu.norm_rotary import (
+    bind_add_rms_norm,
     bind_rms_norm,
     bind_rotary,
+    bind_silu_mul,
     norm_rotary_available,
     rms_norm,
     rms_norm_supports,
     rotary,
     rotary_supports,
+    silu_mul,
+    silu_mul_supports,
 )
 
 __all__ = [
     "GemvPlan",
     "Int8Weight",
+    "bind_add_rms_norm",
     "bind_paged_decode",
     "bind_rms_norm",
     "bind_rotary",
+    "bind_silu_mul",
     "bind_write_kv",
     "build_native",
     "build_native_decode",
@@ -68,6 +75,8 @@ __all__ = [
     "rms_norm_supports",
     "rotary",
     "rotary_supports",
+    "silu_mul",
+    "silu_mul_supports",
     "write_kv",
     "write_kv_supports",
 ]

@@ -1,11 +1,14 @@
-"""RMSNorm and rotary embeddings in one C call each (`csrc/norm_rotary.c`).
+"""RMSNorm, rotary embeddings and SwiGLU's SiLU-and-multiply in one C call each
+(`csrc/norm_rotary.c`).
 
 In PyTorch an RMSNorm is eight operators (a cast, a square, a mean, an add, a reciprocal square
-root, two products, a cast back) and a rotary six per tensor (two products, a half swap with a
-negation and a concatenation, a sum). At the one row of a request's decode step each operator
-costs a few microseconds to dispatch and almost nothing to compute; a step of SmolLM2 runs 61
-norms and 60 rotaries. Here each is one pass over its rows, rounding as PyTorch rounds
-(`minipaged.models.layers` computes the same in PyTorch and calls these where they apply).
+root, two products, a cast back), a rotary six per tensor (two products, a half swap with a
+negation and a concatenation, a sum) and SwiGLU's activation two. At the one row of a request's
+decode step each operator costs a few microseconds to dispatch and almost nothing to compute; a
+step of SmolLM2 runs 61 norms, 60 rotaries and 30 SwiGLUs. Here each is one pass over its rows,
+rounding as PyTorch rounds (`minipaged.models.layers` computes the same in PyTorch and calls
+these where they apply). `bind_add_rms_norm` also folds the residual add before a norm into it,
+for a replayed step (`minipaged.runner.cpu_decode`).
 
 `norm_rotary_available()` says whether the kernels could be built (`build_native`); without a
 compiler the models keep their PyTorch code.
@@ -27,6 +30,7 @@ SOURCE = Path(__file__).with_name("csrc") / "norm_rotary.c"
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write
 NORM_PROFILER_NAME = "minipaged::rms_norm"
 ROTARY_PROFILER_NAME = "minipaged::rotary"
+SILU_MUL_PROFILER_NAME = "minipaged::silu_mul"
 
 
 @functools.cache
@@ -35,6 +39,8 @@ def _library() -> ctypes.CDLL | None:
     return load_native(SOURCE, {
         "rms_norm": ([POINTER, POINTER, POINTER, I64, I64, F32, I32], None),
         "rotary": ([POINTER, I64, POINTER, POINTER, POINTER, I64, I64, I64, I32], None),
+        "add_rms_norm": ([POINTER] * 4 + [I64, I64, F32, I32], None),
+        "silu_mul": ([POINTER, POINTER, I64, POINTER, I64, I64, I32], None),
     })
 
 
@@ -90,6 +96,24 @@ def bind_rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> Callabl
                              x.numel() // n, n, eps, int(x.dtype == torch.bfloat16))
 
 
+def bind_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                      out: Tensor) -> Callable[[], None]:
+    """`x += residual; out = rms_norm(x, weight, eps)` as one call with every argument fixed
+    (a layer's residual add and the norm after it, replayed). x, residual and out contiguous,
+    of one shape and dtype, out not x."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the native CPU norm kernel could not be built here")
+    if not all(t.shape == x.shape and t.dtype == x.dtype and t.is_contiguous()
+               for t in (x, residual, out)) or out.data_ptr() == x.data_ptr():
+        raise ValueError(f"x, residual and out must be contiguous {tuple(x.shape)} {x.dtype}, "
+                         "out not x")
+    n = x.shape[-1]
+    return functools.partial(library.add_rms_norm, x.data_ptr(), residual.data_ptr(),
+                             weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps,
+                             int(x.dtype == torch.bfloat16))
+
+
 def rotary_supports(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
     """Whether `rotary` takes `x [T, heads, D]` (each row's heads side by side: strides
     `(any, D, 1)`) with `cos`, `sin` (`[T, 1, D]` or `[T, D]`, contiguous): CPU tensors of
@@ -129,3 +153,41 @@ def bind_rotary(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor) -> Callable[[]
     return functools.partial(library.rotary, x.data_ptr(), x.stride(0), cos.data_ptr(),
                              sin.data_ptr(), out.data_ptr(), tokens, heads, head_dim,
                              int(x.dtype == torch.bfloat16))
+
+
+def silu_mul_supports(gate: Tensor, up: Tensor) -> bool:
+    """Whether `silu_mul` takes `gate` and `up`: `[T, n]` each, rows equally far apart and
+    each row contiguous (the two halves of a fused projection's output, say), CPU tensors of
+    one of `DTYPES`, one dtype, nothing to differentiate, and the kernel built."""
+    return (
+        gate.dim() == 2 and up.shape == gate.shape and gate.stride(1) == up.stride(1) == 1
+        and gate.stride(0) == up.stride(0) and _takes(gate, up)
+    )
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """`F.silu(gate) * up` as a new contiguous `[T, n]`, the SiLU and the product each rounded
+    to the inputs' dtype. Arguments as `silu_mul_supports` takes them."""
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    call = bind_silu_mul(gate, up, out)
+    with profiled(SILU_MUL_PROFILER_NAME):
+        call()
+    return out
+
+
+def bind_silu_mul(gate: Tensor, up: Tensor, out: Tensor) -> Callable[[], None]:
+    """`out = silu_mul(gate, up)` as a call with every argument fixed, to run again and again
+    over the same tensors (a step replayed). `out` is a contiguous `[T, n]` of gate's dtype,
+    in storage of its own."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the native CPU SiLU kernel could not be built here")
+    inputs = {t.untyped_storage().data_ptr() for t in (gate, up)}
+    if not (out.shape == gate.shape and out.dtype == gate.dtype and out.is_contiguous()
+            and out.untyped_storage().data_ptr() not in inputs):
+        raise ValueError(f"out must be a contiguous {tuple(gate.shape)} {gate.dtype} apart "
+                         "from gate and up")
+    rows, n = gate.shape
+    return functools.partial(library.silu_mul, gate.data_ptr(), up.data_ptr(),
+                             gate.stride(0), out.data_ptr(), rows, n,
+                             int(gate.dtype == torch.bfloat16))

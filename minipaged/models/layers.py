@@ -30,7 +30,14 @@ from minipaged.kernels.cpu.gemv import (
     gemv_available,
     gemv_row_limit,
 )
-from minipaged.kernels.cpu.norm_rotary import rms_norm, rms_norm_supports, rotary, rotary_supports
+from minipaged.kernels.cpu.norm_rotary import (
+    rms_norm,
+    rms_norm_supports,
+    rotary,
+    rotary_supports,
+    silu_mul,
+    silu_mul_supports,
+)
 from minipaged.models.checkpoint.model_config import ModelConfig
 
 
@@ -440,6 +447,14 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     if rotary_supports(x, cos, sin):
         return rotary(x, cos, sin)
     return x * cos + rotate_half(x) * sin
+
+
+def silu_and_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """SwiGLU's activation (Shazeer 2020), `silu(gate) * up`. On a CPU, one C call where it
+    applies (`minipaged.kernels.cpu.norm_rotary`: the same roundings, the C library's exp)."""
+    if silu_mul_supports(gate, up):
+        return silu_mul(gate, up)
+    return F.silu(gate) * up
 
 
 def rotate_half(x: Tensor) -> Tensor:

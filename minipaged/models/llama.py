@@ -20,7 +20,6 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from minipaged.models.checkpoint.gguf_weights import GGUFMetadata
@@ -40,6 +39,7 @@ from minipaged.models.layers import (
     RotaryEmbedding,
     apply_rotary,
     check_flat_batch,
+    silu_and_mul,
 )
 from minipaged.models.tensor_parallel import (
     SINGLE_RANK,
@@ -103,7 +103,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(gate, up))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -17,18 +17,17 @@ step runs the model's modules. Each layer is what `minipaged.models.llama` compu
     h = rms_norm(x);  q, k, v = qkv(h);  q, k = rotary(q), rotary(k);  cache k, v
     x += o(paged_decode(q));  h = rms_norm(x);  x += down(silu(gate(h)) * up(h))
 
-with the same kernels the modules call at a few rows, so outputs equal the modules' except
-for the residual adds and the SiLU, computed by PyTorch in place on the buffers.
+with the same kernels the modules call at a few rows, so outputs equal the modules' bit for
+bit; a residual add goes into the same call as the norm after it (`bind_add_rms_norm`), which
+adds and rounds as PyTorch's add does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from minipaged.attention.contract import AttentionMetadata
@@ -40,7 +39,13 @@ from minipaged.kernels.cpu.native import (
     native_decode_supports,
     profiled,
 )
-from minipaged.kernels.cpu.norm_rotary import bind_rms_norm, bind_rotary, norm_rotary_available
+from minipaged.kernels.cpu.norm_rotary import (
+    bind_add_rms_norm,
+    bind_rms_norm,
+    bind_rotary,
+    bind_silu_mul,
+    norm_rotary_available,
+)
 from minipaged.models.layers import Linear, check_flat_batch
 from minipaged.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
@@ -191,9 +196,11 @@ class DecodeProgram:
         act = buffer(rows, self.layers[0].down.in_features)
         eps = config.norm_eps
         calls = replay.calls
-        for plans, cache in zip(self.layers, self.kv_caches, strict=True):
+        for index, (plans, cache) in enumerate(zip(self.layers, self.kv_caches, strict=True)):
             calls += [
-                bind_rms_norm(x, plans.input_norm, eps, h),
+                # the previous layer's last residual add goes in with this layer's first norm
+                bind_rms_norm(x, plans.input_norm, eps, h) if index == 0
+                else bind_add_rms_norm(x, projected, plans.input_norm, eps, h),
                 plans.qkv.bind(h, qkv),
                 bind_rotary(q_in, replay.cos, replay.sin, q),
                 bind_rotary(k_in, replay.cos, replay.sin, k),
@@ -201,15 +208,12 @@ class DecodeProgram:
                 bind_paged_decode(attended, q, cache[0], cache[1], replay.block_tables,
                                   replay.seq_lens, decoded, decoded, plans.scale),
                 plans.o.bind(attended.view(rows, q_size), projected),
-                partial(x.add_, projected),
-                bind_rms_norm(x, plans.post_norm, eps, h),
+                bind_add_rms_norm(x, projected, plans.post_norm, eps, h),
                 plans.gate_up.bind(h, gate_up),
-                partial(F.silu, gate, inplace=True),
-                partial(torch.mul, gate, up, out=act),
+                bind_silu_mul(gate, up, act),
                 plans.down.bind(act, projected),
-                partial(x.add_, projected),
             ]
-        calls.append(bind_rms_norm(x, self.final_norm, eps, replay.hidden))
+        calls.append(bind_add_rms_norm(x, projected, self.final_norm, eps, replay.hidden))
         replay.scratch += [h, decoded, qkv, q, k, attended, projected, gate_up, act]
         return replay
 

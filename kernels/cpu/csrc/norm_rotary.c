@@ -1,17 +1,19 @@
-/* RMSNorm and rotary position embeddings for a CPU, one call each over a step's rows.
+/* A layer's small row operators for a CPU, one call each over a step's rows: RMSNorm (alone, or
+ * after the residual add before it), rotary position embeddings, and SwiGLU's SiLU-and-multiply.
  *
  * Each is a handful of PyTorch ops (RMSNorm: a square, a mean, an add, a reciprocal square
- * root, two products; rotary: two products, a half swap with a negation, a sum), and at a
- * decode step's one row every op costs more to dispatch than to compute: two norms and two
- * rotaries a layer are a few hundred microseconds of a step's ~30 layers. Here each is one
- * pass over the row.
+ * root, two products; rotary: two products, a half swap with a negation, a sum; SwiGLU: a
+ * SiLU and a product), and at a decode step's one row every op costs more to dispatch than to
+ * compute: two norms, two rotaries and a SwiGLU a layer are a few hundred microseconds of a
+ * step's ~30 layers. Here each is one pass over the row.
  *
- * Both compute what minipaged.models.layers' PyTorch code computes, in the same order and with
+ * They compute what minipaged.models.layers' PyTorch code computes, in the same order and with
  * the same roundings: RMSNorm's statistics in float32, its normalised row rounded to the
  * input's dtype and then multiplied by the weight (rounded again); the rotary's two products
- * and their sum each rounded to the input's dtype. Only the norm's sum of squares is added in
- * another order. Products are never fused into multiply-adds (`fp-contract=off` below), so the
- * rotary matches PyTorch's bit for bit.
+ * and their sum each rounded to the input's dtype; the residual add rounded to it; the SiLU
+ * and its product each rounded to it. The norm's sum of squares is added in another order and
+ * the SiLU's exponential is the C library's, not PyTorch's (each within an ulp or two); all
+ * else is bit for bit. Products are never fused into multiply-adds (`fp-contract=off` below).
  *
  * Built by minipaged.kernels.cpu.native (-O3 -ffast-math -march=native: the loops vectorize). */
 
@@ -73,6 +75,47 @@ void rotary(const void *x, int64_t row_stride, const void *cos, const void *sin,
                 const float b = round_to(turned * load(sin, t * d + i, bf16), bf16);
                 store(out, at + i, a + b, bf16);
             }
+        }
+    }
+}
+
+/* x[t] += residual[t] (rounded to x's dtype, as PyTorch's add), then out[t] = rms_norm(x[t]):
+ * a layer's residual add and the norm after it in one call (vLLM's fused_add_rms_norm). x,
+ * residual and out [rows, n] contiguous, out not x. */
+void add_rms_norm(void *x, const void *residual, const void *weight, void *out, int64_t rows,
+                  int64_t n, float eps, int bf16) {
+    for (int64_t i = 0; i < rows * n; i++)
+        store(x, i, load(x, i, bf16) + load(residual, i, bf16), bf16);
+    rms_norm(x, weight, out, rows, n, eps, bf16);
+}
+
+/* g / (1 + exp(-g)), from the exp of -|g| only: it never overflows (with -ffast-math an
+ * overflow is not inf). */
+static inline float silu(float g) {
+    const float e = expf(-fabsf(g));
+    return g * (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+}
+
+/* out[t, i] = silu(gate[t, i]) * up[t, i], silu(g) = g / (1 + exp(-g)) rounded to the dtype, as
+ * F.silu(gate) * up: SwiGLU's activation. gate's and up's rows are `row_stride` elements apart
+ * (the two halves of a fused gate/up projection's output, no copy); out [rows, n]
+ * contiguous, apart from both. */
+void silu_mul(const void *gate, const void *up, int64_t row_stride, void *out, int64_t rows,
+              int64_t n, int bf16) {
+    for (int64_t t = 0; t < rows; t++) {
+        if (bf16) {
+            const uint16_t *restrict g = (const uint16_t *)gate + t * row_stride;
+            const uint16_t *restrict u = (const uint16_t *)up + t * row_stride;
+            uint16_t *restrict o = (uint16_t *)out + t * n;
+            for (int64_t i = 0; i < n; i++) {
+                const float activated = round_to(silu(bf16_to_float(g[i])), 1);
+                o[i] = float_to_bf16(activated * bf16_to_float(u[i]));
+            }
+        } else {  /* separate loops, no aliasing: each vectorizes with the vector expf */
+            const float *restrict g = (const float *)gate + t * row_stride;
+            const float *restrict u = (const float *)up + t * row_stride;
+            float *restrict o = (float *)out + t * n;
+            for (int64_t i = 0; i < n; i++) o[i] = silu(g[i]) * u[i];
         }
     }
 }

@@ -1,13 +1,16 @@
-"""The C RMSNorm and rotary kernels against the PyTorch code they replace.
+"""The C RMSNorm, rotary and SiLU-and-multiply kernels against the PyTorch code they replace.
 
 `minipaged.models.layers` computes both in PyTorch (`RMSNorm`, `apply_rotary`, whose rotary is
 Hugging Face's `rotate_half` form) and calls these kernels where they apply. The rotary must equal
 PyTorch's bit for bit in float32 and bfloat16 (each product and the sum rounded to the dtype, no
 fused multiply-add); the norm adds its squares in another order, so it is within a few units in
 the last place in float32 and within two bfloat16 steps (its normalised value and then its
-product with the weight may each round the other way). Inputs are drawn with hypothesis:
-row counts from 1, head dims and widths that are and are not multiples of a vector, rows of a
-fused projection's output (strided), and magnitudes from tiny to large.
+product with the weight may each round the other way); the residual add before a norm
+(`bind_add_rms_norm`) is PyTorch's add bit for bit; SiLU-and-multiply takes the C library's
+exponential, so it is within a few units in the last place in float32 and two bfloat16 steps.
+Inputs are drawn with hypothesis: row counts from 1, head dims and widths that are and are not
+multiples of a vector, rows of a fused projection's output (strided), and magnitudes from tiny
+to large.
 """
 
 from __future__ import annotations
@@ -19,11 +22,15 @@ from hypothesis import strategies as st
 
 from minipaged.kernels.cpu.norm_rotary import (
     NORM_PROFILER_NAME,
+    bind_add_rms_norm,
+    bind_silu_mul,
     norm_rotary_available,
     rms_norm,
     rms_norm_supports,
     rotary,
     rotary_supports,
+    silu_mul,
+    silu_mul_supports,
 )
 
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
@@ -84,6 +91,53 @@ def test_rotary_equals_pytorch_bit_for_bit(dtype, tokens, heads, head_dim, fused
     assert torch.equal(got, torch_rotary(x, cos, sin))
 
 
+def assert_close_to(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:  # two bfloat16 steps: each is up to 2**-7 of a value
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=1e-6)
+
+
+@given(dtype=DTYPES, rows=st.integers(1, 9), width=st.sampled_from([1, 7, 16, 576, 1000]),
+       scale=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**16))
+@settings(max_examples=60, deadline=None)
+def test_add_rms_norm_adds_as_pytorch_then_normalises(dtype, rows, width, scale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, width, generator=gen) * scale).to(dtype)
+    residual = (torch.randn(rows, width, generator=gen) * scale).to(dtype)
+    weight = (torch.randn(width, generator=gen) + 1).to(dtype)
+    summed = x + residual
+    out = torch.empty_like(x)
+    bind_add_rms_norm(x, residual, weight, 1e-6, out)()
+    assert torch.equal(x, summed)  # the add, in place, rounded as PyTorch's
+    assert_close_to(out, torch_rms_norm(summed, weight, 1e-6), dtype)
+    with pytest.raises(ValueError, match="out not x"):
+        bind_add_rms_norm(x, residual, weight, 1e-6, x)
+
+
+@given(dtype=DTYPES, rows=st.integers(1, 9), width=st.sampled_from([1, 7, 16, 100, 1536]),
+       fused=st.booleans(), scale=st.sampled_from([1e-2, 1.0, 30.0]),
+       seed=st.integers(0, 2**16))
+@settings(max_examples=80, deadline=None)
+def test_silu_mul_equals_pytorch(dtype, rows, width, fused, scale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    if fused:  # the two halves of a fused gate | up output: rows 2 * width apart
+        both = (torch.randn(rows, 2 * width, generator=gen) * scale).to(dtype)
+        gate, up = both.chunk(2, dim=1)
+    else:
+        gate = (torch.randn(rows, width, generator=gen) * scale).to(dtype)
+        up = (torch.randn(rows, width, generator=gen) * scale).to(dtype)
+    assert silu_mul_supports(gate, up)
+    got = silu_mul(gate, up)
+    assert got.is_contiguous() and got.dtype == dtype
+    assert_close_to(got, torch.nn.functional.silu(gate) * up, dtype)
+    out = torch.empty_like(got)
+    bind_silu_mul(gate, up, out)()
+    assert torch.equal(out, got)
+    with pytest.raises(ValueError, match="apart from gate and up"):
+        bind_silu_mul(gate, up, gate if not fused else both[:, :width])
+
+
 def test_what_the_kernels_do_not_take_is_left_to_pytorch():
     x, weight = torch.randn(2, 8), torch.ones(8)
     assert not rms_norm_supports(x.t(), torch.ones(2))  # not contiguous
@@ -99,12 +153,18 @@ def test_what_the_kernels_do_not_take_is_left_to_pytorch():
     assert not rotary_supports(q[..., ::2], cos[..., :4], sin[..., :4])  # heads strided
     assert not rotary_supports(q, cos.expand(2, 3, 8), sin)  # a cos per head
     assert not rotary_supports(torch.randn(2, 3, 7), torch.randn(2, 1, 7), torch.randn(2, 1, 7))
+    gate = torch.randn(3, 8)
+    assert silu_mul_supports(gate, torch.randn(3, 8))
+    assert not silu_mul_supports(gate, torch.randn(3, 4))  # shapes differ
+    assert not silu_mul_supports(gate[:, ::2], torch.randn(3, 4))  # a row strided
+    assert not silu_mul_supports(gate, torch.randn(3, 16)[:, :8])  # rows apart differently
+    assert not silu_mul_supports(gate.half(), gate.half())  # float16
 
 
 def test_models_take_the_kernels_and_agree_with_their_pytorch_code():
-    """`RMSNorm` and `apply_rotary` call the kernels on a CPU, and give what their own PyTorch
-    code gives (the kernels off: a tensor that wants gradients)."""
-    from minipaged.models.layers import RMSNorm, apply_rotary
+    """`RMSNorm`, `apply_rotary` and `silu_and_mul` call the kernels on a CPU, and give what
+    their own PyTorch code gives (the kernels off: a tensor that wants gradients)."""
+    from minipaged.models.layers import RMSNorm, apply_rotary, silu_and_mul
 
     norm = RMSNorm(16, 1e-6)
     with torch.no_grad():
@@ -121,6 +181,12 @@ def test_models_take_the_kernels_and_agree_with_their_pytorch_code():
     with torch.enable_grad():
         slow = apply_rotary(q.clone().requires_grad_(), cos, sin)
     assert torch.equal(fast, slow.detach())
+    gate, up = torch.randn(3, 24), torch.randn(3, 24)
+    with torch.inference_mode():
+        fast = silu_and_mul(gate, up)
+    with torch.enable_grad():
+        slow = silu_and_mul(gate.clone().requires_grad_(), up)
+    torch.testing.assert_close(fast, slow.detach(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("profiling", [False, True])
