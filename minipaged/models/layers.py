@@ -301,7 +301,24 @@ def _few_rows_apply(path: FewRows | None, x: Tensor, weights: list) -> Tensor | 
     return path.plan(x)
 
 
-class Linear(nn.Linear):
+WEIGHT_FIELDS = frozenset({"weight", "bias", "int8"})  # what `VersionedWeights` counts
+
+
+class VersionedWeights:
+    """A module mixin for weights that bound kernel calls hold (`minipaged.runner.cpu_decode`):
+    `weights_version` counts the objects given to the module's `weight`, `bias` or `int8`, so a
+    holder tells whether its calls are stale by reading one number per module, not by looking
+    every weight up. (A weight written in place needs no count: the calls read its storage.)"""
+
+    weights_version: int = 0
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in WEIGHT_FIELDS:  # straight into __dict__: read back without nn.Module's lookup
+            object.__setattr__(self, "weights_version", self.weights_version + 1)
+        super().__setattr__(name, value)
+
+
+class Linear(VersionedWeights, nn.Linear):
     """`nn.Linear` (same parameters, same checkpoint layout) whose forward is `linear`, or at a
     few rows the CPU's GEMV kernel (`few_rows`, chosen by `choose_gemms`); with `int8` set
     (`minipaged.models.quantization`) it multiplies those int8 weights instead of `weight`."""
@@ -352,7 +369,7 @@ class LinearGroup:
 # ---------------------------------------------------------------------------------------------
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(VersionedWeights, nn.Module):
     """x / rms(x) * weight over the last dimension, computed in float32 (as Hugging Face does)
     and cast back. On a CPU, one C call where it applies (`minipaged.kernels.cpu.norm_rotary`:
     the same roundings, the sum of squares added in another order)."""

@@ -46,7 +46,7 @@ from minipaged.kernels.cpu.norm_rotary import (
     bind_silu_mul,
     norm_rotary_available,
 )
-from minipaged.models.layers import Linear, check_flat_batch
+from minipaged.models.layers import WEIGHT_FIELDS, Linear, VersionedWeights, check_flat_batch
 from minipaged.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 PROFILER_NAME = "minipaged::decode_program"  # a replayed step, as torch's profiler lists it
@@ -95,6 +95,8 @@ class DecodeProgram:
         self.final_norm = model.norm.weight
         self._replays: dict[tuple[int, int], Replay] = {}  # by rows and threads
         self._watched = self._watch_list()
+        self._watched_modules = list(dict.fromkeys(module for module, _, _ in self._watched))
+        self._bound_versions = sum(m.weights_version for m in self._watched_modules)
 
     @classmethod
     def build(cls, model: torch.nn.Module, kv_caches: Sequence[Tensor],
@@ -119,20 +121,28 @@ class DecodeProgram:
         max_blocks = -(-model.config.max_position_embeddings // block_size)
         return cls(model, kv_caches, layers, max_rows, max_blocks)  # type: ignore[arg-type]
 
-    def _watch_list(self) -> list[tuple[torch.nn.Module, str, object]]:
-        """(module, attribute, the object it holds now) for every weight the bound calls read:
-        a module given another object since makes the program stale (`takes`)."""
-        watched: list[tuple[torch.nn.Module, str, object]] = [
-            (self.model.norm, "weight", self.model.norm.weight)]
+    def _watch_list(self) -> list[tuple[VersionedWeights, str, object]]:
+        """(module, field, the object it holds now) for every weight the bound calls read."""
+        modules: list[VersionedWeights] = [self.model.norm]
         for layer in self.model.layers:
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            watched += [(norm, "weight", norm.weight) for norm in norms]
-            for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj,
-                           layer.self_attn.v_proj, layer.self_attn.o_proj,
-                           layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-                name = "weight" if linear.int8 is None else "int8"
-                watched += [(linear, name, getattr(linear, name)), (linear, "bias", linear.bias)]
-        return watched
+            attn, mlp = layer.self_attn, layer.mlp
+            modules += [layer.input_layernorm, layer.post_attention_layernorm, attn.q_proj,
+                        attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                        mlp.down_proj]
+        return [(module, name, getattr(module, name)) for module in modules
+                for name in WEIGHT_FIELDS if hasattr(module, name)]
+
+    def _weights_as_bound(self) -> bool:
+        """Whether every watched module holds the weight objects the calls were bound to: at
+        once where no module was given a weight since (the sum of their `weights_version`s
+        has not moved), else by looking each up (a weight put back is the one bound)."""
+        versions = sum(module.weights_version for module in self._watched_modules)
+        if versions == self._bound_versions:
+            return True
+        if all(getattr(module, name) is held for module, name, held in self._watched):
+            self._bound_versions = versions
+            return True
+        return False
 
     def takes(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
         """Whether a step of `num_tokens` new tokens with this metadata is a replayable decode:
@@ -141,7 +151,7 @@ class DecodeProgram:
         return (
             metadata.max_query_len == 1 and num_tokens <= self.max_rows
             and metadata.block_tables.shape[1] <= self.max_blocks
-            and all(getattr(module, name) is held for module, name, held in self._watched)
+            and self._weights_as_bound()
         )
 
     def run(self, input_ids: Tensor, positions: Tensor, metadata: AttentionMetadata) -> Tensor:
