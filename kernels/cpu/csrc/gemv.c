@@ -60,6 +60,19 @@ typedef struct {
     const void *bias;    /* [n] in x's dtype, or NULL */
 } weight_t;
 
+/* out[i * ld + r] for the m input rows (float32, or bfloat16 rounded to nearest even when
+ * io_bf16) = acc[i] + the weight's bias at r. */
+static inline void store_row(const weight_t *wt, int64_t r, const float *acc, int m,
+                             void *out, int64_t ld, int io_bf16) {
+    const float b = wt->bias == NULL ? 0.0f
+                    : io_bf16 ? bf16_to_float(((const uint16_t *)wt->bias)[r])
+                              : ((const float *)wt->bias)[r];
+    for (int i = 0; i < m; i++) {
+        if (io_bf16) ((uint16_t *)out)[i * ld + r] = float_to_bf16(acc[i] + b);
+        else ((float *)out)[i * ld + r] = acc[i] + b;
+    }
+}
+
 /* ---- plain C ------------------------------------------------------------------------------ */
 
 static void tile_scalar(const float *x, int m, int64_t k, const weight_t *wt, int64_t r,
@@ -185,14 +198,21 @@ static AVX2 void tile256(const float *x, int64_t k, const weight_t *wt, int64_t 
 
 /* ---- dispatch ----------------------------------------------------------------------------- */
 
-typedef void (*tile_fn)(const float *, int64_t, const weight_t *, int64_t, float[4][MAX_ROWS]);
-
-/* One specialised tile function per (ISA, R, M, type, fetching ahead or not): the compiler keeps
- * R * M accumulators in registers only when the loops' bounds are constants. */
+/* A run of whole tiles, rows [r0, r1) of a weight, for M input rows, each tile's sums stored
+ * into out (rows ld apart) as it is done: one function per (ISA, R, M, type, fetching ahead or
+ * not), so that the compiler keeps R * M accumulators in registers (the loops' bounds are
+ * constants) and a tile costs no call. */
+typedef void (*span_fn)(const float *, int64_t, const weight_t *, int64_t, int64_t, void *,
+                        int64_t, int);
 #define TILE(isa, R, M, T, P)                                                                 \
     static void isa##_##R##_##M##_##T##_##P(const float *x, int64_t k, const weight_t *wt,  \
-                                            int64_t r, float acc[4][MAX_ROWS]) {            \
-        isa(x, k, wt, r, R, M, T, P ? PREFETCH : 0, acc);                                    \
+                                            int64_t r0, int64_t r1, void *out, int64_t ld,  \
+                                            int io_bf16) {                                  \
+        for (int64_t r = r0; r < r1; r += R) {                                              \
+            float acc[4][MAX_ROWS];                                                          \
+            isa(x, k, wt, r, R, M, T, P ? PREFETCH : 0, acc);                                \
+            for (int a = 0; a < R; a++) store_row(wt, r + a, acc[a], M, out, ld, io_bf16);  \
+        }                                                                                    \
     }
 /* The tiles tile_rows picks: R = 1 (float32) or 4 at one or two rows, 2 at three or four, 1
  * beyond. */
@@ -211,15 +231,16 @@ ALL_TILES(tile512, 0) ALL_TILES(tile512, 1) ALL_TILES(tile256, 0) ALL_TILES(tile
      isa##_2_4_##T##_##P, isa##_1_5_##T##_##P, isa##_1_6_##T##_##P, isa##_1_7_##T##_##P,    \
      isa##_1_8_##T##_##P}
 #define TABLE(isa, P) {TYPE_ROW(isa, 1, 0, P), TYPE_ROW(isa, 4, 1, P), TYPE_ROW(isa, 4, 2, P)}
-static const tile_fn TABLE512[2][3][MAX_ROWS] = {TABLE(tile512, 0), TABLE(tile512, 1)};
-static const tile_fn TABLE256[2][3][MAX_ROWS] = {TABLE(tile256, 0), TABLE(tile256, 1)};
+static const span_fn TABLE512[2][3][MAX_ROWS] = {TABLE(tile512, 0), TABLE(tile512, 1)};
+static const span_fn TABLE256[2][3][MAX_ROWS] = {TABLE(tile256, 0), TABLE(tile256, 1)};
 
 /* Output rows a tile computes at once for m input rows of a weight of `type`. The rows of a
  * tile are read side by side, as R short streams. At m <= 2, float32 rows read fastest one at
  * a time and bfloat16 and int8 ones four at a time (SmolLM2's 30 layers and head, one row,
  * one thread, AMD EPYC with 26-28 GB/s of streaming reads: float32 25-26 GB/s with R = 1 and
- * 13 with R = 4, not fetching ahead; bfloat16 21-23 GB/s with R = 4 and 7-8 with R = 1, where
- * a tile's fixed cost is paid every 1152 bytes, fetching ahead). */
+ * 13 with R = 4, not fetching ahead; bfloat16 21-23 GB/s with R = 4, fetching ahead, and the
+ * same with R = 1 reading a 64-byte vector as 16 even and 16 odd values, two integer
+ * operations instead of a widening shuffle: not kept). */
 static int tile_rows(int m, int type) {
     if (m <= 2) return type == W_F32 ? 1 : 4;
     return m <= 4 ? 2 : 1;
@@ -260,35 +281,36 @@ int gemv(const void *x_in, int64_t m, int64_t k, int io_bf16, int nw, const void
     for (int64_t m0 = 0; m0 < m; m0 += MAX_ROWS) {
         const int mm = m - m0 < MAX_ROWS ? (int)(m - m0) : MAX_ROWS;
         const float *xc = x + m0 * k;
+        char *out_rows = (char *)out + m0 * width * (io_bf16 ? 2 : 4);
         int64_t col = 0;
         for (int w = 0; w < nw; w++) {
             const int R = tile_rows(mm, types[w]);
             const weight_t wt = {ws[w], types[w], scales[w],
                                  types[w] == W_INT8 ? groups[w] : k, biases[w]};
-            const int64_t n = ns[w], tiles = (n + R - 1) / R;
+            const int64_t n = ns[w], whole = n / R;
             const int ahead = fetch_ahead != 0;
-            const tile_fn fn = isa == 2 ? TABLE512[ahead][wt.type][mm - 1]
+            const span_fn fn = isa == 2 ? TABLE512[ahead][wt.type][mm - 1]
                                : isa == 1 ? TABLE256[ahead][wt.type][mm - 1] : NULL;
+            char *dst = out_rows + col * (io_bf16 ? 2 : 4);
+            /* Each thread a run of whole tiles; the rows after the last whole tile in plain C. */
+            const int runs = threads > 1 ? threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads)
-            for (int64_t t = 0; t < tiles; t++) {
-                float acc[4][MAX_ROWS];
-                const int64_t r = t * R;
-                const int rows = n - r < R ? (int)(n - r) : R;
-                if (fn != NULL && rows == R) {
-                    fn(xc, k, &wt, r, acc);
-                } else {
-                    for (int a = 0; a < rows; a++) tile_scalar(xc, mm, k, &wt, r + a, acc[a]);
+            for (int c = 0; c < runs; c++) {
+                const int64_t r0 = whole * c / runs * R, r1 = whole * (c + 1) / runs * R;
+                if (fn != NULL) {
+                    fn(xc, k, &wt, r0, r1, dst, width, io_bf16);
+                    continue;
                 }
-                for (int a = 0; a < rows; a++) {
-                    const float b = wt.bias == NULL ? 0.0f
-                                    : io_bf16 ? bf16_to_float(((const uint16_t *)wt.bias)[r + a])
-                                              : ((const float *)wt.bias)[r + a];
-                    for (int i = 0; i < mm; i++) {
-                        const int64_t at = (m0 + i) * width + col + r + a;
-                        if (io_bf16) ((uint16_t *)out)[at] = float_to_bf16(acc[a][i] + b);
-                        else ((float *)out)[at] = acc[a][i] + b;
-                    }
+                for (int64_t r = r0; r < r1; r++) {
+                    float acc[MAX_ROWS];
+                    tile_scalar(xc, mm, k, &wt, r, acc);
+                    store_row(&wt, r, acc, mm, dst, width, io_bf16);
                 }
+            }
+            for (int64_t r = whole * R; r < n; r++) {
+                float acc[MAX_ROWS];
+                tile_scalar(xc, mm, k, &wt, r, acc);
+                store_row(&wt, r, acc, mm, dst, width, io_bf16);
             }
             col += n;
         }
