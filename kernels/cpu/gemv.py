@@ -39,6 +39,7 @@ PROBE_ROWS = (1, 2, 4, 8)  # row counts `gemv_row_limit` times
 PROBE_BYTES = 48 << 20  # weight copies per probe: more than a server CPU's last-level cache
 FETCH_PROBE_SHAPE = (1536, 576)  # the weight `fetch_ahead` reads: a small model's MLP's
 FETCH_PROBE_GROUP = 64  # and its int8 group, as quantised models have them (GROUP_SIZE)
+FETCH_PROBE_ROUNDS = 9  # pairs `fetch_ahead` times
 IO_DTYPES = (torch.float32, torch.bfloat16)  # x and out
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # csrc/gemv.c's enum
 ISAS = {"c": 0, "avx2": 1, "avx512": 2}  # the kernel's paths, by what they need
@@ -313,8 +314,11 @@ def fetch_ahead(weight_dtype: torch.dtype, rows: int) -> bool:
 @functools.cache
 def _fetch_ahead(weight_dtype: torch.dtype, rows: int) -> bool:
     """`fetch_ahead` at `rows` (1, 4 or 8): one kernel call over each of the copies of a
-    weight that together overflow the caches (`PROBE_BYTES`), fetching ahead and not, in turns,
-    best of five; the faster wins."""
+    weight that together overflow the caches (`PROBE_BYTES`), fetching ahead and not, back to
+    back, `FETCH_PROBE_ROUNDS` times, which goes first alternating; the one faster in most
+    rounds wins. Pairs taken back to back see the same memory: on a shared machine whose
+    bandwidth drifts by a third from one second to the next, the best of each over all rounds
+    would compare two different machines."""
     if not gemv_available():
         return False
     shape = FETCH_PROBE_SHAPE
@@ -332,6 +336,19 @@ def _fetch_ahead(weight_dtype: torch.dtype, rows: int) -> bool:
         out = torch.empty(rows, shape[0])
         calls = {ahead: [plan.bind(x, out, ahead=ahead) for plan in plans]
                  for ahead in (False, True)}
-        times = best_times({str(ahead): lambda _, c=c: [call() for call in c]
-                            for ahead, c in calls.items()}, [x])
-    return times["True"] < times["False"]
+
+        def seconds(ahead: bool) -> float:
+            start = time.thread_time()
+            for call in calls[ahead]:
+                call()
+            return time.thread_time() - start
+
+        seconds(False), seconds(True)  # warm-up
+        wins = 0
+        for round_ in range(FETCH_PROBE_ROUNDS):
+            first = bool(round_ % 2)
+            a = seconds(first)
+            b = seconds(not first)
+            ahead_s, plain_s = (a, b) if first else (b, a)
+            wins += ahead_s < plain_s
+    return wins > FETCH_PROBE_ROUNDS // 2
