@@ -208,7 +208,7 @@ def valid_for(field: str, value: object, endpoint: str) -> bool:
             isinstance(value, bool) if endpoint == "chat" else is_int and 0 <= value <= 20
         ),
         "top_logprobs": lambda: False,  # a number needs logprobs=true
-        "prompt": lambda: value in ("1", "NaN", [1]),
+        "prompt": lambda: value in ("1", "NaN", [1], ["a"]),  # ["a"]: a batch of one text
     }
     return ranges[field]()
 
