@@ -27,6 +27,7 @@ from minipaged.kernels.cpu.gemv import (
     GemvPlan,
     Int8Weight,
     best_times,
+    fetch_ahead,
     gemv_available,
     gemv_row_limit,
 )
@@ -120,6 +121,7 @@ GEMM_PROBE_BYTES = 48 << 20
 # cache): dequantising a 1536 x 576 weight for PyTorch's GEMM costs 2.4 ms, the kernel 0.43 ms
 # at 8 rows, 1.7 at 48, 4.6 at 128 (4.1 dequantised); PyTorch's int8 kernels are slower still.
 INT8_GEMV_ROWS = 96
+FETCH_AHEAD_ROWS = (1, 4, 8)  # a row count of each of the GEMV kernel's tile shapes
 # How much faster oneDNN must measure to be chosen over `F.linear`, PyTorch's default.
 ONEDNN_MARGIN = 0.1
 
@@ -198,8 +200,9 @@ def choose_gemms(model: nn.Module, gemv: bool = True) -> None:
     """Make `linear`'s choice (`onednn_is_faster`) for every `Linear` weight of `model` now, at
     start-up, and pack the weights oneDNN will multiply; then measure up to how many rows the
     CPU's GEMV kernel beats that GEMM for each layer and `LinearGroup` (`few_rows`), or with
-    `gemv` False give the float layers none (benchmarks compare the two in one run). No step,
-    and no profile of one, pays for the measurement or the packing."""
+    `gemv` False give the float layers none (benchmarks compare the two in one run), and
+    whether the kernel fetches weights ahead on this CPU (`fetch_ahead`). No step, and no
+    profile of one, pays for the measurement or the packing."""
     for module in model.modules():
         if not isinstance(module, Linear):
             continue
@@ -213,6 +216,11 @@ def choose_gemms(model: nn.Module, gemv: bool = True) -> None:
         for value in vars(module).values():
             if isinstance(value, LinearGroup):
                 value.plan(gemv)
+    planned = {path.plan.weight_dtype for module in model.modules()
+               if isinstance(module, Linear) and (path := module.few_rows) is not None}
+    for weight_dtype in planned:  # measured now, not by a step's first call
+        for rows in FETCH_AHEAD_ROWS:
+            fetch_ahead(weight_dtype, rows)
 
 
 @functools.cache

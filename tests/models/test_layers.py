@@ -70,6 +70,19 @@ def test_a_replaced_weight_is_multiplied_not_the_planned_one():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
 
 
+def test_choose_gemms_measures_fetching_ahead_at_start_up_not_in_a_step(monkeypatch):
+    import minipaged.models.layers as layers
+    from minipaged.kernels.cpu.gemv import quantize_int8
+
+    asked = []
+    monkeypatch.setattr(layers, "fetch_ahead", lambda dtype, rows: asked.append((dtype, rows)))
+    model = torch.nn.Sequential(Linear(64, 32, bias=False))
+    model[0].int8 = quantize_int8(model[0].weight.detach(), 64)  # int8: always a few-row path
+    layers.choose_gemms(model)
+    assert model[0].few_rows is not None
+    assert sorted(asked) == [(torch.int8, rows) for rows in layers.FETCH_AHEAD_ROWS]
+
+
 def test_weights_version_counts_weights_given_not_weights_written():
     linear, norm = Linear(4, 3, bias=True), RMSNorm(4, 1e-6)
     versions = linear.weights_version, norm.weights_version
