@@ -90,6 +90,16 @@ static void tile_scalar(const float *x, int m, int64_t k, const weight_t *wt, in
     }
 }
 
+/* Rows [r0, r1) of a weight in plain C, stored: the C path, and the rows after a span's tiles. */
+static void rows_scalar(const float *x, int m, int64_t k, const weight_t *wt, int64_t r0,
+                        int64_t r1, void *out, int64_t ld, int io_bf16) {
+    for (int64_t r = r0; r < r1; r++) {
+        float acc[MAX_ROWS];
+        tile_scalar(x, m, k, wt, r, acc);
+        store_row(wt, r, acc, m, out, ld, io_bf16);
+    }
+}
+
 /* ---- AVX-512 ------------------------------------------------------------------------------ */
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline
@@ -297,21 +307,10 @@ int gemv(const void *x_in, int64_t m, int64_t k, int io_bf16, int nw, const void
 #pragma omp parallel for schedule(static) num_threads(threads)
             for (int c = 0; c < runs; c++) {
                 const int64_t r0 = whole * c / runs * R, r1 = whole * (c + 1) / runs * R;
-                if (fn != NULL) {
-                    fn(xc, k, &wt, r0, r1, dst, width, io_bf16);
-                    continue;
-                }
-                for (int64_t r = r0; r < r1; r++) {
-                    float acc[MAX_ROWS];
-                    tile_scalar(xc, mm, k, &wt, r, acc);
-                    store_row(&wt, r, acc, mm, dst, width, io_bf16);
-                }
+                if (fn != NULL) fn(xc, k, &wt, r0, r1, dst, width, io_bf16);
+                else rows_scalar(xc, mm, k, &wt, r0, r1, dst, width, io_bf16);
             }
-            for (int64_t r = whole * R; r < n; r++) {
-                float acc[MAX_ROWS];
-                tile_scalar(xc, mm, k, &wt, r, acc);
-                store_row(&wt, r, acc, mm, dst, width, io_bf16);
-            }
+            rows_scalar(xc, mm, k, &wt, whole * R, n, dst, width, io_bf16);
             col += n;
         }
     }
