@@ -1,9 +1,9 @@
 """One request's decode on a CPU against the memory's floor: float32, bfloat16 and int8 weights.
 
 A decode step of one request reads every weight once (and the K/V of its context), so its floor
-is those bytes over the memory's streaming-read bandwidth, measured here in the same run (a
-`sum` over 256 MiB, best of five). For each weight format this times, on the bundled
-SmolLM2-135M, greedy and ignoring end-of-sequence:
+is those bytes over the memory's streaming-read bandwidth, measured here in the same run
+(`roofline.read_bandwidth`: a `sum` over 1 GiB or more, best of five). For each weight format
+this times, on the bundled SmolLM2-135M, greedy and ignoring end-of-sequence:
 
 * 1 request of 128 prompt + 128 new tokens: tokens/s over the whole request, and the median
   decode step (ms) next to its floor;
@@ -30,41 +30,17 @@ from pathlib import Path
 
 import torch
 from machine import report_header, save_report
+from roofline import dram_bytes, read_bandwidth, weight_bytes
 
 from minipaged.engine.config import cpu_flags
 from minipaged.engine.llm import LLM
-from minipaged.models.layers import Linear, choose_gemms
+from minipaged.models.layers import choose_gemms
 from minipaged.sampling.params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "decode_cpu.json"
 FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16",
          "amx_int8", "amx_tile")
 CONFIGS = (("float32", None), ("bfloat16", None), ("float32", "int8"))
-
-
-def stream_bandwidth(repeats: int = 5) -> float:
-    """GB/s of one thread's `sum` over 256 MiB of float32 (best of `repeats`)."""
-    big = torch.ones(64 << 20)
-    big.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        big.sum()
-        best = min(best, time.perf_counter() - start)
-    return big.numel() * 4 / best / 1e9
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every weight a decode step multiplies (int8 values and scales, or floats)."""
-    total = 0
-    for module in model.modules():
-        if isinstance(module, Linear):
-            w = module.multiplied_weight()
-            if isinstance(w, torch.Tensor):
-                total += w.numel() * w.element_size()
-            else:
-                total += w.data.numel() + w.scales.numel() * 4
-    return total
 
 
 def one_request(llm: LLM, prompt: list[int], new: int) -> tuple[float, float]:
@@ -101,7 +77,7 @@ def main() -> None:
     prompts = [[rng.randrange(20, 49000) for _ in range(rng.randint(16, 256))]
                for _ in range(args.requests)]
     outs = [rng.randint(16, 160) for _ in range(args.requests)]
-    bandwidth = stream_bandwidth()
+    bandwidth = read_bandwidth(dram_bytes(), 1)
     context = 128 + args.new_tokens // 2  # the mean context of the request's decode steps
     results = []
     for dtype, quantization in CONFIGS:

@@ -41,6 +41,7 @@ from machine import last_level_cache_bytes, report_header, save_report
 from minipaged.engine.config import DTYPES, cpu_flags, native_bfloat16
 from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.layers import linear
+from minipaged.models.weight_layout import huge_page_buffer
 
 RESULTS = Path(__file__).parent / "results" / "roofline.json"
 ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 512, 1024, 2048)
@@ -129,7 +130,8 @@ def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
     return round(2 * src.numel() * src.element_size() / best / 1e9, 2)
 
 
-def read_bandwidth(nbytes: int, threads: int = 1, repeats: int = 5) -> float:
+def read_bandwidth(nbytes: int, threads: int = 1, repeats: int = 5,
+                   huge_pages: bool = True) -> float:
     """GB/s of `buffer.sum()` over a float32 buffer of `nbytes` on `threads` torch threads, the
     best of `repeats` after a warm-up: how fast this machine streams that many bytes, over and
     over, into the cores.
@@ -138,8 +140,14 @@ def read_bandwidth(nbytes: int, threads: int = 1, repeats: int = 5) -> float:
     4 bytes read, a few per cent of what a core can add, so its time is the memory's. A buffer
     larger than the last-level cache (`machine.last_level_cache_bytes`) measures DRAM; one the
     size of a model's weights measures what a decode step can get, cache included
-    (`cache_resident_sum_rate` shows how far above the memory's speed the sum itself runs)."""
-    buffer = torch.ones(max(1, nbytes // 4))
+    (`cache_resident_sum_rate` shows how far above the memory's speed the sum itself runs).
+    The buffer is on huge pages where the OS grants them, as the engine's weights are
+    (`minipaged.models.weight_layout.huge_page_buffer`): the faster of the two page sizes, so
+    the floor is the machine's best; `huge_pages=False` measures PyTorch's ordinary pages."""
+    if huge_pages:
+        buffer = huge_page_buffer(max(4, nbytes // 4 * 4)).view(torch.float32).fill_(1.0)
+    else:
+        buffer = torch.ones(max(1, nbytes // 4))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -164,9 +172,11 @@ def stream_read_report(working_sets: dict[str, int], threads: int) -> dict[str, 
     """Read GB/s from DRAM on one thread and on `threads`, of the cache-resident sum, and of a
     buffer of each named working set's size (one thread)."""
     return {
-        "method": "torch float32 buffer.sum(), best of 5 after a warm-up (see read_bandwidth)",
+        "method": "torch float32 buffer.sum(), best of 5 after a warm-up, on huge pages where "
+                  "the OS grants them (see read_bandwidth)",
         "dram_buffer_bytes": dram_bytes(),
         "dram_gbs_1_thread": read_bandwidth(dram_bytes(), 1),
+        "dram_gbs_1_thread_ordinary_pages": read_bandwidth(dram_bytes(), 1, huge_pages=False),
         f"dram_gbs_{threads}_threads": read_bandwidth(dram_bytes(), threads),
         "cache_resident_sum_gbs_1_thread": cache_resident_sum_rate(1),
         "working_set_gbs_1_thread": {name: read_bandwidth(n, 1)
@@ -230,12 +240,12 @@ def quantization_available() -> bool:
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights a decode step reads whole, in their stored format: every parameter,
     buffer and tensor field of a dataclass a module holds (the int8 values and scales of a
-    quantised layer, `minipaged.kernels.cpu.gemv.Int8Weight`), each storage once (a tied head
-    and its embedding share one), except the rotary tables and an embedding table no other module
+    quantised layer, `minipaged.kernels.cpu.gemv.Int8Weight`), each tensor once (a tied head
+    and its embedding are one), except the rotary tables and an embedding table no other module
     holds, of which a step reads only its tokens' rows."""
     from minipaged.models.layers import RotaryEmbedding
 
-    holders: dict[int, tuple[int, set[bool]]] = {}
+    holders: dict[tuple[int, int], set[bool]] = {}  # (address, bytes) -> held by an embedding?
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             continue
@@ -244,10 +254,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False),
                    *(t for f in fields for t in f if isinstance(t, torch.Tensor))]
         for tensor in tensors:
-            storage = tensor.untyped_storage()
-            nbytes, kinds = holders.setdefault(storage.data_ptr(), (storage.nbytes(), set()))
-            kinds.add(isinstance(module, torch.nn.Embedding))
-    return sum(nbytes for nbytes, kinds in holders.values() if False in kinds)
+            key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+            holders.setdefault(key, set()).add(isinstance(module, torch.nn.Embedding))
+    return sum(nbytes for (_, nbytes), kinds in holders.items() if False in kinds)
 
 
 def kv_bytes(config: ModelConfig, context_tokens: int, element_size: int) -> int:

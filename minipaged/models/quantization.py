@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from minipaged.kernels.cpu.gemv import Int8Weight, quantize_int8
 from minipaged.models.layers import CausalLM, Linear
+from minipaged.models.weight_layout import lay_out_weights
 
 QUANTIZATIONS = ("int8",)  # what `quantize_model` (and `EngineConfig.quantization`) takes
 GROUP_SIZE = 64  # input features per scale (a divisor of the hidden sizes models use)
@@ -78,3 +79,4 @@ def quantize_model(model: CausalLM, quantization: str, group_size: int = GROUP_S
             if module is embedding:
                 model.set_submodule(name, int8_embedding)
                 break
+    lay_out_weights(model)  # the int8 weights in one buffer too; the float one is freed

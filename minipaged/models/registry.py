@@ -46,6 +46,7 @@ from minipaged.models.tensor_parallel import (
     read_shard,
     shard_shapes,
 )
+from minipaged.models.weight_layout import lay_out_weights
 
 __all__ = [
     "FAMILIES",
@@ -76,7 +77,8 @@ def build_model(
     """The model of `config.family` holding the weights of `state_dict`, in eval mode.
 
     `state_dict` uses Hugging Face's names, with or without the `model.` / `transformer.` prefix.
-    A tied head (`tie_word_embeddings`) shares the embedding's tensor. Raises
+    A tied head (`tie_word_embeddings`) shares the embedding's tensor. On the CPU the weights are
+    copies in one buffer, in the order a step reads them (`lay_out_weights`). Raises
     `CheckpointMismatchError` naming any missing, unexpected or mis-shaped tensor. With `tp`,
     the model is one tensor-parallel rank's shard and `state_dict` holds that rank's slices
     (`minipaged.models.tensor_parallel.shard_state_dict`, or `load_model(..., tp=...)`).
@@ -97,8 +99,8 @@ def build_model(
         model = config.family.model_class(config, tp)
     loaded = model.load_state_dict(
         {
-            to_module_name(config, name): aligned(
-                (w.t() if is_transposed(config, name) else w).to(device=device, dtype=dtype)
+            to_module_name(config, name): (w.t() if is_transposed(config, name) else w).to(
+                device=device, dtype=dtype
             )
             for name, w in weights.items()
         },
@@ -110,21 +112,9 @@ def build_model(
     assert loaded.missing_keys == (["lm_head.weight"] if config.tie_word_embeddings else [])
     if config.tie_word_embeddings:
         model.lm_head.weight = model.input_embedding().weight
+    if torch.device(device).type == "cpu":
+        lay_out_weights(model)  # one buffer in the order a step reads it, on cache lines
     return model.to(device).eval()  # the rotary tables are computed on the CPU
-
-
-# Bytes a parameter's data is aligned to: a cache line, as PyTorch's CPU allocator aligns.
-ALIGNMENT = 64
-
-
-def aligned(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor`, or a copy of it whose data starts on a cache line. Tensors made from NumPy
-    arrays (the GGUF reader's) start on 16 bytes: every 64-byte vector load of their rows then
-    spans two cache lines, and the CPU's few-row kernel reads the bundled model's float32
-    weights at ~21 GB/s instead of ~24 (one thread, AMD EPYC)."""
-    if tensor.device.type != "cpu" or tensor.data_ptr() % ALIGNMENT == 0:
-        return tensor
-    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def load_model(

@@ -5,7 +5,8 @@
   prompt at positions 0, 1, ... in order, its logits row exactly once per new token, exactly its
   `output_len` tokens, and no call more than `N_BATCH` tokens (hypothesis over request sets).
 * `roofline.weight_bytes` (the bytes of the bandwidth floor): a tied head and its embedding are
-  counted once, an untied embedding and the rotary tables not at all.
+  counted once, an untied embedding and the rotary tables not at all, tensors and not the one
+  buffer a laid-out model's weights share.
 * `llama_cpp_peer.agreement`: identical requests and the tokens before the first difference.
 """
 
@@ -29,6 +30,7 @@ from llama_cpp_worker import N_BATCH, Peer, Sequence  # noqa: E402
 from roofline import weight_bytes  # noqa: E402
 
 from minipaged.models.layers import RotaryEmbedding  # noqa: E402
+from minipaged.models.weight_layout import lay_out_weights  # noqa: E402
 
 
 class FakeBatch(SimpleNamespace):
@@ -117,6 +119,15 @@ def test_weight_bytes_count_a_tied_head_once_and_skip_an_untied_embedding_and_ro
     model = TinyLM(tie=False)
     model.register_buffer("scales", torch.ones(50))  # a quantised head's scales are read too
     assert weight_bytes(model) == (8 * 8 + 50 * 8 + 50) * 4
+
+
+def test_weight_bytes_count_tensors_not_the_one_buffer_they_share_once_laid_out():
+    for tie in (True, False):
+        model = TinyLM(tie=tie)
+        lay_out_weights(model)  # every weight a view of one buffer, the embedding included
+        assert model.embed.weight.untyped_storage().data_ptr() == \
+            model.proj.weight.untyped_storage().data_ptr()
+        assert weight_bytes(model) == (8 * 8 + 50 * 8) * 4
 
 
 @dataclass(frozen=True)

@@ -683,10 +683,10 @@ def test_smollm2_greedy_tokens_equal_transformers(
 
 def test_every_weight_starts_on_a_cache_line_whatever_the_checkpoint_gave():
     """Tensors made from NumPy arrays (the GGUF reader's) start on 16 bytes; `build_model`
-    copies those onto a cache line (the CPU's kernels read aligned rows faster), values alike."""
+    lays every weight out on a cache line (`lay_out_weights`), values alike."""
     import numpy as np
 
-    from minipaged.models.registry import ALIGNMENT
+    from minipaged.models.weight_layout import ALIGNMENT
 
     hf = random_llama(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2)

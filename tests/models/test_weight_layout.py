@@ -1,0 +1,130 @@
+"""`lay_out_weights` and `huge_page_buffer`: a CPU model's weights in one buffer.
+
+After the layout every parameter and int8 weight of a model lies in one storage, back to back in
+module registration order, each on a cache line, holding the values it held; ties stay one
+object; the model computes what it computed; modules see new weight objects (so bound kernel
+calls know they are stale). Built models and int8-quantised ones come laid out, the quantised
+one without keeping the float buffer alive.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_models import dense_last_logits, tiny_llama_parts
+
+from minipaged.kernels.cpu.gemv import Int8Weight
+from minipaged.models.layers import Linear
+from minipaged.models.quantization import quantize_model
+from minipaged.models.weight_layout import (
+    ALIGNMENT,
+    HUGE_PAGE,
+    huge_page_buffer,
+    lay_out_weights,
+)
+
+
+def held_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every parameter and int8 weight's values and scales, in module
+    registration order, each object once."""
+    seen, out = set(), []
+    for module_name, module in model.named_modules():
+        values = [(n, p) for n, p in module.named_parameters(recurse=False)]
+        values += [(n, v) for n, v in vars(module).items() if isinstance(v, Int8Weight)]
+        for name, value in values:
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            parts = ([("data", value.data), ("scales", value.scales)]
+                     if isinstance(value, Int8Weight) else [("", value)])
+            out += [(f"{module_name}.{name}.{part}", t) for part, t in parts]
+    return out
+
+
+def assert_laid_out(model: torch.nn.Module) -> None:
+    """One storage; tensors back to back in registration order, each on a cache line."""
+    tensors = held_tensors(model)
+    assert len({t.untyped_storage().data_ptr() for _, t in tensors}) == 1
+    end = None
+    for name, tensor in tensors:
+        assert tensor.data_ptr() % ALIGNMENT == 0, name
+        assert tensor.is_contiguous(), name
+        if end is not None:  # right after the one before, up to the cache-line padding
+            assert 0 <= tensor.data_ptr() - end < ALIGNMENT, name
+        end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+
+
+@settings(max_examples=10, deadline=None)
+@given(tied=st.booleans(), bias=st.booleans(), dtype=st.sampled_from([torch.float32,
+                                                                      torch.bfloat16]))
+def test_a_laid_out_model_holds_the_same_values_in_one_buffer(tied, bias, dtype):
+    model, _ = tiny_llama_parts(tie_word_embeddings=tied, attention_bias=bias)
+    model = model.to(dtype)
+    before = {name: t.clone() for name, t in held_tensors(model)}
+    old_objects = {name: id(p) for name, p in model.named_parameters()}
+    versions = {name: m.weights_version for name, m in model.named_modules()
+                if isinstance(m, Linear)}
+    size = lay_out_weights(model)
+    assert_laid_out(model)
+    after = dict(held_tensors(model))
+    assert after.keys() == before.keys()
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+    assert size >= sum(t.numel() * t.element_size() for t in before.values())
+    assert (model.lm_head.weight is model.input_embedding().weight) == tied
+    for name, p in model.named_parameters():
+        assert id(p) != old_objects[name], name  # new objects: bound calls see the change
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            assert module.weights_version > versions[name], name
+
+
+def test_built_models_come_laid_out_and_compute_what_they_did():
+    model, _ = tiny_llama_parts(tie_word_embeddings=False)
+    assert_laid_out(model)
+    separate = copy.deepcopy(model)  # a deep copy allocates each tensor on its own
+    assert len({p.untyped_storage().data_ptr() for p in separate.parameters()}) > 1
+    tokens = [3, 17, 42, 9, 11]
+    reference = dense_last_logits(separate, tokens)
+    lay_out_weights(separate)
+    assert torch.equal(dense_last_logits(separate, tokens), reference)
+    assert torch.equal(dense_last_logits(model, tokens), reference)
+
+
+def test_a_quantised_model_is_laid_out_and_frees_its_float_buffer():
+    model, _ = tiny_llama_parts(tie_word_embeddings=True)
+    float_buffer = weakref.ref(model.layers[0].self_attn.q_proj.weight.untyped_storage())
+    quantize_model(model, "int8", group_size=16)
+    assert_laid_out(model)
+    assert any(isinstance(t, torch.Tensor) and t.dtype == torch.int8
+               for _, t in held_tensors(model))
+    assert model.lm_head.int8 is model.input_embedding().int8  # still one object
+    gc.collect()
+    assert float_buffer() is None  # no view of the float weights' buffer is left
+
+
+def test_a_model_off_the_cpu_is_refused_by_name():
+    model, _ = tiny_llama_parts()
+    meta = copy.deepcopy(model).to("meta")
+    with pytest.raises(ValueError, match="CPU model.*meta"):
+        lay_out_weights(meta)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 3 * HUGE_PAGE))
+def test_a_huge_page_buffer_is_zeroed_writable_and_outlives_its_mapping(nbytes):
+    buffer = huge_page_buffer(nbytes)
+    assert buffer.dtype == torch.uint8 and buffer.shape == (nbytes,)
+    assert buffer.data_ptr() % ALIGNMENT == 0
+    assert not buffer.any()
+    view = buffer[nbytes // 2:]
+    del buffer
+    gc.collect()
+    view.fill_(7)  # the mapping is alive while a view is
+    assert int(view.sum()) == 7 * view.numel()
