@@ -10,7 +10,8 @@ layer's q, k and v projections: `GemvPlan`), writing their outputs side by side.
 
 Weights are float32, bfloat16 or `Int8Weight`: int8 values with a float32 scale per group of
 input features of each output row (`quantize_int8`), dequantised in registers, so no float copy
-of a quantised weight exists. AVX-512 or AVX2 is chosen at run time from what the CPU reports
+of a quantised weight exists. AVX-512 (with its bfloat16 dot products for bfloat16 weights and
+inputs, where the CPU has them) or AVX2 is chosen at run time from what the CPU reports
 (`gemv_isa`); plain C otherwise. Without a C compiler `gemv_available()` is False and the
 models multiply with PyTorch (int8 weights dequantised first).
 
@@ -42,7 +43,7 @@ FETCH_PROBE_GROUP = 64  # and its int8 group, as quantised models have them (GRO
 FETCH_PROBE_ROUNDS = 9  # pairs `fetch_ahead` times
 IO_DTYPES = (torch.float32, torch.bfloat16)  # x and out
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # csrc/gemv.c's enum
-ISAS = {"c": 0, "avx2": 1, "avx512": 2}  # the kernel's paths, by what they need
+ISAS = {"c": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}  # the kernel's paths, by what they need
 PROFILER_NAME = "minipaged::gemv"
 
 

@@ -4,7 +4,8 @@ Shapes, row counts (1-8 and beyond, which the kernel takes 8 at a time), weight 
 biases, several weights in one call, and int8 weights with their group sizes are drawn by
 hypothesis; each result is compared with `F.linear` in float64 over the same (dequantised)
 weights, within what the dtype's rounding allows. Every path the CPU can run is checked
-("avx512" where it has AVX-512, "avx2", plain "c"), so the tails of odd sizes are too.
+("avx512_bf16" where it has AVX-512's bfloat16 dot products, "avx512" where it has AVX-512,
+"avx2", plain "c"), so the tails of odd sizes are too.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def reference(x: torch.Tensor, weights, biases) -> torch.Tensor:
 def test_the_kernel_is_built_here_with_the_cpus_widest_path():
     assert gemv_available()
     flags = Path("/proc/cpuinfo").read_text()
-    expected = "avx512" if " avx512bw" in flags else "avx2" if " avx2" in flags else "c"
+    expected = ("avx512_bf16" if " avx512bw" in flags and " avx512_bf16" in flags
+                else "avx512" if " avx512bw" in flags else "avx2" if " avx2" in flags else "c")
     assert gemv_isa() == expected
 
 
