@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -314,15 +314,16 @@ WEIGHT_FIELDS = frozenset({"weight", "bias", "int8"})  # what `VersionedWeights`
 
 class VersionedWeights:
     """A module mixin for weights that bound kernel calls hold (`minipaged.runner.cpu_decode`):
-    `weights_version` counts the objects given to the module's `weight`, `bias` or `int8`, so a
-    holder tells whether its calls are stale by reading one number per module, not by looking
-    every weight up. (A weight written in place needs no count: the calls read its storage.)"""
+    `VersionedWeights.generation` counts the objects given to any such module's `weight`, `bias`
+    or `int8` in this process, so a holder tells whether its calls may be stale by reading one
+    number, not by looking every weight up (a weight given to another model only sends it to
+    the look-up). A weight written in place needs no count: the calls read its storage."""
 
-    weights_version: int = 0
+    generation: ClassVar[int] = 0
 
     def __setattr__(self, name: str, value: object) -> None:
-        if name in WEIGHT_FIELDS:  # straight into __dict__: read back without nn.Module's lookup
-            object.__setattr__(self, "weights_version", self.weights_version + 1)
+        if name in WEIGHT_FIELDS:
+            VersionedWeights.generation += 1
         super().__setattr__(name, value)
 
 

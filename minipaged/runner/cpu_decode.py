@@ -95,8 +95,7 @@ class DecodeProgram:
         self.final_norm = model.norm.weight
         self._replays: dict[tuple[int, int], Replay] = {}  # by rows and threads
         self._watched = self._watch_list()
-        self._watched_modules = list(dict.fromkeys(module for module, _, _ in self._watched))
-        self._bound_versions = sum(m.weights_version for m in self._watched_modules)
+        self._bound_generation = VersionedWeights.generation
 
     @classmethod
     def build(cls, model: torch.nn.Module, kv_caches: Sequence[Tensor],
@@ -134,13 +133,13 @@ class DecodeProgram:
 
     def _weights_as_bound(self) -> bool:
         """Whether every watched module holds the weight objects the calls were bound to: at
-        once where no module was given a weight since (the sum of their `weights_version`s
-        has not moved), else by looking each up (a weight put back is the one bound)."""
-        versions = sum(module.weights_version for module in self._watched_modules)
-        if versions == self._bound_versions:
+        once where no module was given a weight since (`VersionedWeights.generation` has not
+        moved), else by looking each up (a weight put back is the one bound)."""
+        generation = VersionedWeights.generation
+        if generation == self._bound_generation:
             return True
         if all(getattr(module, name) is held for module, name, held in self._watched):
-            self._bound_versions = versions
+            self._bound_generation = generation
             return True
         return False
 

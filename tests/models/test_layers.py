@@ -22,7 +22,7 @@ from tiny_models import dense_last_logits, force_kernel, tiny_engine, tiny_llama
 
 from minipaged.engine.config import EngineConfig
 from minipaged.kernels.cpu.gemv import gemv_available
-from minipaged.models.layers import Linear, LinearGroup, RMSNorm
+from minipaged.models.layers import Linear, LinearGroup, RMSNorm, VersionedWeights
 from minipaged.models.quantization import Int8Embedding, quantize_model
 from minipaged.sampling.params import SamplingParams
 
@@ -83,21 +83,19 @@ def test_choose_gemms_measures_fetching_ahead_at_start_up_not_in_a_step(monkeypa
     assert sorted(asked) == [(torch.int8, rows) for rows in layers.FETCH_AHEAD_ROWS]
 
 
-def test_weights_version_counts_weights_given_not_weights_written():
+def test_the_weight_generation_counts_weights_given_not_weights_written():
     linear, norm = Linear(4, 3, bias=True), RMSNorm(4, 1e-6)
-    versions = linear.weights_version, norm.weights_version
+    before = VersionedWeights.generation
     with torch.no_grad():
         linear.weight.add_(1.0)  # in place: a bound call reads it already
         norm.weight.mul_(2.0)
     linear.few_rows = None  # not a weight
-    assert (linear.weights_version, norm.weights_version) == versions
+    assert VersionedWeights.generation == before
     linear.weight = torch.nn.Parameter(torch.zeros(3, 4))
     linear.bias = None
     linear.int8 = None
     norm.weight = torch.nn.Parameter(torch.ones(4))
-    assert linear.weights_version == versions[0] + 3
-    assert norm.weights_version == versions[1] + 1
-    assert "weights_version" in vars(linear)  # read without nn.Module's attribute lookup
+    assert VersionedWeights.generation == before + 4
 
 
 def test_the_kernel_leaves_the_models_logits_alone():
