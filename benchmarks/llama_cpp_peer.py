@@ -271,8 +271,10 @@ def main() -> None:
     dram_gbs = read_bandwidth(dram_bytes(), 1)
     results = {}
     try:
-        for name, requests, repeats in (("one_request", one, args.repeats_one),
-                                        (f"{len(many)}_requests", many, args.repeats_many)):
+        workloads = [("one_request", one, args.repeats_one)]
+        if many:  # --num-requests 0: the one request only
+            workloads.append((f"{len(many)}_requests", many, args.repeats_many))
+        for name, requests, repeats in workloads:
             print(f"{name}: {sum(len(r.prompt) for r in requests)} prompt tokens, "
                   f"{sum(r.output_len for r in requests)} output tokens", flush=True)
             runs = interleaved(systems, requests, repeats)
