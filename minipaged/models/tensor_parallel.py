@@ -249,13 +249,19 @@ def shard_state_dict(
 
 def checkpoint_state_dict(config: ModelConfig, model: nn.Module) -> dict[str, Tensor]:
     """A whole model's parameters under Hugging Face's names and in its layout (the inverse of
-    `build_model`'s loading), ready for `shard_state_dict`."""
+    `build_model`'s loading), ready for `shard_state_dict` and to be pickled to the ranks: a
+    parameter that is a view into a larger buffer (a CPU model's weights share one,
+    `minipaged.models.weight_layout`) is copied out of it, since pickling a view sends its
+    whole storage."""
     expected = expected_shapes(config)
     state = {}
     for stored, tensor in model.state_dict().items():
         name = full_name(config, stored, expected)
-        if not is_ignored(config, name):
-            state[name] = tensor.t() if is_transposed(config, name) else tensor
+        if is_ignored(config, name):
+            continue
+        if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+            tensor = tensor.clone()
+        state[name] = tensor.t() if is_transposed(config, name) else tensor
     return state
 
 

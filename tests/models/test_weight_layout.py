@@ -4,13 +4,15 @@ After the layout every parameter and int8 weight of a model lies in one storage,
 module registration order, each on a cache line, holding the values it held; ties stay one
 object; the model computes what it computed; modules see new weight objects (so bound kernel
 calls know they are stale). Built models and int8-quantised ones come laid out, the quantised
-one without keeping the float buffer alive.
+one without keeping the float buffer alive; a laid-out model's checkpoint state dict (what
+tensor parallelism pickles to its ranks) holds copies, not views of the buffer.
 """
 
 from __future__ import annotations
 
 import copy
 import gc
+import pickle
 import weakref
 
 import pytest
@@ -22,6 +24,7 @@ from tiny_models import dense_last_logits, tiny_llama_parts
 from minipaged.kernels.cpu.gemv import Int8Weight
 from minipaged.models.layers import VersionedWeights
 from minipaged.models.quantization import quantize_model
+from minipaged.models.tensor_parallel import checkpoint_state_dict
 from minipaged.models.weight_layout import (
     ALIGNMENT,
     HUGE_PAGE,
@@ -104,6 +107,18 @@ def test_a_quantised_model_is_laid_out_and_frees_its_float_buffer():
     assert model.lm_head.int8 is model.input_embedding().int8  # still one object
     gc.collect()
     assert float_buffer() is None  # no view of the float weights' buffer is left
+
+
+def test_a_laid_out_models_checkpoint_state_dict_pickles_only_its_own_bytes():
+    """Tensor parallelism pickles `checkpoint_state_dict` to the ranks; a view pickles its whole
+    storage, so the buffer would go once per tensor."""
+    model, config = tiny_llama_parts(tie_word_embeddings=False)
+    state = checkpoint_state_dict(config, model)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    assert nbytes < len(pickle.dumps(state)) < nbytes + 64 * 1024 + 2000 * len(state)
+    for name, tensor in state.items():
+        reference = model.state_dict()[name.removeprefix("model.")]
+        assert torch.equal(tensor, reference), name
 
 
 def test_a_model_off_the_cpu_is_refused_by_name():
