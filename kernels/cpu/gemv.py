@@ -113,7 +113,8 @@ def gemv_available() -> bool:
 
 
 def gemv_isa() -> str:
-    """The path this CPU takes: "avx512", "avx2" or "c" (or "none" without the kernel)."""
+    """The path this CPU takes: "avx512_bf16", "avx512", "avx2" or "c" (or "none" without the
+    kernel)."""
     library = _library()
     if library is None:
         return "none"
@@ -169,6 +170,7 @@ class GemvPlan:
             scales.append(w.scales if isinstance(w, Int8Weight) else None)
             groups.append(w.group_size if isinstance(w, Int8Weight) else self.in_features)
         self.weight_dtype = data[0].dtype  # its reads are measured by this one (`fetch_ahead`)
+        self.weight_dtypes = tuple(t.dtype for t in data)
         self.out_features = [t.shape[0] for t in data]
         self.width = sum(self.out_features)
         self._args = (
@@ -211,6 +213,16 @@ class GemvPlan:
                 raise ValueError("the GEMV kernel refused these sizes")
         return out
 
+    def fetch_ahead_matters(self, level: int | None = None) -> bool:
+        """Whether fetching ahead changes how a call reads these weights on the kernel's path
+        `level` (`ISAS`; default this CPU's widest): on every path but AVX-512 BF16's dot
+        products, which bfloat16 weights times bfloat16 inputs take and which never fetch
+        ahead (`csrc/gemv.c`)."""
+        if level is None:
+            level = ISAS.get(gemv_isa(), 0)
+        return not (level >= ISAS["avx512_bf16"] and self.dtype == torch.bfloat16
+                    and all(dtype == torch.bfloat16 for dtype in self.weight_dtypes))
+
     def bind(self, x: Tensor, out: Tensor | None, isa: str | None = None,
              ahead: bool | None = None) -> Callable[[], int]:
         """The kernel's call `out = self(x)` with every argument fixed, to run again and again
@@ -232,7 +244,8 @@ class GemvPlan:
             raise ValueError(f"out must be a contiguous [{rows}, {self.width}] {self.dtype}")
         level = library.gemv_isa() if isa is None else min(ISAS[isa], library.gemv_isa())
         if ahead is None:
-            ahead = rows > 0 and fetch_ahead(self.weight_dtype, rows)
+            ahead = (rows > 0 and self.fetch_ahead_matters(level)
+                     and fetch_ahead(self.weight_dtype, rows))
         return functools.partial(library.gemv, x.data_ptr(), rows, self.in_features,
                                  int(self.dtype == torch.bfloat16), *self._args,
                                  out.data_ptr(), level, int(ahead), torch.get_num_threads())

@@ -217,7 +217,8 @@ def choose_gemms(model: nn.Module, gemv: bool = True) -> None:
             if isinstance(value, LinearGroup):
                 value.plan(gemv)
     planned = {path.plan.weight_dtype for module in model.modules()
-               if isinstance(module, Linear) and (path := module.few_rows) is not None}
+               if isinstance(module, Linear) and (path := module.few_rows) is not None
+               and path.plan.fetch_ahead_matters()}
     for weight_dtype in planned:  # measured now, not by a step's first call
         for rows in FETCH_AHEAD_ROWS:
             fetch_ahead(weight_dtype, rows)

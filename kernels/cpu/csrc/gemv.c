@@ -200,6 +200,16 @@ DP_SPAN(1) DP_SPAN(2) DP_SPAN(3) DP_SPAN(4) DP_SPAN(5) DP_SPAN(6) DP_SPAN(7) DP_
 static const dp_span_fn DP_TABLE[MAX_ROWS] = {dp_1, dp_2, dp_3, dp_4, dp_5, dp_6, dp_7, dp_8};
 #endif
 
+/* Whether a weight of `type` goes to the bfloat16 dot-product path on path `isa`. */
+static int takes_dp(int isa, int io_bf16, int type) {
+#ifdef HAVE_DPBF16
+    return isa >= 3 && io_bf16 && type == W_BF16;
+#else
+    (void)isa, (void)io_bf16, (void)type;
+    return 0;
+#endif
+}
+
 /* ---- AVX2 --------------------------------------------------------------------------------- */
 
 #define AVX2 __attribute__((target("avx2,fma"), always_inline)) inline
@@ -328,14 +338,16 @@ int gemv(const void *x_in, int64_t m, int64_t k, int io_bf16, int nw, const void
          const void *const *biases, void *out, int isa, int fetch_ahead, int threads) {
     if (m < 1 || k < 1 || nw < 1) return -1;
     int64_t width = 0;
+    int widen = 0; /* bfloat16 x widened once, for the weights that read float32 x */
     for (int w = 0; w < nw; w++) {
         if (ns[w] < 1 || types[w] < 0 || types[w] > 2) return -1;
         if (types[w] == W_INT8 && (groups[w] < 1 || k % groups[w] != 0)) return -1;
         width += ns[w];
+        widen |= !takes_dp(isa, io_bf16, types[w]);
     }
     float *xf = NULL;
     const float *x = (const float *)x_in;
-    if (io_bf16) {
+    if (io_bf16 && widen) {
         xf = malloc(sizeof(float) * m * k);
         if (xf == NULL) return -1;
         for (int64_t i = 0; i < m * k; i++) xf[i] = bf16_to_float(((const uint16_t *)x_in)[i]);
@@ -353,7 +365,7 @@ int gemv(const void *x_in, int64_t m, int64_t k, int io_bf16, int nw, const void
             char *dst = out_rows + col * (io_bf16 ? 2 : 4);
             col += n;
 #ifdef HAVE_DPBF16
-            if (isa >= 3 && io_bf16 && wt.type == W_BF16) {
+            if (takes_dp(isa, io_bf16, wt.type)) {
                 const uint16_t *xh = (const uint16_t *)x_in + m0 * k;
                 const int runs = threads > 1 ? threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads)

@@ -180,6 +180,31 @@ def test_fetching_ahead_is_chosen_per_tile_shape_and_changes_no_result():
         assert len({*chosen[:2]}) == len({*chosen[2:4]}) == len({*chosen[4:]}) == 1
 
 
+def test_only_calls_that_fetch_ahead_ask_whether_to(monkeypatch):
+    """bfloat16 weights times bfloat16 inputs on the dot-product path never fetch ahead: binding
+    them measures nothing; every other call asks `fetch_ahead`."""
+    import sys
+
+    module = sys.modules[GemvPlan.__module__]
+    both = GemvPlan([torch.randn(8, 32).bfloat16()], dtype=torch.bfloat16)
+    mixed = GemvPlan([torch.randn(8, 32).bfloat16(), torch.randn(8, 32)], dtype=torch.bfloat16)
+    float_in = GemvPlan([torch.randn(8, 32).bfloat16()])
+    assert not both.fetch_ahead_matters(ISAS["avx512_bf16"])
+    assert both.fetch_ahead_matters(ISAS["avx512"])
+    assert mixed.fetch_ahead_matters(ISAS["avx512_bf16"])
+    assert float_in.fetch_ahead_matters(ISAS["avx512_bf16"])
+    for path in PATHS:
+        for plan in (both, mixed, float_in):
+            asked = []
+            monkeypatch.setattr(module, "fetch_ahead",
+                                lambda dtype, rows, asked=asked: asked.append(dtype) or False)
+            x = torch.randn(1, 32).to(plan.dtype)
+            out = torch.empty(1, plan.width, dtype=plan.dtype)
+            assert plan.bind(x, out, isa=path)() == 0
+            level = min(ISAS[path], ISAS[gemv_isa()])
+            assert bool(asked) == plan.fetch_ahead_matters(level), (path, plan.weight_dtypes)
+
+
 def test_built_by_the_layers_one_builder(tmp_path: Path):
     built = build_native(SOURCE, cache_dir=tmp_path)
     assert built is not None and built.name.startswith("gemv-")
