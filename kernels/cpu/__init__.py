@@ -3,14 +3,17 @@ system's C compiler on first use for the machine's own instruction set and loade
 
 Paged attention (`native`: decode over blocks read in place, and the KV write), the few-row
 linear layers, float32, bfloat16 or weight-only int8 (`gemv`), and RMSNorm, rotary
-embeddings and SwiGLU's SiLU-and-multiply (`norm_rotary`). Each has a `bind_*` form
-(`GemvPlan.bind`) that fixes a call's arguments for a step replayed again and again. Only the
-CPU fast paths of the layers above call into it; their reference paths are plain PyTorch and
-run without a compiler.
+embeddings and SwiGLU's SiLU-and-multiply (`norm_rotary`), all built and loaded one way
+(`build`). Each has a `bind_*` form (`GemvPlan.bind`) that fixes a call's arguments once
+(`calls.KernelCall`), and a list of bound calls runs in one call into C (`calls.KernelCalls`):
+a decode step replayed again and again. Only the CPU fast paths of the layers above call into
+it; their reference paths are plain PyTorch and run without a compiler.
 """
 
 from __future__ import annotations
 
+from minipaged.kernels.cpu.build import build_native, load_native, profiled
+from minipaged.kernels.cpu.calls import KernelCall, KernelCalls, kernel_calls_available
 from minipaged.kernels.cpu.gemv import (
     GemvPlan,
     Int8Weight,
@@ -24,13 +27,10 @@ from minipaged.kernels.cpu.gemv import (
 from minipaged.kernels.cpu.native import (
     bind_paged_decode,
     bind_write_kv,
-    build_native,
     build_native_decode,
-    load_native,
     native_decode_available,
     native_decode_supports,
     paged_decode,
-    profiled,
     write_kv,
     write_kv_supports,
 )
@@ -51,6 +51,8 @@ from minipaged.kernels.cpu.norm_rotary import (
 __all__ = [
     "GemvPlan",
     "Int8Weight",
+    "KernelCall",
+    "KernelCalls",
     "bind_add_rms_norm",
     "bind_paged_decode",
     "bind_rms_norm",
@@ -64,6 +66,7 @@ __all__ = [
     "gemv_available",
     "gemv_isa",
     "gemv_row_limit",
+    "kernel_calls_available",
     "load_native",
     "native_decode_available",
     "native_decode_supports",

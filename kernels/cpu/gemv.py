@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from minipaged.kernels.cpu.native import I32, I64, POINTER, load_native, profiled
+from minipaged.kernels.cpu.build import I32, I64, POINTER, load_native, profiled
+from minipaged.kernels.cpu.calls import ENTRY, KernelCall
 
 SOURCE = Path(__file__).with_name("csrc") / "gemv.c"
 MAX_ROWS = 8  # the few-row range: rows the kernel takes in one pass over the weights
@@ -98,13 +99,19 @@ def quantize_int8(weight: Tensor, group_size: int | None = None) -> Int8Weight:
 # ---------------------------------------------------------------------------------------------
 
 
+class GemvArgs(ctypes.Structure):
+    """`gemv_args` of `csrc/gemv.c`, field for field."""
+
+    _fields_ = [("x", POINTER), ("m", I64), ("k", I64), ("io_bf16", I32), ("nw", I32),
+                ("ws", POINTER), ("types", POINTER), ("ns", POINTER), ("scales", POINTER),
+                ("groups", POINTER), ("biases", POINTER), ("out", POINTER), ("isa", I32),
+                ("fetch_ahead", I32), ("threads", I32)]
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The kernel, built and loaded once per process (`load_native`); None without."""
-    return load_native(SOURCE, {
-        "gemv": ([POINTER, I64, I64, I32, I32] + [POINTER] * 7 + [I32, I32, I32], ctypes.c_int),
-        "gemv_isa": ([], ctypes.c_int),
-    })
+    return load_native(SOURCE, {"gemv_call": ENTRY, "gemv_isa": ([], ctypes.c_int)})
 
 
 def gemv_available() -> bool:
@@ -173,8 +180,8 @@ class GemvPlan:
         self.weight_dtypes = tuple(t.dtype for t in data)
         self.out_features = [t.shape[0] for t in data]
         self.width = sum(self.out_features)
-        self._args = (
-            len(data),
+        # gemv_args' per-weight arrays (ws, types, ns, scales, groups, biases), made once
+        self._arrays = (
             _array(ctypes.c_void_p, [t.data_ptr() for t in data]),
             _array(ctypes.c_int, [WEIGHT_TYPES[t.dtype] for t in data]),
             _array(ctypes.c_int64, self.out_features),
@@ -224,7 +231,7 @@ class GemvPlan:
                     and all(dtype == torch.bfloat16 for dtype in self.weight_dtypes))
 
     def bind(self, x: Tensor, out: Tensor | None, isa: str | None = None,
-             ahead: bool | None = None) -> Callable[[], int]:
+             ahead: bool | None = None) -> KernelCall:
         """The kernel's call `out = self(x)` with every argument fixed, to run again and again
         over the same tensors (their contents changing: a step replayed,
         `minipaged.runner.cpu_decode`); it returns the kernel's status, 0. `x [rows, in]` and
@@ -246,9 +253,11 @@ class GemvPlan:
         if ahead is None:
             ahead = (rows > 0 and self.fetch_ahead_matters(level)
                      and fetch_ahead(self.weight_dtype, rows))
-        return functools.partial(library.gemv, x.data_ptr(), rows, self.in_features,
-                                 int(self.dtype == torch.bfloat16), *self._args,
-                                 out.data_ptr(), level, int(ahead), torch.get_num_threads())
+        arrays = [ctypes.addressof(array) for array in self._arrays]
+        args = GemvArgs(x.data_ptr(), rows, self.in_features, int(self.dtype == torch.bfloat16),
+                        len(self.weights), *arrays, out.data_ptr(), level, int(ahead),
+                        torch.get_num_threads())
+        return KernelCall(library.gemv_call, args, keep=self)  # the plan holds the arrays
 
 
 def gemv(x: Tensor, weights: Sequence[Tensor | Int8Weight],

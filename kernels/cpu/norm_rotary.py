@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from minipaged.kernels.cpu.native import F32, I32, I64, POINTER, load_native, profiled
+from minipaged.kernels.cpu.build import F32, I32, I64, POINTER, load_native, profiled
+from minipaged.kernels.cpu.calls import ENTRY, KernelCall
 
 SOURCE = Path(__file__).with_name("csrc") / "norm_rotary.c"
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write
@@ -33,15 +33,33 @@ ROTARY_PROFILER_NAME = "minipaged::rotary"
 SILU_MUL_PROFILER_NAME = "minipaged::silu_mul"
 
 
+class RmsNormArgs(ctypes.Structure):
+    """`rms_norm_args` of `csrc/norm_rotary.c`, field for field (as the three below)."""
+
+    _fields_ = [("x", POINTER), ("weight", POINTER), ("out", POINTER), ("rows", I64),
+                ("n", I64), ("eps", F32), ("bf16", I32)]
+
+
+class AddRmsNormArgs(ctypes.Structure):
+    _fields_ = [("x", POINTER), ("residual", POINTER), ("weight", POINTER), ("out", POINTER),
+                ("rows", I64), ("n", I64), ("eps", F32), ("bf16", I32)]
+
+
+class RotaryArgs(ctypes.Structure):
+    _fields_ = [("x", POINTER), ("row_stride", I64), ("cos", POINTER), ("sin", POINTER),
+                ("out", POINTER), ("rows", I64), ("heads", I64), ("d", I64), ("bf16", I32)]
+
+
+class SiluMulArgs(ctypes.Structure):
+    _fields_ = [("gate", POINTER), ("up", POINTER), ("row_stride", I64), ("out", POINTER),
+                ("rows", I64), ("n", I64), ("bf16", I32)]
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The kernels, built and loaded once per process (`load_native`); None without."""
-    return load_native(SOURCE, {
-        "rms_norm": ([POINTER, POINTER, POINTER, I64, I64, F32, I32], None),
-        "rotary": ([POINTER, I64, POINTER, POINTER, POINTER, I64, I64, I64, I32], None),
-        "add_rms_norm": ([POINTER] * 4 + [I64, I64, F32, I32], None),
-        "silu_mul": ([POINTER, POINTER, I64, POINTER, I64, I64, I32], None),
-    })
+    return load_native(SOURCE, {name: ENTRY for name in (
+        "rms_norm_call", "add_rms_norm_call", "rotary_call", "silu_mul_call")})
 
 
 def norm_rotary_available() -> bool:
@@ -82,7 +100,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return out
 
 
-def bind_rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> Callable[[], None]:
+def bind_rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> KernelCall:
     """`out = rms_norm(x, weight, eps)` as a call with every argument fixed, to run again and
     again over the same tensors (their contents changing: a step replayed). `out` is
     contiguous, of x's shape and dtype (it may be x)."""
@@ -92,12 +110,13 @@ def bind_rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> Callabl
     if not (out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {tuple(x.shape)} {x.dtype}")
     n = x.shape[-1]
-    return functools.partial(library.rms_norm, x.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                             x.numel() // n, n, eps, int(x.dtype == torch.bfloat16))
+    return KernelCall(library.rms_norm_call, RmsNormArgs(
+        x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps,
+        int(x.dtype == torch.bfloat16)))
 
 
 def bind_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
-                      out: Tensor) -> Callable[[], None]:
+                      out: Tensor) -> KernelCall:
     """`x += residual; out = rms_norm(x, weight, eps)` as one call with every argument fixed
     (a layer's residual add and the norm after it, replayed). x, residual and out contiguous,
     of one shape and dtype, out not x."""
@@ -109,9 +128,9 @@ def bind_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
         raise ValueError(f"x, residual and out must be contiguous {tuple(x.shape)} {x.dtype}, "
                          "out not x")
     n = x.shape[-1]
-    return functools.partial(library.add_rms_norm, x.data_ptr(), residual.data_ptr(),
-                             weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps,
-                             int(x.dtype == torch.bfloat16))
+    return KernelCall(library.add_rms_norm_call, AddRmsNormArgs(
+        x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n,
+        n, eps, int(x.dtype == torch.bfloat16)))
 
 
 def rotary_supports(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
@@ -140,7 +159,7 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out
 
 
-def bind_rotary(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor) -> Callable[[], None]:
+def bind_rotary(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor) -> KernelCall:
     """`out = rotary(x, cos, sin)` as a call with every argument fixed, to run again and again
     over the same tensors (their contents changing: a step replayed). `out` is a contiguous
     `[T, heads, D]` of x's dtype."""
@@ -150,9 +169,9 @@ def bind_rotary(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor) -> Callable[[]
     if not (out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {tuple(x.shape)} {x.dtype}")
     tokens, heads, head_dim = x.shape
-    return functools.partial(library.rotary, x.data_ptr(), x.stride(0), cos.data_ptr(),
-                             sin.data_ptr(), out.data_ptr(), tokens, heads, head_dim,
-                             int(x.dtype == torch.bfloat16))
+    return KernelCall(library.rotary_call, RotaryArgs(
+        x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens,
+        heads, head_dim, int(x.dtype == torch.bfloat16)))
 
 
 def silu_mul_supports(gate: Tensor, up: Tensor) -> bool:
@@ -175,7 +194,7 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return out
 
 
-def bind_silu_mul(gate: Tensor, up: Tensor, out: Tensor) -> Callable[[], None]:
+def bind_silu_mul(gate: Tensor, up: Tensor, out: Tensor) -> KernelCall:
     """`out = silu_mul(gate, up)` as a call with every argument fixed, to run again and again
     over the same tensors (a step replayed). `out` is a contiguous `[T, n]` of gate's dtype,
     in storage of its own."""
@@ -188,6 +207,6 @@ def bind_silu_mul(gate: Tensor, up: Tensor, out: Tensor) -> Callable[[], None]:
         raise ValueError(f"out must be a contiguous {tuple(gate.shape)} {gate.dtype} apart "
                          "from gate and up")
     rows, n = gate.shape
-    return functools.partial(library.silu_mul, gate.data_ptr(), up.data_ptr(),
-                             gate.stride(0), out.data_ptr(), rows, n,
-                             int(gate.dtype == torch.bfloat16))
+    return KernelCall(library.silu_mul_call, SiluMulArgs(
+        gate.data_ptr(), up.data_ptr(), gate.stride(0), out.data_ptr(), rows, n,
+        int(gate.dtype == torch.bfloat16)))

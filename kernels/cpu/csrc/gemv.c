@@ -393,3 +393,25 @@ int gemv(const void *x_in, int64_t m, int64_t k, int io_bf16, int nw, const void
     free(xf);
     return 0;
 }
+
+/* gemv's arguments as one block, for a call bound once and made again and again
+ * (kernels/cpu/calls.py; gemv.py's GemvArgs lays it out field for field). */
+typedef struct {
+    const void *x;
+    int64_t m, k;
+    int32_t io_bf16, nw;
+    const void *const *ws;
+    const int *types;
+    const int64_t *ns;
+    const float *const *scales;
+    const int64_t *groups;
+    const void *const *biases;
+    void *out;
+    int32_t isa, fetch_ahead, threads;
+} gemv_args;
+
+int gemv_call(const void *args) {
+    const gemv_args *a = args;
+    return gemv(a->x, a->m, a->k, a->io_bf16, a->nw, a->ws, a->types, a->ns, a->scales,
+                a->groups, a->biases, a->out, a->isa, a->fetch_ahead, a->threads);
+}

@@ -119,3 +119,65 @@ void silu_mul(const void *gate, const void *up, int64_t row_stride, void *out, i
         }
     }
 }
+
+/* ---- Bound calls -------------------------------------------------------------------------- */
+
+/* Each kernel's arguments as one block, for a call bound once and made again and again
+ * (kernels/cpu/calls.py; norm_rotary.py's *Args structures lay them out field for field). */
+typedef struct {
+    const void *x, *weight;
+    void *out;
+    int64_t rows, n;
+    float eps;
+    int32_t bf16;
+} rms_norm_args;
+
+int rms_norm_call(const void *args) {
+    const rms_norm_args *a = args;
+    rms_norm(a->x, a->weight, a->out, a->rows, a->n, a->eps, a->bf16);
+    return 0;
+}
+
+typedef struct {
+    void *x;
+    const void *residual, *weight;
+    void *out;
+    int64_t rows, n;
+    float eps;
+    int32_t bf16;
+} add_rms_norm_args;
+
+int add_rms_norm_call(const void *args) {
+    const add_rms_norm_args *a = args;
+    add_rms_norm(a->x, a->residual, a->weight, a->out, a->rows, a->n, a->eps, a->bf16);
+    return 0;
+}
+
+typedef struct {
+    const void *x;
+    int64_t row_stride;
+    const void *cos, *sin;
+    void *out;
+    int64_t rows, heads, d;
+    int32_t bf16;
+} rotary_args;
+
+int rotary_call(const void *args) {
+    const rotary_args *a = args;
+    rotary(a->x, a->row_stride, a->cos, a->sin, a->out, a->rows, a->heads, a->d, a->bf16);
+    return 0;
+}
+
+typedef struct {
+    const void *gate, *up;
+    int64_t row_stride;
+    void *out;
+    int64_t rows, n;
+    int32_t bf16;
+} silu_mul_args;
+
+int silu_mul_call(const void *args) {
+    const silu_mul_args *a = args;
+    silu_mul(a->gate, a->up, a->row_stride, a->out, a->rows, a->n, a->bf16);
+    return 0;
+}

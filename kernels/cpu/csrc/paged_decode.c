@@ -144,6 +144,27 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *
     return 0;
 }
 
+/* paged_decode's arguments as one block, for a call bound once and made again and again
+ * (kernels/cpu/calls.py; native.py's PagedDecodeArgs lays it out field for field). */
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    void *out;
+    const int32_t *block_tables;
+    int64_t max_blocks;
+    const int32_t *seq_lens, *rows, *seqs;
+    int64_t n;
+    int32_t h, hkv, d, bs;
+    float scale;
+    int32_t bf16, threads;
+} paged_decode_args;
+
+int paged_decode_call(const void *args) {
+    const paged_decode_args *a = args;
+    return paged_decode(a->q, a->k_cache, a->v_cache, a->out, a->block_tables, a->max_blocks,
+                        a->seq_lens, a->rows, a->seqs, a->n, a->h, a->hkv, a->d, a->bs,
+                        a->scale, a->bf16, a->threads);
+}
+
 /* The step's new keys and values into their cache slots (the attention contract's
  * reshape_and_cache): row t of key and of value, `width` = H_kv * D values each, `key_stride` /
  * `value_stride` elements after row t - 1 (views of a fused projection's output need no copy),
@@ -159,4 +180,23 @@ void write_kv(const void *key, int64_t key_stride, const void *value, int64_t va
         memcpy((char *)k_cache + slot * row, (const char *)key + i * key_stride * elem, row);
         memcpy((char *)v_cache + slot * row, (const char *)value + i * value_stride * elem, row);
     }
+}
+
+/* write_kv's arguments as one block (as paged_decode_args; native.py's WriteKvArgs). */
+typedef struct {
+    const void *key;
+    int64_t key_stride;
+    const void *value;
+    int64_t value_stride;
+    void *k_cache, *v_cache;
+    const int64_t *slot_mapping;
+    int64_t t, width;
+    int32_t elem;
+} write_kv_args;
+
+int write_kv_call(const void *args) {
+    const write_kv_args *a = args;
+    write_kv(a->key, a->key_stride, a->value, a->value_stride, a->k_cache, a->v_cache,
+             a->slot_mapping, a->t, a->width, a->elem);
+    return 0;
 }

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minipaged.kernels.cpu.build import build_native
 from minipaged.kernels.cpu.gemv import (
     ISAS,
     SOURCE,
@@ -33,7 +34,6 @@ from minipaged.kernels.cpu.gemv import (
     gemv_row_limit,
     quantize_int8,
 )
-from minipaged.kernels.cpu.native import build_native
 
 PATHS = [isa for isa, level in ISAS.items() if level <= ISAS.get(gemv_isa(), -1)]
 
