@@ -8,7 +8,7 @@ CUDA has graphs for this (capture a step's kernel launches once, replay them); v
 nano-vllm replay a captured graph per batch size. `DecodeProgram` does the same with the CPU
 kernels of `minipaged.kernels.cpu`: for each row count it binds every kernel of the step to
 static buffers once (`bind_*`, `GemvPlan.bind`), and a step copies its inputs into those buffers,
-calls the bound kernels in order and copies the final hidden states out.
+makes the bound calls in order in one call into C (`KernelCalls`) and copies the logits out.
 
 A step of a LLaMA-family model (one rank, no per-head q/k norm) that only decodes, with at most
 `max_rows` sequences (the fewest rows any layer's few-row path takes), runs this way; any other
@@ -17,20 +17,23 @@ step runs the model's modules. Each layer is what `minipaged.models.llama` compu
     h = rms_norm(x);  q, k, v = qkv(h);  q, k = rotary(q), rotary(k);  cache k, v
     x += o(paged_decode(q));  h = rms_norm(x);  x += down(silu(gate(h)) * up(h))
 
-with the same kernels the modules call at a few rows, so outputs equal the modules' bit for
-bit; a residual add goes into the same call as the norm after it (`bind_add_rms_norm`), which
-adds and rounds as PyTorch's add does.
+then the final norm and, where the head has a few-row path at that many rows, the head (else
+the model's `compute_logits` takes the final hidden states). The kernels are those the modules
+call at a few rows, so the logits equal the modules' bit for bit; a residual add goes into the
+same call as the norm after it (`bind_add_rms_norm`), which adds and rounds as PyTorch's add
+does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from minipaged.attention.contract import AttentionMetadata
+from minipaged.kernels.cpu.calls import KernelCall, KernelCalls, kernel_calls_available
 from minipaged.kernels.cpu.gemv import GemvPlan
 from minipaged.kernels.cpu.native import (
     bind_paged_decode,
@@ -69,8 +72,8 @@ class LayerPlans:
 @dataclass
 class Replay:
     """A row count's static buffers and its step's kernel calls bound to them: a step writes
-    its inputs into the first six buffers, runs `calls` in order and reads `hidden`. The calls
-    point into every buffer: the replay keeps them alive."""
+    its inputs into the first six buffers, runs `calls` and reads `logits` (or, without a
+    bound head, `hidden`). The calls point into every buffer: the replay keeps them alive."""
 
     x: Tensor  # [rows, hidden]: the residual stream; the embedding goes in here
     cos: Tensor  # [rows, head_dim]
@@ -79,7 +82,8 @@ class Replay:
     block_tables: Tensor  # [rows, max_blocks] int32
     seq_lens: Tensor  # [rows] int32
     hidden: Tensor  # [rows, hidden]: the final norm's output
-    calls: list[Callable[[], object]]
+    logits: Tensor | None  # [rows, vocab] in the model's dtype: the head's, where it is bound
+    calls: KernelCalls
     scratch: list[Tensor]  # the buffers between the kernels
 
 
@@ -106,6 +110,7 @@ class DecodeProgram:
         the decode kernel does not take."""
         if not (isinstance(model, LlamaForCausalLM) and not model.config.qk_norm
                 and norm_rotary_available() and native_decode_available()
+                and kernel_calls_available()
                 and kv_caches and kv_caches[0].dtype in DTYPES
                 and native_decode_supports(kv_caches[0][0], model.config.num_heads)):
             return None
@@ -122,7 +127,7 @@ class DecodeProgram:
 
     def _watch_list(self) -> list[tuple[VersionedWeights, str, object]]:
         """(module, field, the object it holds now) for every weight the bound calls read."""
-        modules: list[VersionedWeights] = [self.model.norm]
+        modules: list[VersionedWeights] = [self.model.norm, self.model.lm_head]
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             modules += [layer.input_layernorm, layer.post_attention_layernorm, attn.q_proj,
@@ -154,8 +159,9 @@ class DecodeProgram:
         )
 
     def run(self, input_ids: Tensor, positions: Tensor, metadata: AttentionMetadata) -> Tensor:
-        """The final hidden states `[T, hidden]` of a step that `takes` accepts, as the model's
-        forward returns them (its K/V written into the caches)."""
+        """The float32 logits `[T, vocab]` of every row of a step that `takes` accepts, as the
+        model's `compute_logits` of its forward's hidden states gives them (its K/V written
+        into the caches)."""
         check_flat_batch(self.model.config, input_ids, positions)
         rows = input_ids.shape[0]
         key = (rows, torch.get_num_threads())
@@ -171,9 +177,10 @@ class DecodeProgram:
             replay.seq_lens.copy_(metadata.seq_lens)
             width = metadata.block_tables.shape[1]
             replay.block_tables[:, :width].copy_(metadata.block_tables)
-            for call in replay.calls:
-                call()
-        return replay.hidden.clone()
+            replay.calls.run()
+        if replay.logits is None:
+            return self.model.compute_logits(replay.hidden)
+        return replay.logits.to(torch.float32, copy=True)
 
     def _bind(self, rows: int) -> Replay:
         """Static buffers for `rows` decodes, and every kernel of the step bound to them."""
@@ -186,13 +193,10 @@ class DecodeProgram:
             return torch.zeros(*shape, dtype=of)
 
         x, h = buffer(rows, hidden), buffer(rows, hidden)
-        replay = Replay(
-            x=x, cos=buffer(rows, head_dim), sin=buffer(rows, head_dim),
-            slot_mapping=buffer(rows, of=torch.int64),
-            block_tables=buffer(rows, self.max_blocks, of=torch.int32),
-            seq_lens=buffer(rows, of=torch.int32), hidden=buffer(rows, hidden), calls=[],
-            scratch=[],
-        )
+        cos, sin = buffer(rows, head_dim), buffer(rows, head_dim)
+        slot_mapping = buffer(rows, of=torch.int64)
+        block_tables = buffer(rows, self.max_blocks, of=torch.int32)
+        seq_lens, final = buffer(rows, of=torch.int32), buffer(rows, hidden)
         decoded = torch.arange(rows, dtype=torch.int32)  # row i is sequence i's decode
         qkv = buffer(rows, q_size + 2 * kv_size)
         q, k = buffer(rows, num_heads, head_dim), buffer(rows, num_kv_heads, head_dim)
@@ -204,27 +208,40 @@ class DecodeProgram:
         gate, up = gate_up.chunk(2, dim=1)
         act = buffer(rows, self.layers[0].down.in_features)
         eps = config.norm_eps
-        calls = replay.calls
+        calls: list[KernelCall] = []
         for index, (plans, cache) in enumerate(zip(self.layers, self.kv_caches, strict=True)):
             calls += [
                 # the previous layer's last residual add goes in with this layer's first norm
                 bind_rms_norm(x, plans.input_norm, eps, h) if index == 0
                 else bind_add_rms_norm(x, projected, plans.input_norm, eps, h),
                 plans.qkv.bind(h, qkv),
-                bind_rotary(q_in, replay.cos, replay.sin, q),
-                bind_rotary(k_in, replay.cos, replay.sin, k),
-                bind_write_kv(k, v, cache[0], cache[1], replay.slot_mapping),
-                bind_paged_decode(attended, q, cache[0], cache[1], replay.block_tables,
-                                  replay.seq_lens, decoded, decoded, plans.scale),
+                bind_rotary(q_in, cos, sin, q),
+                bind_rotary(k_in, cos, sin, k),
+                bind_write_kv(k, v, cache[0], cache[1], slot_mapping),
+                bind_paged_decode(attended, q, cache[0], cache[1], block_tables, seq_lens,
+                                  decoded, decoded, plans.scale),
                 plans.o.bind(attended.view(rows, q_size), projected),
                 bind_add_rms_norm(x, projected, plans.post_norm, eps, h),
                 plans.gate_up.bind(h, gate_up),
                 bind_silu_mul(gate, up, act),
                 plans.down.bind(act, projected),
             ]
-        calls.append(bind_add_rms_norm(x, projected, self.final_norm, eps, replay.hidden))
-        replay.scratch += [h, decoded, qkv, q, k, attended, projected, gate_up, act]
-        return replay
+        calls.append(bind_add_rms_norm(x, projected, self.final_norm, eps, final))
+        head, logits = self._head(rows), None
+        if head is not None:
+            logits = buffer(rows, config.vocab_size)
+            calls.append(head.bind(final, logits))
+        return Replay(x, cos, sin, slot_mapping, block_tables, seq_lens, final, logits,
+                      KernelCalls(calls), [h, decoded, qkv, q, k, attended, projected, gate_up,
+                                           act])
+
+    def _head(self, rows: int) -> GemvPlan | None:
+        """The head's few-row plan where it takes `rows` rows, the model's dtype in and out."""
+        head = self.model.lm_head
+        path = head.few_rows if type(head) is Linear else None
+        if path is None or rows > path.max_rows or path.plan.dtype != self.dtype:
+            return None
+        return path.plan
 
 
 def _layer_plans(layer: LlamaDecoderLayer) -> tuple[LayerPlans, int] | None:

@@ -213,10 +213,11 @@ class ModelRunner:
         self.check_metadata(metadata, len(input_ids))
         program = self.decode_program
         if program is not None and program.takes(len(input_ids), metadata):
-            hidden = program.run(input_ids, positions, metadata)
-        else:
-            attention = PagedAttentionBackend(self.kv_caches, metadata, self.layer_ops)
-            hidden = self.model(input_ids, positions, attention)
+            logits = program.run(input_ids, positions, metadata)  # one row per entry
+            wanted = [i for i, entry in enumerate(entries) if entry.needs_logits]
+            return logits if len(wanted) == len(entries) else logits[wanted]
+        attention = PagedAttentionBackend(self.kv_caches, metadata, self.layer_ops)
+        hidden = self.model(input_ids, positions, attention)
         last_rows = [
             end - 1
             for entry, end in zip(entries, metadata.query_start_loc[1:].tolist(), strict=True)
