@@ -17,11 +17,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from minipaged.attention.contract import (
-    AttentionMetadata,
-    check_paged_attention_args,
-    check_reshape_and_cache_args,
-)
+from minipaged.attention.contract import AttentionMetadata
 from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.layers import choose_gemms
 from minipaged.runner.backends import (
@@ -97,8 +93,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.ops = get_attention_ops(attention_backend, self.device)
-        # A step's metadata is the same for every layer: `check_metadata` validates it once per
-        # step, so the layers skip the checks (and their host syncs).
+        # A step's metadata is the same for every layer: `prepare` validates it once per step,
+        # so the layers skip the checks (and their host syncs).
         self.layer_ops = replace(
             self.ops,
             paged_attention=partial(self.ops.paged_attention, validate=False),
@@ -151,26 +147,39 @@ class ModelRunner:
     def prepare(
         self, entries: Sequence[ScheduledSequence]
     ) -> tuple[Tensor, Tensor, AttentionMetadata]:
-        """Build input_ids, positions and the attention metadata of a step."""
+        """Build input_ids, positions and the attention metadata of a step, and validate them
+        once for every layer (the layers' attention ops then skip their checks).
+
+        The metadata holds the attention contract by construction (`check_paged_attention_args`
+        and `check_reshape_and_cache_args` accept every batch built here; tests hold it to
+        that): query spans from 0 to the token count, each within its context, maxima that
+        bound. What construction cannot promise is checked as the lists are built, before any
+        kernel writes the cache: each block table covers its context with blocks of the cache,
+        and no two tokens write one slot. Raises `ValueError` naming the problem."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
-        bs = self.block_size
+        bs, num_blocks = self.block_size, self.kv_caches[0].shape[1]
         for entry in entries:
             n = len(entry.token_ids)
             end = entry.start + n
-            if len(entry.block_table) * bs < end:
-                raise ValueError(
-                    f"block table of {len(entry.block_table)} blocks cannot hold {end} tokens"
-                )
+            table = entry.block_table
+            if len(table) * bs < end:
+                raise ValueError(f"block table of {len(table)} blocks cannot hold {end} tokens")
+            used = table[:-(-end // bs)]
+            if used and (min(used) < 0 or max(used) >= num_blocks):
+                raise ValueError(f"block table {list(used)} names a block outside the cache's "
+                                 f"{num_blocks} blocks within its {end}-token context")
             input_ids.extend(entry.token_ids)
             for pos in range(entry.start, end):
                 positions.append(pos)
-                slots.append(entry.block_table[pos // bs] * bs + pos % bs)
+                slots.append(table[pos // bs] * bs + pos % bs)
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(end)
+        if len(set(slots)) != len(slots):
+            raise ValueError("two tokens of the step write the same cache slot")
         max_blocks = max(len(e.block_table) for e in entries)
         tables = [list(e.block_table) + [-1] * (max_blocks - len(e.block_table)) for e in entries]
 
@@ -187,20 +196,6 @@ class ModelRunner:
         )
         return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64), metadata
 
-    def check_metadata(self, metadata: AttentionMetadata, num_tokens: int) -> None:
-        """Validate a step's attention metadata against the cache (`ValueError` naming the
-        problem), with the attention backends' own checks, once instead of once per layer."""
-        cfg, cache = self.config, self.kv_caches[0]
-        like = dict(dtype=self.dtype, device=self.device)
-        q = torch.empty(num_tokens, self.num_heads, cfg.head_dim, **like)
-        kv = torch.empty(num_tokens, self.num_kv_heads, cfg.head_dim, **like)
-        check_paged_attention_args(
-            q, cache[0], cache[1], metadata.block_tables, metadata.seq_lens,
-            metadata.query_start_loc, max_query_len=metadata.max_query_len,
-            max_seq_len=metadata.max_seq_len,
-        )
-        check_reshape_and_cache_args(kv, kv, cache[0], cache[1], metadata.slot_mapping)
-
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> Tensor:
         """Run one step's plan; return float32 logits [scheduled entries with needs_logits,
@@ -210,7 +205,6 @@ class ModelRunner:
         if not entries:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         input_ids, positions, metadata = self.prepare(entries)
-        self.check_metadata(metadata, len(input_ids))
         program = self.decode_program
         if program is not None and program.takes(len(input_ids), metadata):
             logits = program.run(input_ids, positions, metadata)  # one row per entry

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import dense_last_logits, plan_of, scheduled
 
+from minipaged.attention.contract import check_paged_attention_args, check_reshape_and_cache_args
 from minipaged.attention.reference import paged_attention, plan_attention
 from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.gpt2 import GPT2ForCausalLM
@@ -119,8 +120,12 @@ def test_prepare_equals_reference(batch):
     runner = ModelRunner(
         torch.nn.Identity(), tiny_config(), block_size=block_size, num_gpu_blocks=num_blocks
     )
-    input_ids, positions, md = runner.prepare(entries)
     ref = reference_flat_batch(entries, block_size)
+    if len(set(ref["slot_mapping"])) < len(ref["slot_mapping"]):  # tables sharing a block
+        with pytest.raises(ValueError, match="same cache slot"):
+            runner.prepare(entries)
+        return
+    input_ids, positions, md = runner.prepare(entries)
     assert input_ids.tolist() == ref["input_ids"] and input_ids.dtype == torch.int64
     assert positions.tolist() == ref["positions"] and positions.dtype == torch.int64
     assert md.slot_mapping.tolist() == ref["slot_mapping"] and md.slot_mapping.dtype == torch.int64
@@ -130,6 +135,14 @@ def test_prepare_equals_reference(batch):
     assert md.block_tables.tolist() == ref["block_tables"] and md.block_tables.dtype == torch.int32
     assert md.max_query_len == max(len(e.token_ids) for e in entries)
     assert md.max_seq_len == max(ref["seq_lens"])
+    # valid by construction: the attention contract's own checks accept it
+    cache = runner.kv_caches[0]
+    q = torch.empty(len(input_ids), runner.num_heads, runner.config.head_dim)
+    kv = torch.empty(len(input_ids), runner.num_kv_heads, runner.config.head_dim)
+    check_paged_attention_args(q, cache[0], cache[1], md.block_tables, md.seq_lens,
+                               md.query_start_loc, max_query_len=md.max_query_len,
+                               max_seq_len=md.max_seq_len)
+    check_reshape_and_cache_args(kv, kv, cache[0], cache[1], md.slot_mapping)
 
 
 def test_prepare_rejects_a_block_table_too_short():
@@ -138,11 +151,25 @@ def test_prepare_rejects_a_block_table_too_short():
         runner.prepare([scheduled([1, 2, 3], 6, [0, 1])])
 
 
-def test_check_metadata_rejects_a_block_outside_the_cache():
+@pytest.mark.parametrize("table", [[9], [-1], [0, 8]])
+def test_prepare_rejects_a_block_outside_the_cache(table):
     runner = make_runner(tiny_model(), num_gpu_blocks=8)
-    _, _, md = runner.prepare([scheduled([1, 2, 3], 0, [9])])
-    with pytest.raises(ValueError, match="outside"):
-        runner.check_metadata(md, 3)
+    with pytest.raises(ValueError, match="outside the cache's 8 blocks"):
+        runner.prepare([scheduled([1, 2, 3, 4, 5], 0, table + [3])])
+
+
+def test_prepare_takes_a_bad_block_beyond_the_context():
+    """Blocks past a sequence's context are not read or written: the table may hold anything
+    there (a table the scheduler has grown ahead)."""
+    runner = make_runner(tiny_model(), num_gpu_blocks=8)
+    _, _, md = runner.prepare([scheduled([1, 2, 3], 0, [2, 99])])
+    assert md.block_tables.tolist() == [[2, 99]]
+
+
+def test_prepare_rejects_two_tokens_writing_one_slot():
+    runner = make_runner(tiny_model(), num_gpu_blocks=8)
+    with pytest.raises(ValueError, match="same cache slot"):
+        runner.prepare([scheduled([1], 2, [5]), scheduled([7], 2, [5])])
 
 
 def test_the_step_plan_groups_decodes_and_attends_as_one_call_per_sequence():
