@@ -202,7 +202,8 @@ class OutputProcessor:
         sampling_rows = [
             owner[s.seq_id].sampling_row(s, self.eos_token_ids) for s in plain_seqs
         ]
-        result = self.sampler(logits[plain_rows], sampling_rows)
+        in_order = plain_rows == list(range(logits.shape[0]))  # a decode step's: no copy
+        result = self.sampler(logits if in_order else logits[plain_rows], sampling_rows)
         tokens, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
         for i, seq in enumerate(plain_seqs):
             seq.append_token(tokens[i], logprobs[i], result.logprobs_dict(i))
