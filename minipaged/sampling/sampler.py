@@ -257,6 +257,7 @@ class Sampler:
 
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         processed = self.process_logits(logits, rows)
+        logprobs = torch.log_softmax(processed, dim=-1)
         token_ids = processed.argmax(dim=-1)
 
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -265,17 +266,15 @@ class Sampler:
                 processed[random_rows], [rows[i] for i in random_rows]
             )
 
-        chosen = processed.gather(1, token_ids[:, None])[:, 0]
-        out = SamplerOutput(token_ids=token_ids, logprobs=chosen,
-                            num_logprobs=[row.params.logprobs for row in rows])
+        out = SamplerOutput(
+            token_ids=token_ids,
+            logprobs=logprobs.gather(1, token_ids[:, None])[:, 0],
+            num_logprobs=[row.params.logprobs for row in rows],
+        )
         max_k = max((row.params.logprobs or 0 for row in rows), default=0)
         if max_k > 0:
-            logprobs = torch.log_softmax(processed, dim=-1)
-            out.logprobs = logprobs.gather(1, token_ids[:, None])[:, 0]
             top = logprobs.topk(min(max_k, logprobs.shape[1]), dim=-1)
             out.top_logprobs, out.top_token_ids = top.values, top.indices
-        else:  # only the sampled tokens' log-probabilities: no [B, V] tensor of them
-            out.logprobs = chosen - processed.logsumexp(dim=-1)
         return out
 
     def process_logits(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
