@@ -36,6 +36,7 @@ from minipaged.kernels.cpu.native import (
 )
 from minipaged.kernels.cpu.norm_rotary import (
     bind_add_rms_norm,
+    bind_gather_rows,
     bind_rms_norm,
     bind_rotary,
     bind_silu_mul,
@@ -54,6 +55,7 @@ __all__ = [
     "KernelCall",
     "KernelCalls",
     "bind_add_rms_norm",
+    "bind_gather_rows",
     "bind_paged_decode",
     "bind_rms_norm",
     "bind_rotary",

@@ -1,5 +1,5 @@
 """RMSNorm, rotary embeddings and SwiGLU's SiLU-and-multiply in one C call each
-(`csrc/norm_rotary.c`).
+(`csrc/norm_rotary.c`), and the row look-up a replayed step starts with (`bind_gather_rows`).
 
 In PyTorch an RMSNorm is eight operators (a cast, a square, a mean, an add, a reciprocal square
 root, two products, a cast back), a rotary six per tensor (two products, a half swap with a
@@ -55,11 +55,17 @@ class SiluMulArgs(ctypes.Structure):
                 ("rows", I64), ("n", I64), ("bf16", I32)]
 
 
+class GatherRowsArgs(ctypes.Structure):
+    _fields_ = [("table", POINTER), ("table_rows", I64), ("row_bytes", I64), ("index", POINTER),
+                ("n", I64), ("out", POINTER)]
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The kernels, built and loaded once per process (`load_native`); None without."""
     return load_native(SOURCE, {name: ENTRY for name in (
-        "rms_norm_call", "add_rms_norm_call", "rotary_call", "silu_mul_call")})
+        "rms_norm_call", "add_rms_norm_call", "rotary_call", "silu_mul_call",
+        "gather_rows_call")})
 
 
 def norm_rotary_available() -> bool:
@@ -210,3 +216,25 @@ def bind_silu_mul(gate: Tensor, up: Tensor, out: Tensor) -> KernelCall:
     return KernelCall(library.silu_mul_call, SiluMulArgs(
         gate.data_ptr(), up.data_ptr(), gate.stride(0), out.data_ptr(), rows, n,
         int(gate.dtype == torch.bfloat16)))
+
+
+def bind_gather_rows(table: Tensor, index: Tensor, out: Tensor) -> KernelCall:
+    """`out[i] = table[index[i]]` (an embedding look-up: `F.embedding(index, table)`) as a call
+    with every argument fixed, to run again and again over the same tensors (a step replayed).
+    `table [rows, n]` and `out [len(index), n]` contiguous, one dtype; `index` contiguous int64.
+    The call refuses (status -1, writing nothing) an index outside the table."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the native CPU row look-up could not be built here")
+    if (table.dim() != 2 or not table.is_contiguous() or index.dtype != torch.int64
+            or index.dim() != 1 or not index.is_contiguous()):
+        raise ValueError(f"table must be a contiguous 2-D tensor and index a contiguous int64 "
+                         f"vector, got {tuple(table.shape)} and {index.dtype} "
+                         f"{tuple(index.shape)}")
+    if not (out.shape == (index.shape[0], table.shape[1]) and out.dtype == table.dtype
+            and out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous [{index.shape[0]}, {table.shape[1]}] "
+                         f"{table.dtype}")
+    return KernelCall(library.gather_rows_call, GatherRowsArgs(
+        table.data_ptr(), table.shape[0], table.shape[1] * table.element_size(),
+        index.data_ptr(), index.shape[0], out.data_ptr()))

@@ -7,8 +7,12 @@ new tensors, one `ctypes` call per kernel, ~0.3 ms a layer, as much as the bandw
 CUDA has graphs for this (capture a step's kernel launches once, replay them); vLLM and
 nano-vllm replay a captured graph per batch size. `DecodeProgram` does the same with the CPU
 kernels of `minipaged.kernels.cpu`: for each row count it binds every kernel of the step to
-static buffers once (`bind_*`, `GemvPlan.bind`), and a step copies its inputs into those buffers,
-makes the bound calls in order in one call into C (`KernelCalls`) and copies the logits out.
+static buffers once (`bind_*`, `GemvPlan.bind`), and a step writes its flat batch's lists
+(`FlatBatch`) into those buffers, makes the bound calls in order in one call into C
+(`KernelCalls`: the embedding and rotary look-ups, the layers, the head) and copies the logits
+out. Between the kernels a step runs no PyTorch operator: after the weights have streamed
+through the caches, each operator's first call costs 0.1-0.3 ms of cache misses in its
+dispatch code.
 
 A step of a LLaMA-family model (one rank, no per-head q/k norm) that only decodes, with at most
 `max_rows` sequences (the fewest rows any layer's few-row path takes), runs this way; any other
@@ -26,14 +30,14 @@ does.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from minipaged.attention.contract import AttentionMetadata
-from minipaged.kernels.cpu.calls import KernelCall, KernelCalls, kernel_calls_available
+from minipaged.kernels.cpu.calls import KernelCalls, kernel_calls_available
 from minipaged.kernels.cpu.gemv import GemvPlan
 from minipaged.kernels.cpu.native import (
     bind_paged_decode,
@@ -44,13 +48,15 @@ from minipaged.kernels.cpu.native import (
 )
 from minipaged.kernels.cpu.norm_rotary import (
     bind_add_rms_norm,
+    bind_gather_rows,
     bind_rms_norm,
     bind_rotary,
     bind_silu_mul,
     norm_rotary_available,
 )
-from minipaged.models.layers import WEIGHT_FIELDS, Linear, VersionedWeights, check_flat_batch
+from minipaged.models.layers import WEIGHT_FIELDS, Linear, ModelInputError, VersionedWeights
 from minipaged.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from minipaged.runner.flat_batch import FlatBatch
 
 PROFILER_NAME = "minipaged::decode_program"  # a replayed step, as torch's profiler lists it
 DTYPES = (torch.float32, torch.bfloat16)
@@ -70,17 +76,40 @@ class LayerPlans:
 
 
 @dataclass
+class StepInputs:
+    """A replay's integer inputs, each a static tensor and a `ctypes` array over its memory,
+    which a list is written into without a PyTorch operator."""
+
+    input_ids: Tensor  # [rows] int64
+    positions: Tensor  # [rows] int64
+    slot_mapping: Tensor  # [rows] int64
+    seq_lens: Tensor  # [rows] int32
+    block_tables: Tensor  # [rows, max_blocks] int32, each row's first blocks written
+
+    def __post_init__(self) -> None:
+        self.views = {name: _c_array(getattr(self, name)) for name in (
+            "input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")}
+
+    def write(self, batch: FlatBatch) -> None:
+        """The batch's lists into the buffers (as many rows as the buffers have)."""
+        views = self.views
+        views["input_ids"][:] = batch.input_ids
+        views["positions"][:] = batch.positions
+        views["slot_mapping"][:] = batch.slot_mapping
+        views["seq_lens"][:] = batch.seq_lens
+        tables, width = views["block_tables"], self.block_tables.shape[1]
+        for row, table in enumerate(batch.block_tables):
+            tables[row * width:row * width + len(table)] = table
+
+
+@dataclass
 class Replay:
     """A row count's static buffers and its step's kernel calls bound to them: a step writes
-    its inputs into the first six buffers, runs `calls` and reads `logits` (or, without a
-    bound head, `hidden`). The calls point into every buffer: the replay keeps them alive."""
+    its inputs, runs `calls` and reads `logits` (or, without a bound head, `hidden`). The calls
+    point into every buffer: the replay keeps them alive."""
 
+    inputs: StepInputs
     x: Tensor  # [rows, hidden]: the residual stream; the embedding goes in here
-    cos: Tensor  # [rows, head_dim]
-    sin: Tensor
-    slot_mapping: Tensor  # [rows] int64
-    block_tables: Tensor  # [rows, max_blocks] int32
-    seq_lens: Tensor  # [rows] int32
     hidden: Tensor  # [rows, hidden]: the final norm's output
     logits: Tensor | None  # [rows, vocab] in the model's dtype: the head's, where it is bound
     calls: KernelCalls
@@ -97,6 +126,13 @@ class DecodeProgram:
         self.max_rows, self.max_blocks = max_rows, max_blocks
         self.dtype = layers[0].qkv.dtype
         self.final_norm = model.norm.weight
+        # the look-ups before the first layer: the embedding's rows where they are the dtype's
+        # (an int8 embedding dequantises its rows in its module), the rotary angles' rows
+        embedding = model.embed_tokens
+        self.embedding = (embedding.weight if isinstance(embedding, nn.Embedding)
+                          and embedding.weight.dtype == self.dtype else None)
+        self.cos = model.rotary.cos.to(self.dtype).contiguous()
+        self.sin = model.rotary.sin.to(self.dtype).contiguous()
         self._replays: dict[tuple[int, int], Replay] = {}  # by rows and threads
         self._watched = self._watch_list()
         self._bound_generation = VersionedWeights.generation
@@ -148,35 +184,39 @@ class DecodeProgram:
             return True
         return False
 
-    def takes(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
-        """Whether a step of `num_tokens` new tokens with this metadata is a replayable decode:
-        one token per sequence, at most `max_rows` of them, block tables that fit the buffers,
-        the model's weights those the calls were bound to."""
+    def takes(self, batch: FlatBatch) -> bool:
+        """Whether a step of this flat batch is a replayable decode: one token per sequence, at
+        most `max_rows` of them, block tables that fit the buffers, the model's weights those
+        the calls were bound to."""
         return (
-            metadata.max_query_len == 1 and num_tokens <= self.max_rows
-            and metadata.block_tables.shape[1] <= self.max_blocks
+            batch.max_query_len == 1 and len(batch.input_ids) <= self.max_rows
+            and max(len(table) for table in batch.block_tables) <= self.max_blocks
             and self._weights_as_bound()
+            and (self.embedding is None or self.model.embed_tokens.weight is self.embedding)
         )
 
-    def run(self, input_ids: Tensor, positions: Tensor, metadata: AttentionMetadata) -> Tensor:
+    def run(self, batch: FlatBatch) -> Tensor:
         """The float32 logits `[T, vocab]` of every row of a step that `takes` accepts, as the
         model's `compute_logits` of its forward's hidden states gives them (its K/V written
-        into the caches)."""
-        check_flat_batch(self.model.config, input_ids, positions)
-        rows = input_ids.shape[0]
-        key = (rows, torch.get_num_threads())
+        into the caches). Raises `ModelInputError` for a token id or position outside the
+        model's."""
+        config = self.model.config
+        ids, positions = batch.input_ids, batch.positions
+        if min(ids) < 0 or max(ids) >= config.vocab_size:
+            raise ModelInputError(f"token id out of range [0, {config.vocab_size}): "
+                                  f"{min(ids)}..{max(ids)}")
+        if min(positions) < 0 or max(positions) >= config.max_position_embeddings:
+            raise ModelInputError(f"position out of range [0, "
+                                  f"{config.max_position_embeddings}): "
+                                  f"{min(positions)}..{max(positions)}")
+        key = (len(ids), torch.get_num_threads())
         replay = self._replays.get(key)
         if replay is None:
-            replay = self._replays[key] = self._bind(rows)
+            replay = self._replays[key] = self._bind(len(ids))
         with profiled(PROFILER_NAME):
-            replay.x.copy_(self.model.embed_tokens(input_ids))
-            cos, sin = self.model.rotary(positions, self.dtype)
-            replay.cos.copy_(cos.view(rows, -1))
-            replay.sin.copy_(sin.view(rows, -1))
-            replay.slot_mapping.copy_(metadata.slot_mapping)
-            replay.seq_lens.copy_(metadata.seq_lens)
-            width = metadata.block_tables.shape[1]
-            replay.block_tables[:, :width].copy_(metadata.block_tables)
+            replay.inputs.write(batch)
+            if self.embedding is None:
+                replay.x.copy_(self.model.embed_tokens(replay.inputs.input_ids))
             replay.calls.run()
         if replay.logits is None:
             return self.model.compute_logits(replay.hidden)
@@ -192,11 +232,14 @@ class DecodeProgram:
         def buffer(*shape: int, of: torch.dtype = dtype) -> Tensor:
             return torch.zeros(*shape, dtype=of)
 
+        inputs = StepInputs(buffer(rows, of=torch.int64), buffer(rows, of=torch.int64),
+                            buffer(rows, of=torch.int64), buffer(rows, of=torch.int32),
+                            buffer(rows, self.max_blocks, of=torch.int32))
+        slot_mapping, block_tables = inputs.slot_mapping, inputs.block_tables
+        seq_lens = inputs.seq_lens
         x, h = buffer(rows, hidden), buffer(rows, hidden)
         cos, sin = buffer(rows, head_dim), buffer(rows, head_dim)
-        slot_mapping = buffer(rows, of=torch.int64)
-        block_tables = buffer(rows, self.max_blocks, of=torch.int32)
-        seq_lens, final = buffer(rows, of=torch.int32), buffer(rows, hidden)
+        final = buffer(rows, hidden)
         decoded = torch.arange(rows, dtype=torch.int32)  # row i is sequence i's decode
         qkv = buffer(rows, q_size + 2 * kv_size)
         q, k = buffer(rows, num_heads, head_dim), buffer(rows, num_kv_heads, head_dim)
@@ -208,7 +251,10 @@ class DecodeProgram:
         gate, up = gate_up.chunk(2, dim=1)
         act = buffer(rows, self.layers[0].down.in_features)
         eps = config.norm_eps
-        calls: list[KernelCall] = []
+        calls = [bind_gather_rows(self.cos, inputs.positions, cos),
+                 bind_gather_rows(self.sin, inputs.positions, sin)]
+        if self.embedding is not None:
+            calls.append(bind_gather_rows(self.embedding, inputs.input_ids, x))
         for index, (plans, cache) in enumerate(zip(self.layers, self.kv_caches, strict=True)):
             calls += [
                 # the previous layer's last residual add goes in with this layer's first norm
@@ -231,9 +277,8 @@ class DecodeProgram:
         if head is not None:
             logits = buffer(rows, config.vocab_size)
             calls.append(head.bind(final, logits))
-        return Replay(x, cos, sin, slot_mapping, block_tables, seq_lens, final, logits,
-                      KernelCalls(calls), [h, decoded, qkv, q, k, attended, projected, gate_up,
-                                           act])
+        return Replay(inputs, x, final, logits, KernelCalls(calls),
+                      [cos, sin, h, decoded, qkv, q, k, attended, projected, gate_up, act])
 
     def _head(self, rows: int) -> GemvPlan | None:
         """The head's few-row plan where it takes `rows` rows, the model's dtype in and out."""
@@ -257,3 +302,9 @@ def _layer_plans(layer: LlamaDecoderLayer) -> tuple[LayerPlans, int] | None:
     plans = LayerPlans(layer.input_layernorm.weight, qkv, attn.scale, o,
                        layer.post_attention_layernorm.weight, gate_up, down)
     return plans, min(path.max_rows for path in paths)
+
+
+def _c_array(tensor: Tensor) -> ctypes.Array:
+    """A contiguous int64 or int32 tensor's elements as a `ctypes` array over its memory."""
+    kind = ctypes.c_int64 if tensor.dtype == torch.int64 else ctypes.c_int32
+    return (kind * tensor.numel()).from_address(tensor.data_ptr())

@@ -2,10 +2,11 @@
 
 It owns the paged KV cache (one tensor per layer on the device, and a host pool of the same
 layout for swapped-out blocks). Each step it performs the swaps and copy-on-write copies the
-scheduler asked for, builds the flat batch (docs/architecture.md, "One step of the engine"),
-validates its metadata once, runs the model with a `PagedAttentionBackend` (which plans the
-step's attention once for every layer), and returns the logits of the sequences that sample
-this step. It knows nothing about requests, sampling or scheduling policy.
+scheduler asked for, builds and checks the flat batch once (`minipaged.runner.flat_batch`;
+docs/architecture.md, "One step of the engine"), runs the model with a `PagedAttentionBackend`
+(which plans the step's attention once for every layer) or replays a CPU decode step
+(`DecodeProgram`), and returns the logits of the sequences that sample this step. It knows
+nothing about requests, sampling or scheduling policy.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from minipaged.runner.backends import (
     get_attention_ops,
 )
 from minipaged.runner.cpu_decode import DecodeProgram
+from minipaged.runner.flat_batch import FlatBatch, batch_tensors, flat_batch
 from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 
 GiB = 1 << 30
@@ -147,54 +149,13 @@ class ModelRunner:
     def prepare(
         self, entries: Sequence[ScheduledSequence]
     ) -> tuple[Tensor, Tensor, AttentionMetadata]:
-        """Build input_ids, positions and the attention metadata of a step, and validate them
-        once for every layer (the layers' attention ops then skip their checks).
+        """input_ids, positions and the attention metadata of a step, built and checked once
+        for every layer (`flat_batch`: `ValueError` naming the problem)."""
+        return batch_tensors(self.flat_batch(entries), self.device)
 
-        The metadata holds the attention contract by construction (`check_paged_attention_args`
-        and `check_reshape_and_cache_args` accept every batch built here; tests hold it to
-        that): query spans from 0 to the token count, each within its context, maxima that
-        bound. What construction cannot promise is checked as the lists are built, before any
-        kernel writes the cache: each block table covers its context with blocks of the cache,
-        and no two tokens write one slot. Raises `ValueError` naming the problem."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        bs, num_blocks = self.block_size, self.kv_caches[0].shape[1]
-        for entry in entries:
-            n = len(entry.token_ids)
-            end = entry.start + n
-            table = entry.block_table
-            if len(table) * bs < end:
-                raise ValueError(f"block table of {len(table)} blocks cannot hold {end} tokens")
-            used = table[:-(-end // bs)]
-            if used and (min(used) < 0 or max(used) >= num_blocks):
-                raise ValueError(f"block table {list(used)} names a block outside the cache's "
-                                 f"{num_blocks} blocks within its {end}-token context")
-            input_ids.extend(entry.token_ids)
-            for pos in range(entry.start, end):
-                positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(end)
-        if len(set(slots)) != len(slots):
-            raise ValueError("two tokens of the step write the same cache slot")
-        max_blocks = max(len(e.block_table) for e in entries)
-        tables = [list(e.block_table) + [-1] * (max_blocks - len(e.block_table)) for e in entries]
-
-        def as_tensor(values: list, dtype: torch.dtype) -> Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
-        metadata = AttentionMetadata(
-            slot_mapping=as_tensor(slots, torch.int64),
-            query_start_loc=as_tensor(query_start_loc, torch.int32),
-            seq_lens=as_tensor(seq_lens, torch.int32),
-            block_tables=as_tensor(tables, torch.int32),
-            max_query_len=max(len(e.token_ids) for e in entries),
-            max_seq_len=max(seq_lens),
-        )
-        return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64), metadata
+    def flat_batch(self, entries: Sequence[ScheduledSequence]) -> FlatBatch:
+        """The step's flat batch as lists, checked against this runner's cache."""
+        return flat_batch(entries, self.block_size, self.kv_caches[0].shape[1])
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> Tensor:
@@ -204,12 +165,13 @@ class ModelRunner:
         entries = plan.scheduled
         if not entries:
             return torch.empty(0, self.config.vocab_size, device=self.device)
-        input_ids, positions, metadata = self.prepare(entries)
+        batch = self.flat_batch(entries)
         program = self.decode_program
-        if program is not None and program.takes(len(input_ids), metadata):
-            logits = program.run(input_ids, positions, metadata)  # one row per entry
+        if program is not None and program.takes(batch):
+            logits = program.run(batch)  # one row per entry
             wanted = [i for i, entry in enumerate(entries) if entry.needs_logits]
             return logits if len(wanted) == len(entries) else logits[wanted]
+        input_ids, positions, metadata = batch_tensors(batch, self.device)
         attention = PagedAttentionBackend(self.kv_caches, metadata, self.layer_ops)
         hidden = self.model(input_ids, positions, attention)
         last_rows = [

@@ -30,6 +30,7 @@ from tiny_models import (
 )
 from torch.profiler import ProfilerActivity, profile
 
+from minipaged.models.layers import ModelInputError
 from minipaged.models.quantization import quantize_model
 from minipaged.runner.backends import PagedAttentionBackend
 from minipaged.runner.cpu_decode import PROFILER_NAME, DecodeProgram
@@ -84,13 +85,14 @@ def test_a_replayed_step_equals_the_modules_to_the_bit(config, lens, seed):
     for step in range(3):  # the same replay again, the tables' used width growing
         entries = [scheduled([rng.randrange(64)], n + step - 1, table, seq_id=i)
                    for i, (n, table) in enumerate(zip(lens, tables, strict=True))]
+        batch = runner.flat_batch(entries)
         input_ids, positions, metadata = runner.prepare(entries)
-        assert program.takes(len(entries), metadata)
+        assert program.takes(batch)
         with torch.inference_mode():
             eager = model(input_ids, positions,
                           PagedAttentionBackend(runner.kv_caches, metadata, runner.layer_ops))
             eager = model.compute_logits(eager)
-            replayed = program.run(input_ids, positions, metadata)
+            replayed = program.run(batch)
         assert torch.equal(replayed, eager)
         for ours, theirs in zip(replayed_caches, runner.kv_caches, strict=True):
             assert torch.equal(ours, theirs)
@@ -103,19 +105,40 @@ def test_what_it_does_not_take_runs_the_modules():
     program = DecodeProgram.build(model, runner.kv_caches, BLOCK_SIZE)
     assert program is not None and program.max_rows == 2
     decodes = [scheduled([1], 4, [0, 1], seq_id=0), scheduled([2], 2, [2], seq_id=1)]
-    assert program.takes(2, runner.prepare(decodes)[2])
+    assert program.takes(runner.flat_batch(decodes))
     three = decodes + [scheduled([3], 0, [3], seq_id=2)]
-    assert not program.takes(3, runner.prepare(three)[2])  # more rows than its kernels take
+    assert not program.takes(runner.flat_batch(three))  # more rows than its kernels take
     prefill = [scheduled([1, 2, 3], 0, [0], seq_id=0)]
-    assert not program.takes(3, runner.prepare(prefill)[2])
+    assert not program.takes(runner.flat_batch(prefill))
     layer = model.layers[1].mlp.up_proj
     weight = layer.weight
     layer.weight = torch.nn.Parameter(weight.detach().clone())  # new storage: stale calls
     try:
-        assert not program.takes(2, runner.prepare(decodes)[2])
+        assert not program.takes(runner.flat_batch(decodes))
     finally:
         layer.weight = weight
-    assert program.takes(2, runner.prepare(decodes)[2])
+    assert program.takes(runner.flat_batch(decodes))
+
+
+def test_a_token_or_position_outside_the_model_is_refused_before_any_kernel_runs():
+    model = model_of(torch.float32, 2, False, False)
+    runner = runner_of(model, enforce_eager=True)
+    force_kernel(model, max_rows=2)
+    program = DecodeProgram.build(model, runner.kv_caches, BLOCK_SIZE)
+    before = [cache.clone() for cache in runner.kv_caches]
+    vocab, longest = model.config.vocab_size, model.config.max_position_embeddings
+    for token in (vocab, -1):
+        batch = runner.flat_batch([scheduled([token], 4, [7, 3])])
+        assert program.takes(batch)
+        with pytest.raises(ModelInputError, match="token id out of range"), \
+                torch.inference_mode():
+            program.run(batch)
+    beyond = runner.flat_batch([scheduled([3], longest, range(longest // BLOCK_SIZE + 1))])
+    assert not program.takes(beyond)  # more blocks than its buffers hold; and if run anyway:
+    with pytest.raises(ModelInputError, match="position out of range"), torch.inference_mode():
+        program.run(beyond)
+    for cache, kept in zip(runner.kv_caches, before, strict=True):
+        assert torch.equal(cache, kept)
 
 
 def test_it_applies_only_to_one_rank_llama_models_on_the_cpu_backend():

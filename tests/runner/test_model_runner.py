@@ -1,7 +1,6 @@
 """The model runner against plain references: the flat batch, the block movements, the logits.
 
-* `prepare` is checked against a reference that expands each block table into one slot per token
-  (the definition of a block table) and lays the batch out sequence after sequence;
+* `prepare` is the flat batch of `minipaged.runner.flat_batch` (`test_flat_batch.py`) as tensors;
 * `apply_cache_ops` must move exactly the named blocks, in every layer, keys and values alike;
 * `execute` over several steps of mixed chunked prefills and decodes, with shuffled physical
   blocks, a swap out and in, and a copy-on-write fork, must give the logits of a dense forward
@@ -19,7 +18,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import dense_last_logits, plan_of, scheduled
 
-from minipaged.attention.contract import check_paged_attention_args, check_reshape_and_cache_args
 from minipaged.attention.reference import paged_attention, plan_attention
 from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.gpt2 import GPT2ForCausalLM
@@ -65,111 +63,6 @@ def make_runner(model, num_gpu_blocks=32, num_cpu_blocks=16, block_size=4) -> Mo
         num_gpu_blocks=num_gpu_blocks,
         num_cpu_blocks=num_cpu_blocks,
     )
-
-
-# -- the flat batch -------------------------------------------------------------------------------
-
-
-@st.composite
-def batches(draw):
-    """Random entries over a pool of blocks: any start (prefix cached or chunked prefill), any
-    number of new tokens, block tables in any order and possibly longer than needed."""
-    block_size = draw(st.sampled_from([1, 2, 4, 8]))
-    num_blocks = 48
-    entries = []
-    for _ in range(draw(st.integers(1, 6))):
-        end = draw(st.integers(1, 40))
-        start = draw(st.integers(0, end - 1))
-        needed = -(-end // block_size)
-        extra = draw(st.integers(0, 2))
-        table = draw(
-            st.lists(
-                st.integers(0, num_blocks - 1),
-                min_size=needed + extra,
-                max_size=needed + extra,
-                unique=True,
-            )
-        )
-        n = end - start
-        tokens = draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n))
-        entries.append(scheduled(tokens, start, table, draw(st.booleans())))
-    return block_size, num_blocks, entries
-
-
-def reference_flat_batch(entries: list[ScheduledSequence], block_size: int) -> dict[str, list]:
-    """The flat batch by definition: a block table lists a sequence's slots block by block."""
-    ref = {"input_ids": [], "positions": [], "slot_mapping": [], "query_start_loc": [0]}
-    ref["seq_lens"], ref["block_tables"] = [], []
-    width = max(len(e.block_table) for e in entries)
-    for e in entries:
-        slots = [b * block_size + offset for b in e.block_table for offset in range(block_size)]
-        context = e.start + len(e.token_ids)
-        ref["input_ids"] += list(e.token_ids)
-        ref["positions"] += list(range(e.start, context))
-        ref["slot_mapping"] += slots[e.start : context]
-        ref["query_start_loc"].append(ref["query_start_loc"][-1] + len(e.token_ids))
-        ref["seq_lens"].append(context)
-        ref["block_tables"].append(list(e.block_table) + [-1] * (width - len(e.block_table)))
-    return ref
-
-
-@given(batches())
-@settings(max_examples=60)
-def test_prepare_equals_reference(batch):
-    block_size, num_blocks, entries = batch
-    runner = ModelRunner(
-        torch.nn.Identity(), tiny_config(), block_size=block_size, num_gpu_blocks=num_blocks
-    )
-    ref = reference_flat_batch(entries, block_size)
-    if len(set(ref["slot_mapping"])) < len(ref["slot_mapping"]):  # tables sharing a block
-        with pytest.raises(ValueError, match="same cache slot"):
-            runner.prepare(entries)
-        return
-    input_ids, positions, md = runner.prepare(entries)
-    assert input_ids.tolist() == ref["input_ids"] and input_ids.dtype == torch.int64
-    assert positions.tolist() == ref["positions"] and positions.dtype == torch.int64
-    assert md.slot_mapping.tolist() == ref["slot_mapping"] and md.slot_mapping.dtype == torch.int64
-    assert md.query_start_loc.tolist() == ref["query_start_loc"]
-    assert md.query_start_loc.dtype == torch.int32
-    assert md.seq_lens.tolist() == ref["seq_lens"] and md.seq_lens.dtype == torch.int32
-    assert md.block_tables.tolist() == ref["block_tables"] and md.block_tables.dtype == torch.int32
-    assert md.max_query_len == max(len(e.token_ids) for e in entries)
-    assert md.max_seq_len == max(ref["seq_lens"])
-    # valid by construction: the attention contract's own checks accept it
-    cache = runner.kv_caches[0]
-    q = torch.empty(len(input_ids), runner.num_heads, runner.config.head_dim)
-    kv = torch.empty(len(input_ids), runner.num_kv_heads, runner.config.head_dim)
-    check_paged_attention_args(q, cache[0], cache[1], md.block_tables, md.seq_lens,
-                               md.query_start_loc, max_query_len=md.max_query_len,
-                               max_seq_len=md.max_seq_len)
-    check_reshape_and_cache_args(kv, kv, cache[0], cache[1], md.slot_mapping)
-
-
-def test_prepare_rejects_a_block_table_too_short():
-    runner = ModelRunner(torch.nn.Identity(), tiny_config(), block_size=4, num_gpu_blocks=8)
-    with pytest.raises(ValueError, match="cannot hold 9 tokens"):
-        runner.prepare([scheduled([1, 2, 3], 6, [0, 1])])
-
-
-@pytest.mark.parametrize("table", [[9], [-1], [0, 8]])
-def test_prepare_rejects_a_block_outside_the_cache(table):
-    runner = make_runner(tiny_model(), num_gpu_blocks=8)
-    with pytest.raises(ValueError, match="outside the cache's 8 blocks"):
-        runner.prepare([scheduled([1, 2, 3, 4, 5], 0, table + [3])])
-
-
-def test_prepare_takes_a_bad_block_beyond_the_context():
-    """Blocks past a sequence's context are not read or written: the table may hold anything
-    there (a table the scheduler has grown ahead)."""
-    runner = make_runner(tiny_model(), num_gpu_blocks=8)
-    _, _, md = runner.prepare([scheduled([1, 2, 3], 0, [2, 99])])
-    assert md.block_tables.tolist() == [[2, 99]]
-
-
-def test_prepare_rejects_two_tokens_writing_one_slot():
-    runner = make_runner(tiny_model(), num_gpu_blocks=8)
-    with pytest.raises(ValueError, match="same cache slot"):
-        runner.prepare([scheduled([1], 2, [5]), scheduled([7], 2, [5])])
 
 
 def test_the_step_plan_groups_decodes_and_attends_as_one_call_per_sequence():

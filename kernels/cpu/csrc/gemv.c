@@ -18,7 +18,7 @@
  *
  * The AVX-512 and AVX2 paths are compiled side by side (`target` attributes) and chosen when
  * called by what the CPU reports (`__builtin_cpu_supports`); plain C otherwise. OpenMP splits
- * the output rows over threads. Built by minipaged.kernels.cpu.native. */
+ * the output rows over threads. Built by minipaged.kernels.cpu.build. */
 
 #include <immintrin.h>
 #include <stdint.h>

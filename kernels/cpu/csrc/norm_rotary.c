@@ -1,5 +1,6 @@
 /* A layer's small row operators for a CPU, one call each over a step's rows: RMSNorm (alone, or
- * after the residual add before it), rotary position embeddings, and SwiGLU's SiLU-and-multiply.
+ * after the residual add before it), rotary position embeddings, SwiGLU's SiLU-and-multiply,
+ * and the row look-ups before the first layer (the tokens' embeddings, their rotary angles).
  *
  * Each is a handful of PyTorch ops (RMSNorm: a square, a mean, an add, a reciprocal square
  * root, two products; rotary: two products, a half swap with a negation, a sum; SwiGLU: a
@@ -15,12 +16,13 @@
  * the SiLU's exponential is the C library's, not PyTorch's (each within an ulp or two); all
  * else is bit for bit. Products are never fused into multiply-adds (`fp-contract=off` below).
  *
- * Built by minipaged.kernels.cpu.native (-O3 -ffast-math -march=native: the loops vectorize). */
+ * Built by minipaged.kernels.cpu.build (-O3 -ffast-math -march=native: the loops vectorize). */
 
 #pragma GCC optimize("fp-contract=off")
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "bf16.h"
 
@@ -120,6 +122,19 @@ void silu_mul(const void *gate, const void *up, int64_t row_stride, void *out, i
     }
 }
 
+/* out[i] = table[index[i]] for i < n, rows of `row_bytes` bytes: an embedding's rows for the
+ * step's tokens, the rotary angles for their positions. Returns -1, having written nothing,
+ * where an index lies outside the table's `table_rows` rows. */
+int gather_rows(const void *table, int64_t table_rows, int64_t row_bytes, const int64_t *index,
+                int64_t n, void *out) {
+    for (int64_t i = 0; i < n; i++)
+        if (index[i] < 0 || index[i] >= table_rows) return -1;
+    for (int64_t i = 0; i < n; i++)
+        memcpy((char *)out + i * row_bytes, (const char *)table + index[i] * row_bytes,
+               (size_t)row_bytes);
+    return 0;
+}
+
 /* ---- Bound calls -------------------------------------------------------------------------- */
 
 /* Each kernel's arguments as one block, for a call bound once and made again and again
@@ -180,4 +195,17 @@ int silu_mul_call(const void *args) {
     const silu_mul_args *a = args;
     silu_mul(a->gate, a->up, a->row_stride, a->out, a->rows, a->n, a->bf16);
     return 0;
+}
+
+typedef struct {
+    const void *table;
+    int64_t table_rows, row_bytes;
+    const int64_t *index;
+    int64_t n;
+    void *out;
+} gather_rows_args;
+
+int gather_rows_call(const void *args) {
+    const gather_rows_args *a = args;
+    return gather_rows(a->table, a->table_rows, a->row_bytes, a->index, a->n, a->out);
 }

@@ -10,7 +10,7 @@
  * reads KV head h / (H / H_kv). Accumulation is float32; bfloat16 inputs are widened on load and
  * the output rounded to nearest even once.
  *
- * Built by minipaged.kernels.cpu.native with -O3 -ffast-math for the machine it runs on, so the
+ * Built by minipaged.kernels.cpu.build with -O3 -ffast-math for the machine it runs on, so the
  * dot products, the exponentials and the V accumulation vectorize. */
 
 #include <math.h>

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from minipaged.kernels.cpu.norm_rotary import (
     NORM_PROFILER_NAME,
     bind_add_rms_norm,
+    bind_gather_rows,
     bind_silu_mul,
     norm_rotary_available,
     rms_norm,
@@ -136,6 +137,27 @@ def test_silu_mul_equals_pytorch(dtype, rows, width, fused, scale, seed):
     assert torch.equal(out, got)
     with pytest.raises(ValueError, match="apart from gate and up"):
         bind_silu_mul(gate, up, gate if not fused else both[:, :width])
+
+
+@given(dtype=DTYPES, table_rows=st.integers(1, 50), width=st.sampled_from([1, 7, 64, 576]),
+       data=st.data())
+@settings(max_examples=40, deadline=None)
+def test_gather_rows_equals_an_embedding_look_up(dtype, table_rows, width, data):
+    index = data.draw(st.lists(st.integers(0, table_rows - 1), min_size=1, max_size=9))
+    table = torch.randn(table_rows, width).to(dtype)
+    ids = torch.tensor(index, dtype=torch.int64)
+    out = torch.full((len(index), width), float("nan"), dtype=dtype)
+    assert bind_gather_rows(table, ids, out)() == 0
+    assert torch.equal(out, torch.nn.functional.embedding(ids, table))
+
+
+@pytest.mark.parametrize("bad", [-1, 5, 2**40])
+def test_gather_rows_refuses_an_index_outside_the_table_and_writes_nothing(bad):
+    table, out = torch.randn(5, 8), torch.zeros(3, 8)
+    assert bind_gather_rows(table, torch.tensor([0, bad, 1]), out)() != 0
+    assert torch.equal(out, torch.zeros(3, 8))
+    with pytest.raises(ValueError, match="out must be"):
+        bind_gather_rows(table, torch.tensor([0, 1]), out)
 
 
 def test_what_the_kernels_do_not_take_is_left_to_pytorch():
