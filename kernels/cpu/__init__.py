@@ -3,7 +3,8 @@ system's C compiler on first use for the machine's own instruction set and loade
 
 Paged attention (`native`: decode over blocks read in place, and the KV write), the few-row
 linear layers, float32, bfloat16 or weight-only int8 (`gemv`), and RMSNorm, rotary
-embeddings and SwiGLU's SiLU-and-multiply (`norm_rotary`), all built and loaded one way
+embeddings and SwiGLU's SiLU-and-multiply (`norm_rotary`), the greedy choice of a step's
+tokens (`greedy`), all built and loaded one way
 (`build`). Each has a `bind_*` form (`GemvPlan.bind`) that fixes a call's arguments once
 (`calls.KernelCall`), and a list of bound calls runs in one call into C (`calls.KernelCalls`):
 a decode step replayed again and again. Only the CPU fast paths of the layers above call into
@@ -24,6 +25,7 @@ from minipaged.kernels.cpu.gemv import (
     gemv_row_limit,
     quantize_int8,
 )
+from minipaged.kernels.cpu.greedy import greedy_tokens, greedy_tokens_available
 from minipaged.kernels.cpu.native import (
     bind_paged_decode,
     bind_write_kv,
@@ -68,6 +70,8 @@ __all__ = [
     "gemv_available",
     "gemv_isa",
     "gemv_row_limit",
+    "greedy_tokens",
+    "greedy_tokens_available",
     "kernel_calls_available",
     "load_native",
     "native_decode_available",

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from minipaged.kernels.cpu.greedy import greedy_tokens, greedy_tokens_available
 from minipaged.sampling.params import MAX_SEED, SamplingParams
 
 # --- data types --------------------------------------------------------------------------------
@@ -256,6 +257,9 @@ class Sampler:
         self.generator = generator
 
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        greedy = self._greedy_only(logits, rows)
+        if greedy is not None:
+            return greedy
         processed = self.process_logits(logits, rows)
         logprobs = torch.log_softmax(processed, dim=-1)
         token_ids = processed.argmax(dim=-1)
@@ -276,6 +280,26 @@ class Sampler:
             top = logprobs.topk(min(max_k, logprobs.shape[1]), dim=-1)
             out.top_logprobs, out.top_token_ids = top.values, top.indices
         return out
+
+    def _greedy_only(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput | None:
+        """The output of a batch of greedy rows with nothing to ban or penalise and no top
+        logprobs to list, from one C call (`minipaged.kernels.cpu.greedy`: the same tokens,
+        the log-probabilities up to a sum's order) over finite float32 CPU logits; None where
+        that does not apply, for the PyTorch path."""
+        if not (logits.dim() == 2 and logits.shape[0] == len(rows) and len(rows) > 0
+                and logits.dtype == torch.float32 and logits.device.type == "cpu"
+                and logits.is_contiguous() and greedy_tokens_available()):
+            return None
+        if any(not row.params.greedy or row.banned_token_ids or row.params.has_penalties
+               or (row.params.logprobs or 0) > 0 for row in rows):
+            return None
+        chosen = greedy_tokens(logits)
+        if chosen is None:  # a NaN or an infinity: `finite_logits` decides
+            return None
+        token_ids, logprobs = chosen
+        return SamplerOutput(token_ids=torch.tensor(token_ids),
+                             logprobs=torch.tensor(logprobs, dtype=torch.float32),
+                             num_logprobs=[row.params.logprobs for row in rows])
 
     def process_logits(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
         """Bans and penalties: the logits every row's choice and reported logprobs start from."""
