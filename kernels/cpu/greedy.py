@@ -33,11 +33,12 @@ def greedy_tokens_available() -> bool:
     return _library() is not None
 
 
-def greedy_tokens(logits: Tensor) -> tuple[list[int], list[float]] | None:
+def greedy_tokens(logits: Tensor) -> tuple[Tensor, Tensor] | None:
     """Each row's most likely token of float32 logits `[B, V]` (contiguous, on the CPU) -- the
     first of equal largest values, as `argmax` -- and its log-probability, as
-    `log_softmax(logits)` gives it up to the order of a sum; None where a row holds a NaN or an
-    infinity, or the kernel is not built."""
+    `log_softmax(logits)` gives it up to the order of a sum: `[B]` int64 and float32 tensors
+    over the kernel's own output arrays (no tensor operator); None where a row holds a NaN or
+    an infinity, or the kernel is not built."""
     library = _library()
     if library is None:
         return None
@@ -49,4 +50,7 @@ def greedy_tokens(logits: Tensor) -> tuple[list[int], list[float]] | None:
     token_ids, logprobs = (ctypes.c_int64 * rows)(), (ctypes.c_float * rows)()
     with profiled(PROFILER_NAME):
         status = library.greedy_tokens(logits.data_ptr(), rows, vocab, token_ids, logprobs)
-    return (list(token_ids), list(logprobs)) if status == 0 else None
+    if status != 0:
+        return None
+    return (torch.frombuffer(token_ids, dtype=torch.int64),
+            torch.frombuffer(logprobs, dtype=torch.float32))

@@ -1,5 +1,6 @@
 """RMSNorm, rotary embeddings and SwiGLU's SiLU-and-multiply in one C call each
-(`csrc/norm_rotary.c`), and the row look-up a replayed step starts with (`bind_gather_rows`).
+(`csrc/norm_rotary.c`), and the row look-up a replayed step starts with (`bind_gather_rows`) and
+the widening of its bfloat16 logits it ends with (`bind_to_float32`).
 
 In PyTorch an RMSNorm is eight operators (a cast, a square, a mean, an add, a reciprocal square
 root, two products, a cast back), a rotary six per tensor (two products, a half swap with a
@@ -60,12 +61,16 @@ class GatherRowsArgs(ctypes.Structure):
                 ("n", I64), ("out", POINTER)]
 
 
+class ToFloat32Args(ctypes.Structure):
+    _fields_ = [("x", POINTER), ("out", POINTER), ("n", I64)]
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The kernels, built and loaded once per process (`load_native`); None without."""
     return load_native(SOURCE, {name: ENTRY for name in (
         "rms_norm_call", "add_rms_norm_call", "rotary_call", "silu_mul_call",
-        "gather_rows_call")})
+        "gather_rows_call", "to_float32_call")})
 
 
 def norm_rotary_available() -> bool:
@@ -238,3 +243,18 @@ def bind_gather_rows(table: Tensor, index: Tensor, out: Tensor) -> KernelCall:
     return KernelCall(library.gather_rows_call, GatherRowsArgs(
         table.data_ptr(), table.shape[0], table.shape[1] * table.element_size(),
         index.data_ptr(), index.shape[0], out.data_ptr()))
+
+
+def bind_to_float32(x: Tensor, out: Tensor) -> KernelCall:
+    """`out = x.float()` for a contiguous bfloat16 `x` into a contiguous float32 `out` of its
+    shape (exact), as a call with every argument fixed (a replayed step's logits)."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the native CPU widening could not be built here")
+    if not (x.dtype == torch.bfloat16 and x.is_contiguous() and out.dtype == torch.float32
+            and out.shape == x.shape and out.is_contiguous()):
+        raise ValueError(f"x must be contiguous bfloat16 and out contiguous float32 of its "
+                         f"shape, got {x.dtype} {tuple(x.shape)} and {out.dtype} "
+                         f"{tuple(out.shape)}")
+    return KernelCall(library.to_float32_call, ToFloat32Args(x.data_ptr(), out.data_ptr(),
+                                                             x.numel()))

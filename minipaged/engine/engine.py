@@ -344,7 +344,8 @@ class LLMEngine:
         for request_id in dict.fromkeys(s.request_id for s in plan.scheduled):
             own = [s for s in plan.scheduled if s.request_id == request_id]
             try:  # its blocks already moved with the whole plan: only its compute again
-                rows.append(self.runner.execute(SchedulerOutput(scheduled=own)))
+                # a copy: the next execute may write the same buffer (a replayed step's)
+                rows.append(self.runner.execute(SchedulerOutput(scheduled=own)).clone())
             except WorkerDiedError:
                 raise
             except Exception:

@@ -9,10 +9,10 @@ nano-vllm replay a captured graph per batch size. `DecodeProgram` does the same 
 kernels of `minipaged.kernels.cpu`: for each row count it binds every kernel of the step to
 static buffers once (`bind_*`, `GemvPlan.bind`), and a step writes its flat batch's lists
 (`FlatBatch`) into those buffers, makes the bound calls in order in one call into C
-(`KernelCalls`: the embedding and rotary look-ups, the layers, the head) and copies the logits
-out. Between the kernels a step runs no PyTorch operator: after the weights have streamed
-through the caches, each operator's first call costs 0.1-0.3 ms of cache misses in its
-dispatch code.
+(`KernelCalls`: the embedding and rotary look-ups, the layers, the head) and hands back its
+float32 logits buffer. Between the kernels a step runs no PyTorch operator: after the weights
+have streamed through the caches, each operator's first call costs 0.1-0.3 ms of cache misses
+in its dispatch code.
 
 A step of a LLaMA-family model (one rank, no per-head q/k norm) that only decodes, with at most
 `max_rows` sequences (the fewest rows any layer's few-row path takes), runs this way; any other
@@ -52,6 +52,7 @@ from minipaged.kernels.cpu.norm_rotary import (
     bind_rms_norm,
     bind_rotary,
     bind_silu_mul,
+    bind_to_float32,
     norm_rotary_available,
 )
 from minipaged.models.layers import WEIGHT_FIELDS, Linear, ModelInputError, VersionedWeights
@@ -111,7 +112,7 @@ class Replay:
     inputs: StepInputs
     x: Tensor  # [rows, hidden]: the residual stream; the embedding goes in here
     hidden: Tensor  # [rows, hidden]: the final norm's output
-    logits: Tensor | None  # [rows, vocab] in the model's dtype: the head's, where it is bound
+    logits: Tensor | None  # [rows, vocab] float32: the head's, where it is bound
     calls: KernelCalls
     scratch: list[Tensor]  # the buffers between the kernels
 
@@ -198,8 +199,9 @@ class DecodeProgram:
     def run(self, batch: FlatBatch) -> Tensor:
         """The float32 logits `[T, vocab]` of every row of a step that `takes` accepts, as the
         model's `compute_logits` of its forward's hidden states gives them (its K/V written
-        into the caches). Raises `ModelInputError` for a token id or position outside the
-        model's."""
+        into the caches). With the head bound they are the replay's own buffer, written again
+        by its next step (as a CUDA graph's outputs are): a caller that keeps them copies them.
+        Raises `ModelInputError` for a token id or position outside the model's."""
         config = self.model.config
         ids, positions = batch.input_ids, batch.positions
         if min(ids) < 0 or max(ids) >= config.vocab_size:
@@ -220,7 +222,7 @@ class DecodeProgram:
             replay.calls.run()
         if replay.logits is None:
             return self.model.compute_logits(replay.hidden)
-        return replay.logits.to(torch.float32, copy=True)
+        return replay.logits
 
     def _bind(self, rows: int) -> Replay:
         """Static buffers for `rows` decodes, and every kernel of the step bound to them."""
@@ -251,6 +253,7 @@ class DecodeProgram:
         gate, up = gate_up.chunk(2, dim=1)
         act = buffer(rows, self.layers[0].down.in_features)
         eps = config.norm_eps
+        replay_scratch: list[Tensor] = []
         calls = [bind_gather_rows(self.cos, inputs.positions, cos),
                  bind_gather_rows(self.sin, inputs.positions, sin)]
         if self.embedding is not None:
@@ -274,11 +277,16 @@ class DecodeProgram:
             ]
         calls.append(bind_add_rms_norm(x, projected, self.final_norm, eps, final))
         head, logits = self._head(rows), None
-        if head is not None:
-            logits = buffer(rows, config.vocab_size)
-            calls.append(head.bind(final, logits))
-        return Replay(inputs, x, final, logits, KernelCalls(calls),
-                      [cos, sin, h, decoded, qkv, q, k, attended, projected, gate_up, act])
+        if head is not None:  # float32 logits, as `compute_logits` gives them
+            logits = buffer(rows, config.vocab_size, of=torch.float32)
+            if dtype == torch.float32:
+                calls.append(head.bind(final, logits))
+            else:
+                rounded = buffer(rows, config.vocab_size)
+                calls += [head.bind(final, rounded), bind_to_float32(rounded, logits)]
+                replay_scratch.append(rounded)
+        return Replay(inputs, x, final, logits, KernelCalls(calls), replay_scratch
+                      + [cos, sin, h, decoded, qkv, q, k, attended, projected, gate_up, act])
 
     def _head(self, rows: int) -> GemvPlan | None:
         """The head's few-row plan where it takes `rows` rows, the model's dtype in and out."""

@@ -160,7 +160,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> Tensor:
         """Run one step's plan; return float32 logits [scheduled entries with needs_logits,
-        vocab], in the plan's order."""
+        vocab], in the plan's order. A replayed decode step's are the program's own buffer,
+        written again by the next step: a caller that keeps logits past the next `execute`
+        copies them."""
         self._move_blocks(plan)
         entries = plan.scheduled
         if not entries:

@@ -297,8 +297,7 @@ class Sampler:
         if chosen is None:  # a NaN or an infinity: `finite_logits` decides
             return None
         token_ids, logprobs = chosen
-        return SamplerOutput(token_ids=torch.tensor(token_ids),
-                             logprobs=torch.tensor(logprobs, dtype=torch.float32),
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs,
                              num_logprobs=[row.params.logprobs for row in rows])
 
     def process_logits(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:

@@ -25,7 +25,9 @@ from tiny_models import (
     minipaged_parts,
     plan_of,
     random_hf,
+    run_bounded,
     scheduled,
+    tiny_engine,
     tiny_llama_parts,
 )
 from torch.profiler import ProfilerActivity, profile
@@ -35,6 +37,7 @@ from minipaged.models.quantization import quantize_model
 from minipaged.runner.backends import PagedAttentionBackend
 from minipaged.runner.cpu_decode import PROFILER_NAME, DecodeProgram
 from minipaged.runner.model_runner import ModelRunner
+from minipaged.sampling.params import SamplingParams
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 80  # 8 sequences of up to 33 tokens fit
 
@@ -172,3 +175,32 @@ def test_the_runner_replays_decodes_and_gives_the_eager_runners_logits():
             assert torch.equal(replaying.execute(plan), eager.execute(plan))
     events = [event for event in prof.key_averages() if event.key == PROFILER_NAME]
     assert events and events[0].count == 3
+
+
+def test_a_failed_step_rerun_request_by_request_keeps_each_ones_logits():
+    """A replayed step's logits are its program's buffer, written again by the next step; when
+    a step fails and the engine runs each request alone, it must keep each one's logits before
+    running the next. Three greedy requests, every step of more than one request made to
+    fail: each must get the tokens it gets alone."""
+    parts = tiny_llama_parts()
+    prompts = [[5, 9, 2], [7, 1, 30, 4], [11, 3]]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    with mock.patch("minipaged.runner.model_runner.choose_gemms", force_kernel):
+        engine = tiny_engine(parts, block_size=4, num_gpu_blocks=64, num_cpu_blocks=0)
+    assert engine.runner.decode_program is not None
+    alone = []
+    for prompt in prompts:
+        engine.add_request(None, prompt, params)
+        alone.append(list(run_bounded(engine).values())[0].outputs[0].token_ids)
+    real = engine.runner.execute
+
+    def fails_together(plan):
+        if len(plan.scheduled) > 1:
+            raise RuntimeError("injected: the batch fails, each request alone does not")
+        return real(plan)
+
+    with mock.patch.object(engine.runner, "execute", fails_together):
+        ids = [engine.add_request(None, prompt, params) for prompt in prompts]
+        finals = run_bounded(engine)
+    for request_id, tokens in zip(ids, alone, strict=True):
+        assert finals[request_id].outputs[0].token_ids == tokens

@@ -1,6 +1,7 @@
 /* A layer's small row operators for a CPU, one call each over a step's rows: RMSNorm (alone, or
  * after the residual add before it), rotary position embeddings, SwiGLU's SiLU-and-multiply,
- * and the row look-ups before the first layer (the tokens' embeddings, their rotary angles).
+ * the row look-ups before the first layer (the tokens' embeddings, their rotary angles) and the
+ * widening of bfloat16 logits after the last.
  *
  * Each is a handful of PyTorch ops (RMSNorm: a square, a mean, an add, a reciprocal square
  * root, two products; rotary: two products, a half swap with a negation, a sum; SwiGLU: a
@@ -135,6 +136,13 @@ int gather_rows(const void *table, int64_t table_rows, int64_t row_bytes, const 
     return 0;
 }
 
+/* out[i] = x[i] widened from bfloat16 to float32 (exactly), for i < n: a replayed step's
+ * bfloat16 logits as the float32 the sampler reads. */
+int to_float32(const uint16_t *x, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = bf16_to_float(x[i]);
+    return 0;
+}
+
 /* ---- Bound calls -------------------------------------------------------------------------- */
 
 /* Each kernel's arguments as one block, for a call bound once and made again and again
@@ -208,4 +216,15 @@ typedef struct {
 int gather_rows_call(const void *args) {
     const gather_rows_args *a = args;
     return gather_rows(a->table, a->table_rows, a->row_bytes, a->index, a->n, a->out);
+}
+
+typedef struct {
+    const uint16_t *x;
+    float *out;
+    int64_t n;
+} to_float32_args;
+
+int to_float32_call(const void *args) {
+    const to_float32_args *a = args;
+    return to_float32(a->x, a->out, a->n);
 }

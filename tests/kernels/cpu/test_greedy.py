@@ -35,9 +35,11 @@ def test_equals_argmax_and_log_softmax(rows, vocab, scale, ties, seed):
     chosen = greedy_tokens(logits)
     assert chosen is not None
     token_ids, logprobs = chosen
-    assert token_ids == logits.argmax(dim=-1).tolist()
+    assert token_ids.dtype == torch.int64 and logprobs.dtype == torch.float32
+    assert torch.equal(token_ids, logits.argmax(dim=-1))
     reference = torch.log_softmax(logits.double(), dim=-1)
-    for row, (token, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
+    for row, (token, logprob) in enumerate(zip(token_ids.tolist(), logprobs.tolist(),
+                                               strict=True)):
         assert math.isclose(logprob, float(reference[row, token]), rel_tol=1e-5, abs_tol=1e-6)
 
 

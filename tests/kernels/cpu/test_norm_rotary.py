@@ -25,6 +25,7 @@ from minipaged.kernels.cpu.norm_rotary import (
     bind_add_rms_norm,
     bind_gather_rows,
     bind_silu_mul,
+    bind_to_float32,
     norm_rotary_available,
     rms_norm,
     rms_norm_supports,
@@ -158,6 +159,18 @@ def test_gather_rows_refuses_an_index_outside_the_table_and_writes_nothing(bad):
     assert torch.equal(out, torch.zeros(3, 8))
     with pytest.raises(ValueError, match="out must be"):
         bind_gather_rows(table, torch.tensor([0, 1]), out)
+
+
+@given(shape=st.sampled_from([(1, 1), (2, 7), (3, 1000)]), seed=st.integers(0, 2**16))
+@settings(max_examples=10, deadline=None)
+def test_to_float32_widens_bfloat16_exactly(shape, seed):
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 1e3).bfloat16()
+    x.view(-1)[0] = float("inf")
+    out = torch.zeros(shape)
+    assert bind_to_float32(x, out)() == 0
+    assert torch.equal(out, x.float())
+    with pytest.raises(ValueError, match="contiguous bfloat16"):
+        bind_to_float32(x.float(), out)
 
 
 def test_what_the_kernels_do_not_take_is_left_to_pytorch():
