@@ -301,27 +301,39 @@ def time_decode_steps(engine, rows: int, context: int, steps: int = 12) -> dict[
 
 
 def decode_floors(variant: EngineVariant, config: ModelConfig, roof: Roofline | None,
-                  bandwidth: dict[str, object], context: int, rows=DECODE_ROWS) -> dict:
+                  context: int, rows=DECODE_ROWS) -> dict:
     """Decode steps of one engine variant at each row count, against the bandwidth floor
-    (bytes / one-thread DRAM read rate, and / the read rate of a buffer that size) and, for an
-    unquantised dtype, against the GEMM-rate floor (`step_floor`)."""
+    (bytes / the one-thread DRAM read rate, and / the read rate of a buffer the weights' size)
+    and, for an unquantised dtype, against the GEMM-rate floor (`step_floor`).
+
+    Both read rates are measured right before and right after each row count's steps, and the
+    better of the two makes the floor: a shared machine's read rate drifts by a quarter over
+    minutes, and a rate taken at the start of a run would set late steps against another
+    machine."""
     from minipaged.engine.engine import LLMEngine
 
     engine = LLMEngine.from_pretrained(**variant.engine_kwargs(), kv_cache_memory=0.25,
                                        num_cpu_blocks=0)
     weights = weight_bytes(engine.runner.model)
     kv_size = engine.runner.kv_caches[0].element_size()
-    dram = float(bandwidth["dram_gbs_1_thread"])
-    sized = read_bandwidth(weights, 1)
+
+    def rates() -> tuple[float, float]:
+        return read_bandwidth(dram_bytes(), 1), read_bandwidth(weights, 1)
+
     table = []
     for n in rows:
+        before = rates()
         timed = time_decode_steps(engine, n, context)
+        after = rates()
+        dram, sized = max(before[0], after[0]), max(before[1], after[1])
         step_bytes = weights + kv_bytes(config, timed["context_tokens"], kv_size)
         floor_dram, floor_sized = step_bytes / (dram * 1e9), step_bytes / (sized * 1e9)
         row = {"rows": n, "context_tokens": timed["context_tokens"],
                "step_ms": round(timed["step_s"] * 1e3, 2),
                "forward_ms": round(timed["forward_s"] * 1e3, 2),
                "bytes_read": step_bytes,
+               "dram_gbs_before_after": [before[0], after[0]],
+               "same_size_read_gbs_before_after": [before[1], after[1]],
                "bandwidth_floor_ms": round(floor_dram * 1e3, 2),
                "ratio_to_bandwidth_floor": round(timed["step_s"] / floor_dram, 3),
                "same_size_read_floor_ms": round(floor_sized * 1e3, 2),
@@ -336,17 +348,17 @@ def decode_floors(variant: EngineVariant, config: ModelConfig, roof: Roofline | 
     engine.close()
     return {"variant": variant.name, "dtype": variant.dtype,
             "quantization": variant.quantization, "weight_bytes": weights,
-            "kv_element_size": kv_size, "same_size_read_gbs": sized, "steps": table}
+            "kv_element_size": kv_size, "steps": table}
 
 
 def print_decode_floors(result: dict) -> None:
-    print(f"{result['variant']}: weights {result['weight_bytes'] / 1e6:.1f} MB, "
-          f"same-size read {result['same_size_read_gbs']} GB/s")
+    print(f"{result['variant']}: weights {result['weight_bytes'] / 1e6:.1f} MB")
     for r in result["steps"]:
         gemm = (f", GEMM-rate floor {r['gemm_rate_floor_ms']} ms ({r['ratio_to_gemm_rate_floor']}x)"
                 if "gemm_rate_floor_ms" in r else "")
         print(f"  {r['rows']} rows: step {r['step_ms']} ms (forward {r['forward_ms']}); bandwidth "
-              f"floor {r['bandwidth_floor_ms']} ms ({r['ratio_to_bandwidth_floor']}x), same-size "
+              f"floor {r['bandwidth_floor_ms']} ms ({r['ratio_to_bandwidth_floor']}x; DRAM "
+              f"{'/'.join(map(str, r['dram_gbs_before_after']))} GB/s before/after), same-size "
               f"read {r['same_size_read_floor_ms']} ms ({r['ratio_to_same_size_read_floor']}x)"
               + gemm)
 
@@ -450,7 +462,7 @@ def main() -> None:
         variants.append(EngineVariant("float32", "int8"))
     decode = []
     for variant in variants:
-        decode.append(decode_floors(variant, config, roofs.get(variant.name), bandwidth,
+        decode.append(decode_floors(variant, config, roofs.get(variant.name),
                                     args.decode_context))
         print_decode_floors(decode[-1])
     profiled = [] if args.no_profile else profiles(config, roofs, *args.profile)
@@ -459,8 +471,9 @@ def main() -> None:
         "what": "GFLOP/s of models.layers.linear over SmolLM2-135M's projection shapes (weights "
                 "hot) at each row count, GB/s of a 256 MiB copy (read + write), streaming read "
                 "GB/s (buffer.sum) from DRAM and of buffers the weights' size, engine decode "
-                "steps at 1-8 rows against the bandwidth floor (bytes read / read GB/s) and the "
-                "GEMM-rate floor, and a profiled decode step (self CPU time by op kind)",
+                "steps at 1-8 rows against the bandwidth floor (bytes read / read GB/s, the "
+                "better of the rates read right before and right after each row count's steps) "
+                "and the GEMM-rate floor, and a profiled decode step (self CPU time by op kind)",
         **report_header(load_average_1min_before=round(load_before[0], 2), **cpu_features()),
         "rooflines": [roof.__dict__ for roof in roofs.values()],
         "stream_read": bandwidth,
