@@ -11,8 +11,10 @@ this times, on the bundled SmolLM2-135M, greedy and ignoring end-of-sequence:
   output tokens/s.
 
 Float weights run twice in one process, with the few-row GEMV kernel (`minipaged.kernels.cpu.gemv`,
-the engine's default) and without it (`choose_gemms(model, gemv=False)`: PyTorch's GEMMs
-only), taking turns; int8 weights (`quantization="int8"`) always take the kernel at few rows.
+the engine's default, a decode step replayed from bound kernel calls) and without it: a second
+engine that runs its model's modules (`enforce_eager`) with PyTorch's GEMMs only
+(`choose_gemms(model, gemv=False)`), the two taking turns; int8 weights (`quantization="int8"`)
+always take the kernel at few rows.
 Prefix caching is off, so that every run computes its prompts. Ratios within one run are what
 to read on a machine shared with other work.
 
@@ -83,29 +85,33 @@ def main() -> None:
     for dtype, quantization in CONFIGS:
         llm = LLM(dtype=dtype, quantization=quantization, enable_prefix_caching=False)
         model, config = llm.engine.runner.model, llm.engine.model_config
+        engines = {"gemv": llm}
+        if quantization is None:  # the modules with PyTorch's GEMMs: a replay runs the kernel
+            engines["torch"] = LLM(dtype=dtype, enable_prefix_caching=False, enforce_eager=True)
+            choose_gemms(engines["torch"].engine.runner.model, gemv=False)
         element = 2 if dtype == "bfloat16" else 4
         kv = 2 * config.num_layers * context * config.num_kv_heads * config.head_dim * element
         floor_ms = (weight_bytes(model) + kv) / (bandwidth * 1e9) * 1e3
-        one_request(llm, prompt[:32], 8)  # warm-up
-        paths = {"gemv": True, "torch": False} if quantization is None else {"gemv": True}
+        for engine in engines.values():
+            one_request(engine, prompt[:32], 8)  # warm-up
         row: dict = {"dtype": dtype, "quantization": quantization,
                      "weight_MB": round(weight_bytes(model) / 1e6, 1),
                      "floor_ms": round(floor_ms, 2)}
         for turn in range(2):  # the paths take turns; the best of two is kept
-            for name, gemv in paths.items():
-                choose_gemms(model, gemv=gemv)
-                tok_s, step_ms = one_request(llm, prompt, args.new_tokens)
+            for name, engine in engines.items():
+                tok_s, step_ms = one_request(engine, prompt, args.new_tokens)
                 best = row.setdefault(name, {"tok_s_1": 0.0, "step_ms": float("inf")})
                 best["tok_s_1"] = round(max(best["tok_s_1"], tok_s), 2)
                 best["step_ms"] = round(min(best["step_ms"], step_ms), 2)
                 best["step_over_floor"] = round(best["step_ms"] / floor_ms, 2)
                 if turn == 0:
-                    best[f"tok_s_{args.requests}"] = round(many_requests(llm, prompts, outs), 1)
-        choose_gemms(model, gemv=True)
+                    best[f"tok_s_{args.requests}"] = round(many_requests(engine, prompts, outs),
+                                                           1)
         print(row, flush=True)
         results.append(row)
-        llm.close()
-        del llm, model
+        for engine in engines.values():
+            engine.close()
+        del llm, model, engines, engine
     flags = cpu_flags()
     report = report_header(cpu_flags={f: f in flags for f in FLAGS}) | {
         "stream_read_GB_s": round(bandwidth, 2),
