@@ -310,13 +310,16 @@ def _few_rows_apply(path: FewRows | None, x: Tensor, weights: list) -> Tensor | 
     return path.plan(x)
 
 
-WEIGHT_FIELDS = frozenset({"weight", "bias", "int8"})  # what `VersionedWeights` counts
+# what `VersionedWeights` counts: weights, and the few-row plans over them (`Linear.few_rows`,
+# `LinearGroup.path`)
+WEIGHT_FIELDS = frozenset({"weight", "bias", "int8", "few_rows", "path"})
 
 
 class VersionedWeights:
-    """A module mixin for weights that bound kernel calls hold (`minipaged.runner.cpu_decode`):
-    `VersionedWeights.generation` counts the objects given to any such module's `weight`, `bias`
-    or `int8` in this process, so a holder tells whether its calls may be stale by reading one
+    """A mixin for weights that bound kernel calls hold (`minipaged.runner.cpu_decode`):
+    `VersionedWeights.generation` counts the objects given to any such holder's `weight`,
+    `bias` or `int8`, or its few-row plan (`few_rows`, a group's `path`: `choose_gemms` plans
+    again) in this process, so a holder tells whether its calls may be stale by reading one
     number, not by looking every weight up (a weight given to another model only sends it to
     the look-up). A weight written in place needs no count: the calls read its storage."""
 
@@ -350,7 +353,7 @@ class Linear(VersionedWeights, nn.Linear):
         return linear(x, weight, self.bias)
 
 
-class LinearGroup:
+class LinearGroup(VersionedWeights):
     """Linear layers that read the same input (a layer's q, k, v projections; gate and up):
     at a few rows one GEMV kernel call reads all their weights and writes their outputs side
     by side; at more rows each layer multiplies on its own. Not a module: it holds no

@@ -163,20 +163,22 @@ class DecodeProgram:
         return cls(model, kv_caches, layers, max_rows, max_blocks)  # type: ignore[arg-type]
 
     def _watch_list(self) -> list[tuple[VersionedWeights, str, object]]:
-        """(module, field, the object it holds now) for every weight the bound calls read."""
+        """(holder, field, the object it holds now) for every weight the bound calls read and
+        every few-row plan they were bound from."""
         modules: list[VersionedWeights] = [self.model.norm, self.model.lm_head]
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             modules += [layer.input_layernorm, layer.post_attention_layernorm, attn.q_proj,
-                        attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
-                        mlp.down_proj]
+                        attn.k_proj, attn.v_proj, attn.qkv, attn.o_proj, mlp.gate_proj,
+                        mlp.up_proj, mlp.gate_up, mlp.down_proj]
         return [(module, name, getattr(module, name)) for module in modules
                 for name in WEIGHT_FIELDS if hasattr(module, name)]
 
     def _weights_as_bound(self) -> bool:
-        """Whether every watched module holds the weight objects the calls were bound to: at
-        once where no module was given a weight since (`VersionedWeights.generation` has not
-        moved), else by looking each up (a weight put back is the one bound)."""
+        """Whether every watched holder holds the weights and plans the calls were bound to:
+        at once where none was given one since (`VersionedWeights.generation` has not moved),
+        else by looking each up (a weight put back is the one bound). After `choose_gemms`
+        plans again, steps run the modules, which take the new plans."""
         generation = VersionedWeights.generation
         if generation == self._bound_generation:
             return True
@@ -187,8 +189,8 @@ class DecodeProgram:
 
     def takes(self, batch: FlatBatch) -> bool:
         """Whether a step of this flat batch is a replayable decode: one token per sequence, at
-        most `max_rows` of them, block tables that fit the buffers, the model's weights those
-        the calls were bound to."""
+        most `max_rows` of them, block tables that fit the buffers, the model's weights and
+        few-row plans those the calls were bound to."""
         return (
             batch.max_query_len == 1 and len(batch.input_ids) <= self.max_rows
             and max(len(table) for table in batch.block_tables) <= self.max_blocks

@@ -83,19 +83,22 @@ def test_choose_gemms_measures_fetching_ahead_at_start_up_not_in_a_step(monkeypa
     assert sorted(asked) == [(torch.int8, rows) for rows in layers.FETCH_AHEAD_ROWS]
 
 
-def test_the_weight_generation_counts_weights_given_not_weights_written():
+def test_the_weight_generation_counts_weights_and_plans_given_not_weights_written():
     linear, norm = Linear(4, 3, bias=True), RMSNorm(4, 1e-6)
+    group = LinearGroup(linear, Linear(4, 2))
     before = VersionedWeights.generation
     with torch.no_grad():
         linear.weight.add_(1.0)  # in place: a bound call reads it already
         norm.weight.mul_(2.0)
-    linear.few_rows = None  # not a weight
+    linear.in_features = 4  # not a weight or a plan
     assert VersionedWeights.generation == before
     linear.weight = torch.nn.Parameter(torch.zeros(3, 4))
     linear.bias = None
     linear.int8 = None
     norm.weight = torch.nn.Parameter(torch.ones(4))
-    assert VersionedWeights.generation == before + 4
+    linear.few_rows = None  # a plan: `choose_gemms` planned again
+    group.path = None
+    assert VersionedWeights.generation == before + 6
 
 
 def test_the_kernel_leaves_the_models_logits_alone():

@@ -121,6 +121,11 @@ def test_what_it_does_not_take_runs_the_modules():
     finally:
         layer.weight = weight
     assert program.takes(runner.flat_batch(decodes))
+    group, path = model.layers[0].mlp.gate_up, model.layers[0].mlp.gate_up.path
+    group.path = None  # planned again (`choose_gemms(model, gemv=False)`): the modules run
+    assert not program.takes(runner.flat_batch(decodes))
+    group.path = path
+    assert program.takes(runner.flat_batch(decodes))
 
 
 def test_a_token_or_position_outside_the_model_is_refused_before_any_kernel_runs():
