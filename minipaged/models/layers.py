@@ -93,10 +93,17 @@ def check_flat_batch(config: ModelConfig, input_ids: Tensor, positions: Tensor) 
     if input_ids.numel() == 0:
         raise ModelInputError("empty flat batch")
     # One host sync per step; the sampler syncs anyway, and a readable error beats a device assert.
-    lo_id, hi_id = int(input_ids.min()), int(input_ids.max())
+    check_input_ranges(config, (int(input_ids.min()), int(input_ids.max())),
+                       (int(positions.min()), int(positions.max())))
+
+
+def check_input_ranges(config: ModelConfig, ids: tuple[int, int],
+                       positions: tuple[int, int]) -> None:
+    """Raise `ModelInputError` unless a batch's smallest and largest token ids lie in the
+    vocabulary and its smallest and largest positions below `max_position_embeddings`."""
+    (lo_id, hi_id), (lo_pos, hi_pos) = ids, positions
     if lo_id < 0 or hi_id >= config.vocab_size:
         raise ModelInputError(f"token id out of range [0, {config.vocab_size}): {lo_id}..{hi_id}")
-    lo_pos, hi_pos = int(positions.min()), int(positions.max())
     if lo_pos < 0 or hi_pos >= config.max_position_embeddings:
         raise ModelInputError(
             f"position out of range [0, {config.max_position_embeddings}): {lo_pos}..{hi_pos}"

@@ -55,7 +55,12 @@ from minipaged.kernels.cpu.norm_rotary import (
     bind_to_float32,
     norm_rotary_available,
 )
-from minipaged.models.layers import WEIGHT_FIELDS, Linear, ModelInputError, VersionedWeights
+from minipaged.models.layers import (
+    WEIGHT_FIELDS,
+    Linear,
+    VersionedWeights,
+    check_input_ranges,
+)
 from minipaged.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from minipaged.runner.flat_batch import FlatBatch
 
@@ -204,15 +209,9 @@ class DecodeProgram:
         into the caches). With the head bound they are the replay's own buffer, written again
         by its next step (as a CUDA graph's outputs are): a caller that keeps them copies them.
         Raises `ModelInputError` for a token id or position outside the model's."""
-        config = self.model.config
         ids, positions = batch.input_ids, batch.positions
-        if min(ids) < 0 or max(ids) >= config.vocab_size:
-            raise ModelInputError(f"token id out of range [0, {config.vocab_size}): "
-                                  f"{min(ids)}..{max(ids)}")
-        if min(positions) < 0 or max(positions) >= config.max_position_embeddings:
-            raise ModelInputError(f"position out of range [0, "
-                                  f"{config.max_position_embeddings}): "
-                                  f"{min(positions)}..{max(positions)}")
+        check_input_ranges(self.model.config, (min(ids), max(ids)),
+                           (min(positions), max(positions)))
         key = (len(ids), torch.get_num_threads())
         replay = self._replays.get(key)
         if replay is None:
