@@ -14,7 +14,9 @@ Three things keep one large or slow request from stalling the others:
 * `Preprocessor.min_tokens` bounds a text's token count from its size alone, so a text that
   cannot fit the context is refused before it is tokenized: every token of a byte-level BPE
   stands for at most `max_token_bytes` bytes of the (normalized) text, so a text of B bytes
-  has at least ceil(B / max_token_bytes) tokens.
+  has at least ceil(B / max_token_bytes) tokens -- B counting only the bytes that can become
+  tokens: a vocabulary without an unknown token drops the bytes it has no token for
+  (`silent_bytes`: SmolLM2 has none for 0x04, 0x1d or 0xf1).
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class Preprocessor:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_token_bytes = max_token_bytes(tokenizer) if tokenizer is not None else 0
+        self.silent_bytes = silent_bytes(tokenizer) if tokenizer is not None else b""
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="minipaged-preprocess")
 
     async def run(self, work: Callable[..., T], *args: Any) -> T:
@@ -171,8 +174,8 @@ class Preprocessor:
         """A lower bound of the number of tokens `text` encodes to, from its size alone."""
         normalizer = self.tokenizer.normalizer
         normalized = normalizer(text) if normalizer is not None else text
-        size = len(normalized.encode("utf-8", errors="surrogatepass"))
-        return math.ceil(size / self.max_token_bytes)
+        data = normalized.encode("utf-8", errors="surrogatepass")
+        return math.ceil(len(data.translate(None, self.silent_bytes)) / self.max_token_bytes)
 
     def check_text(self, text: str, prompt_field: str) -> None:
         """Refuse a text whose size alone proves it leaves no room in the context, before it is
@@ -188,6 +191,15 @@ class Preprocessor:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except UnicodeEncodeError as exc:  # JSON may spell lone surrogates, UTF-8 cannot
             raise RequestError(f"the text is not valid Unicode: {exc.reason}", field) from None
+
+
+def silent_bytes(tokenizer: Any) -> bytes:
+    """The byte values that encode to no token: those the vocabulary has no one-byte token for,
+    which a byte-level BPE without an unknown token drops (as `tokenizers` does)."""
+    if getattr(tokenizer, "unk_token_id", None) is not None:
+        return b""
+    single = {tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)}
+    return bytes(b for b in range(256) if bytes([b]) not in single)
 
 
 def max_token_bytes(tokenizer: Any) -> int:

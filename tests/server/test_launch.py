@@ -144,7 +144,8 @@ def test_clients_that_hang_up_anywhere_leave_one_line_at_most(model_folder):
     serving = assert_quiet(output)
     posts = [line for line in serving if "POST /v1/" in line]
     assert len(posts) <= cases, serving
-    assert all(line.startswith("INFO:") for line in serving), serving
+    assert all(line.startswith("INFO:") for line in serving), [
+        line for line in serving if not line.startswith("INFO:")]
     assert len(serving) == len(posts) + sum("GET /" in line for line in serving)
 
 

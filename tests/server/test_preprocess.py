@@ -195,6 +195,17 @@ def test_the_size_bound_never_exceeds_the_token_count(tokenizer, text):
         pre.close()
 
 
+@pytest.mark.parametrize("text", ["\x1d", "\x04\x1d a", "\x1d" * 40 + "ok"])
+def test_the_size_bound_leaves_out_bytes_that_encode_to_nothing(tokenizer, text):
+    """The bundled vocabulary has no token for some byte values (0x04, 0x1d): they vanish."""
+    pre = Preprocessor(MODEL, tokenizer, CONTEXT, tokenizer.vocab_size)
+    try:
+        assert b"\x1d" in pre.silent_bytes and b"a" not in pre.silent_bytes
+        assert pre.min_tokens(text) <= len(tokenizer.encode(text))
+    finally:
+        pre.close()
+
+
 def test_the_size_bound_is_sound_for_the_longest_tokens(tokenizer):
     """The bound's worst case: text made of the tokens that stand for the most bytes."""
     pre = Preprocessor(MODEL, tokenizer, CONTEXT, tokenizer.vocab_size)
