@@ -212,6 +212,8 @@ def step_floor(config: ModelConfig, roof: Roofline, shape: StepShape,
 # -- decode steps of the engine at few rows, against both floors -----------------------------
 
 DECODE_ROWS = (1, 2, 4, 8)
+DECODE_ROUNDS = 3  # of each row count, in turn (decode_floors)
+DECODE_STEPS = 16  # timed steps a round (time_decode_steps)
 
 
 @dataclass(frozen=True)
@@ -278,9 +280,24 @@ class _DecodeSteps:
                                sum(w.start + 1 for w in work)))
 
 
-def time_decode_steps(engine, rows: int, context: int, steps: int = 12) -> dict[str, float]:
-    """Median seconds of an engine step (whole, and the runner's forward pass) while `rows`
-    requests of `context` prompt tokens decode together, and their context tokens then."""
+@dataclass(frozen=True)
+class DecodeTimes:
+    """Decode steps of `rows` requests, each with all rows decoding and warm: seconds of the
+    whole step and of the runner's forward pass, context tokens, and the seconds of the read
+    (`buffer.sum()`) right after each step."""
+
+    step_s: list[float]
+    forward_s: list[float]
+    context_tokens: list[int]
+    read_s: list[float]
+
+
+def time_decode_steps(engine, rows: int, context: int, read: torch.Tensor,
+                      steps: int = DECODE_STEPS) -> DecodeTimes:
+    """Decode `rows` requests of `context` random prompt tokens for `steps` tokens together,
+    reading `read` (`read.sum()`) after each decode step: the step and the read see the same
+    moment of the machine, whose read rate drifts by a quarter within seconds on a shared host
+    (a step's floor from a rate read even a few seconds away is another machine's)."""
     from minipaged.sampling.params import SamplingParams
 
     gen = np.random.default_rng(rows)
@@ -288,62 +305,86 @@ def time_decode_steps(engine, rows: int, context: int, steps: int = 12) -> dict[
     for _ in range(rows):
         engine.add_request(None, gen.integers(17, engine.model_config.vocab_size,
                                               context).tolist(), params)
-    log = _DecodeSteps([])
+    log, reads = _DecodeSteps([]), []
     engine.add_step_observer(log)
     try:
-        engine.run_until_done()
+        while engine.has_unfinished_requests():
+            seen = len(log.steps)
+            engine.step()
+            if len(log.steps) > seen:
+                start = time.perf_counter()
+                read.sum()
+                reads.append(time.perf_counter() - start)
     finally:
         engine.remove_step_observer(log)
-    full = [s for s in log.steps[1:] if s[2] >= rows * (context + 1)]  # all rows, warm
-    return {"step_s": float(np.median([s[0] for s in full])),
-            "forward_s": float(np.median([s[1] for s in full])),
-            "context_tokens": int(np.median([s[2] for s in full]))}
+    warm = [i for i, s in enumerate(log.steps) if i > 0 and s[2] >= rows * (context + 1)]
+    return DecodeTimes([log.steps[i][0] for i in warm], [log.steps[i][1] for i in warm],
+                       [log.steps[i][2] for i in warm], [reads[i] for i in warm])
+
+
+def decode_round(engine, config: ModelConfig, rows: int, context: int, read: torch.Tensor,
+                 weights: int) -> dict:
+    """One round of `rows` requests decoding together (`time_decode_steps`), against the
+    bandwidth floor given twice. *Paired*: each step's bytes (weights + K/V of its context) over
+    the rate of the read of the weights' size made right after it, the median of the steps'
+    ratios: step and floor on the same machine. *Best rate*: the median step against the
+    better of the DRAM read rates (`read_bandwidth`, best of 5) measured right before and right
+    after the round: against the machine at its quickest."""
+    kv_size = engine.runner.kv_caches[0].element_size()
+    before = read_bandwidth(dram_bytes(), 1)
+    timed = time_decode_steps(engine, rows, context, read)
+    after = read_bandwidth(dram_bytes(), 1)
+    step_bytes = [weights + kv_bytes(config, c, kv_size) for c in timed.context_tokens]
+    read_gbs = [read.numel() * 4 / r / 1e9 for r in timed.read_s]
+    paired = [b / (g * 1e9) for b, g in zip(step_bytes, read_gbs, strict=True)]
+    step_s, middle_bytes = float(np.median(timed.step_s)), float(np.median(step_bytes))
+    floor = middle_bytes / (max(before, after) * 1e9)
+    return {"steps": len(timed.step_s), "context_tokens": int(np.median(timed.context_tokens)),
+            "step_ms": round(step_s * 1e3, 2),
+            "forward_ms": round(float(np.median(timed.forward_s)) * 1e3, 2),
+            "bytes_read": int(middle_bytes),
+            "paired_read_gbs": round(float(np.median(read_gbs)), 2),
+            "paired_floor_ms": round(float(np.median(paired)) * 1e3, 2),
+            "ratio_to_paired_floor": round(float(np.median(
+                [s / f for s, f in zip(timed.step_s, paired, strict=True)])), 3),
+            "dram_gbs_before_after": [before, after],
+            "bandwidth_floor_ms": round(floor * 1e3, 2),
+            "ratio_to_bandwidth_floor": round(step_s / floor, 3)}
 
 
 def decode_floors(variant: EngineVariant, config: ModelConfig, roof: Roofline | None,
-                  context: int, rows=DECODE_ROWS) -> dict:
-    """Decode steps of one engine variant at each row count, against the bandwidth floor
-    (bytes / the one-thread DRAM read rate, and / the read rate of a buffer the weights' size)
-    and, for an unquantised dtype, against the GEMM-rate floor (`step_floor`).
+                  context: int, rows=DECODE_ROWS, rounds: int = DECODE_ROUNDS) -> dict:
+    """Decode steps of one engine variant at each row count against the bandwidth floor
+    (`decode_round`) and, for an unquantised dtype, the GEMM-rate floor (`step_floor`).
 
-    Both read rates are measured right before and right after each row count's steps, and the
-    better of the two makes the floor: a shared machine's read rate drifts by a quarter over
-    minutes, and a rate taken at the start of a run would set late steps against another
-    machine."""
+    Each row count runs `rounds` times, the row counts in turn, so that its rounds fall tens of
+    seconds apart: on a shared host a stretch of seconds to a minute can slow a step by half
+    while a read beside it keeps its rate. A row count's figures are those of its median round
+    (by the paired ratio), which one such stretch cannot move; every round is in `rounds`."""
     from minipaged.engine.engine import LLMEngine
 
     engine = LLMEngine.from_pretrained(**variant.engine_kwargs(), kv_cache_memory=0.25,
                                        num_cpu_blocks=0)
     weights = weight_bytes(engine.runner.model)
     kv_size = engine.runner.kv_caches[0].element_size()
-
-    def rates() -> tuple[float, float]:
-        return read_bandwidth(dram_bytes(), 1), read_bandwidth(weights, 1)
-
+    read = huge_page_buffer(weights // 4 * 4).view(torch.float32).fill_(1.0)
+    measured: dict[int, list[dict]] = {n: [] for n in rows}
+    for _ in range(rounds):
+        for n in rows:
+            measured[n].append(decode_round(engine, config, n, context, read, weights))
     table = []
-    for n in rows:
-        before = rates()
-        timed = time_decode_steps(engine, n, context)
-        after = rates()
-        dram, sized = max(before[0], after[0]), max(before[1], after[1])
-        step_bytes = weights + kv_bytes(config, timed["context_tokens"], kv_size)
-        floor_dram, floor_sized = step_bytes / (dram * 1e9), step_bytes / (sized * 1e9)
-        row = {"rows": n, "context_tokens": timed["context_tokens"],
-               "step_ms": round(timed["step_s"] * 1e3, 2),
-               "forward_ms": round(timed["forward_s"] * 1e3, 2),
-               "bytes_read": step_bytes,
-               "dram_gbs_before_after": [before[0], after[0]],
-               "same_size_read_gbs_before_after": [before[1], after[1]],
-               "bandwidth_floor_ms": round(floor_dram * 1e3, 2),
-               "ratio_to_bandwidth_floor": round(timed["step_s"] / floor_dram, 3),
-               "same_size_read_floor_ms": round(floor_sized * 1e3, 2),
-               "ratio_to_same_size_read_floor": round(timed["step_s"] / floor_sized, 3)}
+    for n, results in measured.items():
+        middle = sorted(results, key=lambda r: r["ratio_to_paired_floor"])[len(results) // 2]
+        row = {"rows": n, **middle,
+               "rounds": [{k: r[k] for k in ("step_ms", "paired_floor_ms",
+                                             "ratio_to_paired_floor", "ratio_to_bandwidth_floor")}
+                          for r in results]}
         if roof is not None:
             element = torch.tensor([], dtype=DTYPES[variant.dtype]).element_size()
-            shape = StepShape(n, n, timed["context_tokens"], timed["context_tokens"])
+            shape = StepShape(n, n, row["context_tokens"], row["context_tokens"])
             gemm = step_floor(config, roof, shape, element)["floor_s"]
             row |= {"gemm_rate_floor_ms": round(gemm * 1e3, 2),
-                    "ratio_to_gemm_rate_floor": round(timed["step_s"] / gemm, 3)}
+                    "ratio_to_gemm_rate_floor": round(row["step_ms"] / 1e3 / gemm, 3)}
         table.append(row)
     engine.close()
     return {"variant": variant.name, "dtype": variant.dtype,
@@ -356,11 +397,14 @@ def print_decode_floors(result: dict) -> None:
     for r in result["steps"]:
         gemm = (f", GEMM-rate floor {r['gemm_rate_floor_ms']} ms ({r['ratio_to_gemm_rate_floor']}x)"
                 if "gemm_rate_floor_ms" in r else "")
-        print(f"  {r['rows']} rows: step {r['step_ms']} ms (forward {r['forward_ms']}); bandwidth "
-              f"floor {r['bandwidth_floor_ms']} ms ({r['ratio_to_bandwidth_floor']}x; DRAM "
-              f"{'/'.join(map(str, r['dram_gbs_before_after']))} GB/s before/after), same-size "
-              f"read {r['same_size_read_floor_ms']} ms ({r['ratio_to_same_size_read_floor']}x)"
-              + gemm)
+        rounds = ", ".join(str(x["ratio_to_paired_floor"]) for x in r["rounds"])
+        print(f"  {r['rows']} rows: step {r['step_ms']} ms (forward {r['forward_ms']}; "
+              f"median of {r['steps']}; the median round of {rounds}); paired floor "
+              f"{r['paired_floor_ms']} ms "
+              f"({r['ratio_to_paired_floor']}x; read {r['paired_read_gbs']} GB/s beside the "
+              f"steps), best-rate floor {r['bandwidth_floor_ms']} ms "
+              f"({r['ratio_to_bandwidth_floor']}x; DRAM "
+              f"{'/'.join(map(str, r['dram_gbs_before_after']))} GB/s before/after)" + gemm)
 
 
 # -- where a decode step's time goes ----------------------------------------------------------
@@ -471,9 +515,11 @@ def main() -> None:
         "what": "GFLOP/s of models.layers.linear over SmolLM2-135M's projection shapes (weights "
                 "hot) at each row count, GB/s of a 256 MiB copy (read + write), streaming read "
                 "GB/s (buffer.sum) from DRAM and of buffers the weights' size, engine decode "
-                "steps at 1-8 rows against the bandwidth floor (bytes read / read GB/s, the "
-                "better of the rates read right before and right after each row count's steps) "
-                "and the GEMM-rate floor, and a profiled decode step (self CPU time by op kind)",
+                "steps at 1-8 rows in 3 rounds each against the bandwidth floor (bytes read / "
+                "read GB/s: paired, a read of the weights' size right after every step; best "
+                "rate, the better of the DRAM rates read right before and after the round; a "
+                "row count's figures from its median round) and the GEMM-rate floor, and a "
+                "profiled decode step (self CPU time by op kind)",
         **report_header(load_average_1min_before=round(load_before[0], 2), **cpu_features()),
         "rooflines": [roof.__dict__ for roof in roofs.values()],
         "stream_read": bandwidth,

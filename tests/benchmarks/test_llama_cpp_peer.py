@@ -1,12 +1,9 @@
-"""The parts of the llama.cpp peer benchmark and the roofline that decide its numbers.
+"""The parts of the llama.cpp peer benchmark that decide its numbers.
 
 * `llama_cpp_worker.Peer._fill` is llama.cpp's side of the comparison (continuous batching on the
   C API): replayed with a fake `llama_batch` and fake logits, every request must get its whole
   prompt at positions 0, 1, ... in order, its logits row exactly once per new token, exactly its
   `output_len` tokens, and no call more than `N_BATCH` tokens (hypothesis over request sets).
-* `roofline.weight_bytes` (the bytes of the bandwidth floor): a tied head and its embedding are
-  counted once, an untied embedding and the rotary tables not at all, tensors and not the one
-  buffer a laid-out model's weights share.
 * `llama_cpp_peer.agreement`: identical requests and the tokens before the first difference.
 """
 
@@ -14,11 +11,9 @@ from __future__ import annotations
 
 import ast
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,10 +22,6 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 import llama_cpp_worker  # noqa: E402
 from llama_cpp_peer import agreement  # noqa: E402
 from llama_cpp_worker import N_BATCH, Peer, Sequence  # noqa: E402
-from roofline import weight_bytes  # noqa: E402
-
-from minipaged.models.layers import RotaryEmbedding  # noqa: E402
-from minipaged.models.weight_layout import lay_out_weights  # noqa: E402
 
 
 class FakeBatch(SimpleNamespace):
@@ -91,58 +82,6 @@ def test_the_worker_imports_neither_torch_nor_minipaged():
                 for alias in (node.names if isinstance(node, ast.Import)
                               else [SimpleNamespace(name=node.module or "")])}
     assert "llama_cpp" in imported and not imported & {"torch", "minipaged"}
-
-
-def rotary() -> RotaryEmbedding:
-    """Rotary tables of 32 positions (what `RotaryEmbedding` reads of a model's config)."""
-    return RotaryEmbedding(SimpleNamespace(head_dim=4, rope_theta=10000.0, rope_scaling=None,
-                                           max_position_embeddings=32))
-
-
-class TinyLM(torch.nn.Module):
-    """An embedding, one projection, a head (tied or not) and rotary tables."""
-
-    def __init__(self, tie: bool, dtype: torch.dtype = torch.float32):
-        super().__init__()
-        self.embed = torch.nn.Embedding(50, 8, dtype=dtype)
-        self.proj = torch.nn.Linear(8, 8, bias=False, dtype=dtype)
-        self.head = torch.nn.Linear(8, 50, bias=False, dtype=dtype)
-        if tie:
-            self.head.weight = self.embed.weight
-        self.rotary = rotary()
-
-
-def test_weight_bytes_count_a_tied_head_once_and_skip_an_untied_embedding_and_rotary():
-    assert weight_bytes(TinyLM(tie=True)) == (8 * 8 + 50 * 8) * 4
-    assert weight_bytes(TinyLM(tie=False)) == (8 * 8 + 50 * 8) * 4
-    assert weight_bytes(TinyLM(tie=False, dtype=torch.bfloat16)) == (8 * 8 + 50 * 8) * 2
-    model = TinyLM(tie=False)
-    model.register_buffer("scales", torch.ones(50))  # a quantised head's scales are read too
-    assert weight_bytes(model) == (8 * 8 + 50 * 8 + 50) * 4
-
-
-def test_weight_bytes_count_tensors_not_the_one_buffer_they_share_once_laid_out():
-    for tie in (True, False):
-        model = TinyLM(tie=tie)
-        lay_out_weights(model)  # every weight a view of one buffer, the embedding included
-        assert model.embed.weight.untyped_storage().data_ptr() == \
-            model.proj.weight.untyped_storage().data_ptr()
-        assert weight_bytes(model) == (8 * 8 + 50 * 8) * 4
-
-
-@dataclass(frozen=True)
-class Quantised:
-    """What a quantised layer holds outside its parameters: int8 values and float scales."""
-
-    data: torch.Tensor
-    scales: torch.Tensor
-
-
-def test_weight_bytes_count_the_int8_values_and_scales_a_layer_holds_instead_of_its_weight():
-    model = TinyLM(tie=False)
-    model.proj.int8 = Quantised(torch.zeros(8, 8, dtype=torch.int8), torch.ones(8, 2))
-    model.proj.weight = None
-    assert weight_bytes(model) == 8 * 8 + 8 * 2 * 4 + 50 * 8 * 4
 
 
 def test_agreement_counts_identical_requests_and_tokens_before_the_first_difference():
