@@ -41,7 +41,7 @@ from machine import last_level_cache_bytes, report_header, save_report
 from minipaged.engine.config import DTYPES, cpu_flags, native_bfloat16
 from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.layers import linear
-from minipaged.models.weight_layout import huge_page_buffer
+from minipaged.kernels.cpu.pages import huge_page_buffer
 
 RESULTS = Path(__file__).parent / "results" / "roofline.json"
 ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 512, 1024, 2048)
@@ -142,7 +142,7 @@ def read_bandwidth(nbytes: int, threads: int = 1, repeats: int = 5,
     size of a model's weights measures what a decode step can get, cache included
     (`cache_resident_sum_rate` shows how far above the memory's speed the sum itself runs).
     The buffer is on huge pages where the OS grants them, as the engine's weights are
-    (`minipaged.models.weight_layout.huge_page_buffer`): the faster of the two page sizes, so
+    (`minipaged.kernels.cpu.pages.huge_page_buffer`): the faster of the two page sizes, so
     the floor is the machine's best; `huge_pages=False` measures PyTorch's ordinary pages."""
     if huge_pages:
         buffer = huge_page_buffer(max(4, nbytes // 4 * 4)).view(torch.float32).fill_(1.0)

@@ -4,8 +4,8 @@ system's C compiler on first use for the machine's own instruction set and loade
 Paged attention (`native`: decode over blocks read in place, and the KV write), the few-row
 linear layers, float32, bfloat16 or weight-only int8 (`gemv`), and RMSNorm, rotary
 embeddings and SwiGLU's SiLU-and-multiply (`norm_rotary`), the greedy choice of a step's
-tokens (`greedy`), all built and loaded one way
-(`build`). Each has a `bind_*` form (`GemvPlan.bind`) that fixes a call's arguments once
+tokens (`greedy`), all built and loaded one way (`build`), and memory on huge pages for them to
+stream (`pages`). Each has a `bind_*` form (`GemvPlan.bind`) that fixes a call's arguments once
 (`calls.KernelCall`), and a list of bound calls runs in one call into C (`calls.KernelCalls`):
 a decode step replayed again and again. Only the CPU fast paths of the layers above call into
 it; their reference paths are plain PyTorch and run without a compiler.
@@ -51,6 +51,7 @@ from minipaged.kernels.cpu.norm_rotary import (
     silu_mul,
     silu_mul_supports,
 )
+from minipaged.kernels.cpu.pages import huge_page_buffer
 
 __all__ = [
     "GemvPlan",
@@ -74,6 +75,7 @@ __all__ = [
     "gemv_row_limit",
     "greedy_tokens",
     "greedy_tokens_available",
+    "huge_page_buffer",
     "kernel_calls_available",
     "load_native",
     "native_decode_available",

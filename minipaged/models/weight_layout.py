@@ -16,38 +16,15 @@ The weights are views into that buffer, given to each module as new objects (`mo
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import mmap
 
-import torch
 from torch import Tensor, nn
 
 from minipaged.kernels.cpu.gemv import Int8Weight
+from minipaged.kernels.cpu.pages import huge_page_buffer
 
 # Bytes each weight starts on: a cache line, the kernels' vector loads then never span two.
 ALIGNMENT = 64
-HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
-
-
-def huge_page_buffer(nbytes: int) -> Tensor:
-    """`nbytes` of zeroed CPU memory (a uint8 tensor) on transparent huge pages where the OS
-    grants them (Linux: `MADV_HUGEPAGE` on a private anonymous mapping, 2 MiB aligned), else
-    from PyTorch's allocator. The tensor keeps the mapping alive.
-
-    Why: the CPU translates every address through its TLB; streaming 4 KiB pages misses it every
-    4 KiB, and a virtual machine's nested page tables make each miss dearer. On huge pages a
-    one-thread stream reads ~20% faster (AMD EPYC VM: 27-28 GB/s against 20-23), which a decode
-    step of one request, reading every weight once, takes whole."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(nbytes, dtype=torch.uint8)
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = -ctypes.addressof(ctypes.c_char.from_buffer(mapping)) % HUGE_PAGE
-    try:
-        mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes + HUGE_PAGE - start)
-    except OSError:  # a kernel without transparent huge pages: ordinary pages, as PyTorch's
-        pass
-    return torch.frombuffer(mapping, dtype=torch.uint8)[start:start + nbytes]
 
 
 def _held(model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter | Int8Weight]]:

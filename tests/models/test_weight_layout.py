@@ -1,12 +1,11 @@
-"""`lay_out_weights` and `huge_page_buffer`: a CPU model's weights in one buffer.
+"""`lay_out_weights`: a CPU model's weights in one buffer.
 
 After the layout every parameter and int8 weight of a model lies in one storage, back to back in
 module registration order, each on a cache line, holding the values it held; ties stay one
 object; the model computes what it computed; modules see new weight objects (so bound kernel
 calls know they are stale). Built models and int8-quantised ones come laid out, the quantised
-one without keeping the float buffer alive; without huge pages the buffer is ordinary memory;
-a laid-out model's checkpoint state dict (what tensor parallelism pickles to its ranks) holds
-copies, not views of the buffer.
+one without keeping the float buffer alive; a laid-out model's checkpoint state dict (what
+tensor parallelism pickles to its ranks) holds copies, not views of the buffer.
 """
 
 from __future__ import annotations
@@ -26,12 +25,7 @@ from minipaged.kernels.cpu.gemv import Int8Weight
 from minipaged.models.layers import VersionedWeights
 from minipaged.models.quantization import quantize_model
 from minipaged.models.tensor_parallel import checkpoint_state_dict
-from minipaged.models.weight_layout import (
-    ALIGNMENT,
-    HUGE_PAGE,
-    huge_page_buffer,
-    lay_out_weights,
-)
+from minipaged.models.weight_layout import ALIGNMENT, lay_out_weights
 
 
 def held_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -127,35 +121,3 @@ def test_a_model_off_the_cpu_is_refused_by_name():
     meta = copy.deepcopy(model).to("meta")
     with pytest.raises(ValueError, match="CPU model.*meta"):
         lay_out_weights(meta)
-
-
-@settings(max_examples=20, deadline=None)
-@given(st.integers(1, 3 * HUGE_PAGE))
-def test_a_huge_page_buffer_is_zeroed_writable_and_outlives_its_mapping(nbytes):
-    buffer = huge_page_buffer(nbytes)
-    assert buffer.dtype == torch.uint8 and buffer.shape == (nbytes,)
-    assert buffer.data_ptr() % ALIGNMENT == 0
-    assert not buffer.any()
-    view = buffer[nbytes // 2:]
-    del buffer
-    gc.collect()
-    view.fill_(7)  # the mapping is alive while a view is
-    assert int(view.sum()) == 7 * view.numel()
-
-
-def test_a_huge_page_buffer_falls_back_to_ordinary_pages(monkeypatch):
-    """Where the OS has no `MADV_HUGEPAGE`, or refuses it, the buffer is ordinary memory."""
-    import mmap
-
-    class Refusing(mmap.mmap):
-        def madvise(self, *args: object) -> None:
-            raise OSError(22, "Invalid argument")
-
-    monkeypatch.setattr(mmap, "mmap", Refusing)
-    refused = huge_page_buffer(HUGE_PAGE + 5)
-    assert refused.shape == (HUGE_PAGE + 5,) and not refused.any()
-    monkeypatch.delattr(mmap, "MADV_HUGEPAGE")
-    plain = huge_page_buffer(100)
-    assert plain.shape == (100,) and plain.dtype == torch.uint8 and not plain.any()
-    plain.fill_(1)
-    assert int(plain.sum()) == 100
