@@ -5,13 +5,15 @@ biases, several weights in one call, and int8 weights with their group sizes are
 hypothesis; each result is compared with `F.linear` in float64 over the same (dequantised)
 weights, within what the dtype's rounding allows. Every path the CPU can run is checked
 ("avx512_bf16" where it has AVX-512's bfloat16 dot products, "avx512" where it has AVX-512,
-"avx2", plain "c"), so the tails of odd sizes are too.
+"avx2", plain "c"), so the tails of odd sizes are too. The start-up probes that choose how it
+reads (`fetch_ahead`) measure over weight copies laid out as a model's are.
 """
 
 from __future__ import annotations
 
 import copy
 import ctypes
+import importlib
 import os
 from pathlib import Path
 
@@ -210,3 +212,21 @@ def test_built_by_the_layers_one_builder(tmp_path: Path):
     assert built is not None and built.name.startswith("gemv-")
     assert hasattr(ctypes.CDLL(os.fspath(built)), "gemv")
     assert build_native(SOURCE, compiler="no-such-compiler-here", cache_dir=tmp_path / "x") is None
+
+
+def test_the_fetch_ahead_probe_reads_copies_on_huge_pages_beyond_the_caches(monkeypatch):
+    """It measures what a step sees: weights laid out on huge pages (`huge_page_buffer`),
+    `FETCH_PROBE_BYTES` of them, not a few copies a last-level cache partly holds."""
+    module = importlib.import_module("minipaged.kernels.cpu.gemv")  # not the function `gemv`
+    requested, real = [], module.huge_page_buffer
+
+    def recording(nbytes: int) -> torch.Tensor:
+        requested.append(nbytes)
+        return real(nbytes)
+
+    monkeypatch.setattr(module, "huge_page_buffer", recording)
+    chosen = module._fetch_ahead.__wrapped__(torch.float32, 1)  # past the per-process cache
+    assert isinstance(chosen, bool)
+    assert len(requested) == 1
+    assert module.FETCH_PROBE_BYTES - 4 * 1536 * 576 < requested[0] <= module.FETCH_PROBE_BYTES
+    assert module.FETCH_PROBE_BYTES >= 128 << 20  # four times a 32 MiB last-level cache
