@@ -45,6 +45,7 @@ from machine import report_header, save_report
 from tqdm import tqdm
 
 from minipaged import kernels
+from minipaged.kernels.triton.decode import decode_launches
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -187,7 +188,7 @@ def time_decode(case: DecodeCase, copy_bw: float, device: str, timer: Callable) 
     paged_ms, dense_ms = timer(paged), timer(dense)
     kv_bytes = 2 * k.numel() * k.element_size()
     achieved = kv_bytes / (paged_ms * 1e-3)
-    _, (partitions, _) = kernels.decode.decode_launches(
+    _, (partitions, _) = decode_launches(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len=n)
     result = {
         **asdict(case),
