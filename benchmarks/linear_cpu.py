@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from machine import report_header, save_report
 
-from minipaged.models.layers import (
+from minipaged.models.layers import linear
+from minipaged.models.onednn import (
     ONEDNN_AVAILABLE,
-    linear,
     onednn_is_faster,
     onednn_linear,
     packed_weight,

@@ -33,15 +33,9 @@ from minipaged.models.checkpoint.loader import load_checkpoint  # noqa: E402
 from minipaged.models.checkpoint.model_config import ModelConfig  # noqa: E402
 from minipaged.models.checkpoint.weight_names import expected_shapes, is_transposed, to_module_name  # noqa: E402
 from minipaged.models.layers import (  # noqa: E402
-    ONEDNN_AVAILABLE,
-    Linear,
     ModelInputError,
     linear,
-    onednn_is_faster,
-    onednn_linear,
-    packed_weight,
     rope_inverse_frequencies,
-    uses_onednn,
 )
 from minipaged.models.registry import (  # noqa: E402
     FAMILIES,
@@ -423,72 +417,6 @@ def test_linear_equals_f_linear(lead, rows, sizes, bias, seed):
         ours = linear(x, w, b)
     assert ours.shape == (*lead, rows, out_features)
     torch.testing.assert_close(ours, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
-
-
-def test_linear_takes_onednn_where_it_measured_faster_and_applies():
-    big = torch.randn(256, 256)
-    x = torch.randn(3, 256)
-    faster = ONEDNN_AVAILABLE and onednn_is_faster(256, 256, torch.float32)
-    with torch.inference_mode():
-        assert uses_onednn(x, big) == faster
-        assert not uses_onednn(x.half(), big.half())  # float32 and bfloat16 only
-        assert not uses_onednn(x, big.bfloat16())  # mixed dtypes: F.linear's error
-    assert onednn_is_faster(256, 256, torch.float32) == faster  # measured once per shape
-    trainable = big.clone().requires_grad_()
-    assert not uses_onednn(x, trainable)  # autograd needs F.linear: oneDNN has no backward
-    with torch.no_grad():
-        assert uses_onednn(x, trainable) == faster
-
-
-@settings(max_examples=20, deadline=None)
-@given(
-    rows=st.integers(1, 40),
-    sizes=st.sampled_from([(64, 48), (192, 576), (300, 260)]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    bias=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
-def test_onednn_over_a_packed_weight_equals_f_linear(rows, sizes, dtype, bias, seed):
-    """The packed copy is the same matrix: oneDNN over it is F.linear up to rounding, at any row
-    count (it is packed once, for every step's rows)."""
-    assert ONEDNN_AVAILABLE  # PyTorch's x86 CPU builds have oneDNN
-    g = torch.Generator().manual_seed(seed)
-    out_features, in_features = sizes
-    x = torch.randn(rows, in_features, generator=g).to(dtype)
-    w = (torch.randn(out_features, in_features, generator=g) * in_features**-0.5).to(dtype)
-    b = torch.randn(out_features, generator=g).to(dtype) if bias else None
-    with torch.inference_mode():
-        ours = onednn_linear(x, packed_weight(w), b)
-    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(ours.float(), ref, rtol=tol, atol=tol)
-
-
-def test_a_weight_is_packed_once_and_again_when_it_changes():
-    """A stale packed copy would serve the old weights silently: writing the weight in place
-    (`copy_`, `load_state_dict`) or giving it new storage packs it again; nothing else does."""
-    layer = Linear(256, 256, bias=False)
-    x = torch.randn(3, 256)
-    with torch.inference_mode():
-        first = packed_weight(layer.weight)
-        assert packed_weight(layer.weight) is first
-    new = {"weight": torch.randn(256, 256)}
-    layer.load_state_dict(new)
-    with torch.inference_mode():
-        assert packed_weight(layer.weight) is not first
-        torch.testing.assert_close(layer(x), x @ new["weight"].T, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(onednn_linear(x, packed_weight(layer.weight)),
-                                   x @ new["weight"].T, rtol=1e-4, atol=1e-4)
-    replaced = torch.randn(256, 256)
-    layer.weight.data = replaced
-    with torch.inference_mode():
-        torch.testing.assert_close(onednn_linear(x, packed_weight(layer.weight)),
-                                   x @ replaced.T, rtol=1e-4, atol=1e-4)
-        made_here = torch.randn(256, 256)  # an inference tensor has no version counter
-        assert not uses_onednn(x, made_here)
-        torch.testing.assert_close(linear(x, made_here), x @ made_here.T, rtol=1e-4, atol=1e-4)
-        with pytest.raises(ValueError, match="inference"):
-            packed_weight(made_here)
 
 
 def test_linear_keeps_gradients():

@@ -273,7 +273,8 @@ def test_bfloat16_runner_follows_the_float32_oracle_up_to_near_ties(bundled_mode
 
 @pytest.mark.parametrize("architecture", ["llama", "gpt2"])
 def test_the_gemm_choice_is_made_when_the_runner_starts_not_in_a_step(architecture):
-    from minipaged.models.layers import Linear, onednn_is_faster
+    from minipaged.models.layers import Linear
+    from minipaged.models.onednn import onednn_is_faster
 
     onednn_is_faster.cache_clear()  # earlier tests' choices must not stand in for this one's
     model = tiny_model(architecture, seed=5)
