@@ -39,11 +39,18 @@ from minipaged.kernels.cpu.pages import huge_page_buffer
 SOURCE = Path(__file__).with_name("csrc") / "gemv.c"
 MAX_ROWS = 8  # the few-row range: rows the kernel takes in one pass over the weights
 PROBE_ROWS = (1, 2, 4, 8)  # row counts `gemv_row_limit` times
-PROBE_BYTES = 48 << 20  # weight copies per probe: more than a server CPU's last-level cache
+# Bytes of weight copies each probe reads, on huge pages as a model's weights lie (`probe_copies`)
+PROBE_BYTES = 256 << 20
+# and at most this many copies: each is a kernel call, and the tiny weights of tests' models
+# would otherwise take hundreds of thousands
+PROBE_MAX_COPIES = 512
+# How much faster the rival GEMM must measure at a row count to take it from the kernel: where
+# the two read a layer's weights about as fast, the kernel keeps the rows, since a step whose
+# every projection the kernel takes is replayed without Python (`minipaged.runner.cpu_decode`)
+ROW_LIMIT_MARGIN = 0.1
 FETCH_PROBE_SHAPE = (1536, 576)  # the weight `fetch_ahead` reads: a small model's MLP's
 FETCH_PROBE_GROUP = 64  # and its int8 group, as quantised models have them (GROUP_SIZE)
 FETCH_PROBE_ROUNDS = 9  # pairs `fetch_ahead` times
-FETCH_PROBE_BYTES = 256 << 20  # the copies it reads: far beyond a last-level cache, on huge pages
 IO_DTYPES = (torch.float32, torch.bfloat16)  # x and out
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # csrc/gemv.c's enum
 ISAS = {"c": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}  # the kernel's paths, by what they need
@@ -291,36 +298,66 @@ def best_times(candidates: dict[str, Callable[[Tensor], object]], inputs: Sequen
     return best
 
 
+def probe_copies(shapes: Sequence[tuple[int, int]], dtype: torch.dtype,
+                 values: Sequence[Tensor] | None = None) -> list[list[Tensor]]:
+    """Copies of weights of `shapes` and `dtype` (`values`, one per shape, or zeros), back to
+    back on huge pages as a model's weights are laid out (`minipaged.models.weight_layout`),
+    `PROBE_BYTES` of them (at most `PROBE_MAX_COPIES`): what the start-up probes read. A step
+    reads its weights from memory on huge pages, so a probe must too. Fewer copies, partly held
+    by the last-level cache, measure another machine: on an AMD EPYC (32 MiB of cache) 48 MiB
+    of them on ordinary pages put fetching ahead within 0-20% of not, where over a model's
+    weights it makes a float32 step 1.4x slower; on an Intel Xeon (with AMX) they put the
+    kernel 15-20% behind `F.linear` at one row, where over 256 MiB on huge pages it is 0-15%
+    ahead."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    size = sum(out * inp for out, inp in shapes)
+    count = max(1, min(PROBE_MAX_COPIES, PROBE_BYTES // (size * element)))
+    memory = huge_page_buffer(count * size * element).view(dtype)
+    copies = []
+    for index in range(count):
+        start, weights = index * size, []
+        for shape_index, (out, inp) in enumerate(shapes):
+            weight = memory[start:start + out * inp].view(out, inp)
+            if values is not None:
+                weight.copy_(values[shape_index])
+            weights.append(weight)
+            start += out * inp
+        copies.append(weights)
+    return copies
+
+
 @functools.cache
 def gemv_row_limit(shapes: tuple[tuple[int, int], ...], dtype: torch.dtype,
                    rival: Callable[[Tensor, Tensor], Tensor],
                    prepare: Callable[[Tensor], Tensor] | None = None) -> int:
     """Up to how many rows (0 to `MAX_ROWS`) one kernel call over weights of `shapes`
-    (`[out, in]` each, one input) and `dtype` is faster on this CPU than `rival(x,
-    prepare(weight))` for each weight in turn: the largest of `PROBE_ROWS` at which it, and at
-    every smaller probe, measured faster (0 without the kernel).
+    (`[out, in]` each, one input) and `dtype` takes on this CPU rather than `rival(x,
+    prepare(weight))` for each weight in turn: the largest of `PROBE_ROWS` at which, and at
+    every smaller probe, the rival did not measure `ROW_LIMIT_MARGIN` faster (0 without the
+    kernel).
 
-    Measured once per process and shapes as a step uses weights: copies that together overflow
-    the caches (`PROBE_BYTES`), so each is read from memory, in turns, best of five."""
+    Measured once per process and shapes as a step uses weights: the kernel's calls bound once
+    (as a replayed step's are) over `probe_copies`, the rival over what `prepare` makes of
+    them, in turns, best of five."""
     if not gemv_available():
         return 0
     gen = torch.Generator().manual_seed(0)
-    element = torch.tensor([], dtype=dtype).element_size()
-    size = sum(out * inp for out, inp in shapes) * element
     in_features = shapes[0][1]
-    copies = [[torch.randn(shape, generator=gen).to(dtype) for shape in shapes]
-              for _ in range(max(1, min(64, PROBE_BYTES // size)))]
     limit = 0
     with torch.inference_mode():
+        copies = probe_copies(shapes, dtype,
+                              [torch.randn(shape, generator=gen).to(dtype) for shape in shapes])
         operands = [[w if prepare is None else prepare(w) for w in ws] for ws in copies]
         plans = [GemvPlan(ws, dtype=dtype) for ws in copies]
         for rows in PROBE_ROWS:
             x = torch.randn(rows, in_features, generator=gen).to(dtype)
+            out = torch.empty(rows, plans[0].width, dtype=dtype)
+            calls = [plan.bind(x, out) for plan in plans]
             times = best_times({
-                "gemv": lambda x: [plan(x) for plan in plans],
+                "gemv": lambda x, calls=calls: [call() for call in calls],
                 "rival": lambda x: [rival(x, w) for ws in operands for w in ws],
             }, [x])
-            if times["gemv"] >= times["rival"]:
+            if times["rival"] < (1 - ROW_LIMIT_MARGIN) * times["gemv"]:
                 break
             limit = rows if rows < PROBE_ROWS[-1] else MAX_ROWS
     return limit
@@ -338,31 +375,22 @@ def fetch_ahead(weight_dtype: torch.dtype, rows: int) -> bool:
 
 @functools.cache
 def _fetch_ahead(weight_dtype: torch.dtype, rows: int) -> bool:
-    """`fetch_ahead` at `rows` (1, 4 or 8): one kernel call over each of the copies of a
-    weight, back to back on huge pages as a model's weights are laid out
-    (`minipaged.models.weight_layout`), `FETCH_PROBE_BYTES` of them, fetching ahead and not,
-    `FETCH_PROBE_ROUNDS` times, which goes first alternating; the one faster in most rounds
-    wins. Pairs taken back to back see the same memory: on a shared machine whose bandwidth
-    drifts by a third from one second to the next, the best of each over all rounds would
-    compare two different machines. Fewer copies on ordinary pages, partly held by the
-    last-level cache, do not show what a step sees: on an AMD EPYC (32 MiB of cache) 48 MiB of
-    them put fetching ahead within 0-20% of not, where over a model's weights it makes a
-    float32 step 1.4x slower."""
+    """`fetch_ahead` at `rows` (1, 4 or 8): one kernel call over each weight of
+    `probe_copies`, fetching ahead and not, `FETCH_PROBE_ROUNDS` times, which goes first
+    alternating; the one faster in most rounds wins. Pairs taken back to back see the same
+    memory: on a shared machine whose bandwidth drifts by a third from one second to the next,
+    the best of each over all rounds would compare two different machines."""
     if not gemv_available():
         return False
     shape = FETCH_PROBE_SHAPE
-    element = torch.tensor([], dtype=weight_dtype).element_size()
-    copies = max(1, FETCH_PROBE_BYTES // (shape[0] * shape[1] * element))
     with torch.inference_mode():
-        memory = huge_page_buffer(copies * shape[0] * shape[1] * element)
-        values = memory.view(weight_dtype).view(copies, *shape)
+        copies = probe_copies([shape], weight_dtype)
         if weight_dtype == torch.int8:
-            values.fill_(1)
             scales = torch.full((shape[0], shape[1] // FETCH_PROBE_GROUP), 0.01)
-            plans = [GemvPlan([Int8Weight(v, scales, FETCH_PROBE_GROUP)]) for v in values]
+            plans = [GemvPlan([Int8Weight(ws[0].fill_(1), scales, FETCH_PROBE_GROUP)])
+                     for ws in copies]
         else:
-            values.fill_(0.01)
-            plans = [GemvPlan([v]) for v in values]
+            plans = [GemvPlan([ws[0].fill_(0.01)]) for ws in copies]
         x = torch.ones(rows, shape[1])
         out = torch.empty(rows, shape[0])
         calls = {ahead: [plan.bind(x, out, ahead=ahead) for plan in plans]

@@ -147,10 +147,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 def choose_gemms(model: nn.Module, gemv: bool = True) -> None:
     """Make `linear`'s choice (`onednn_is_faster`) for every `Linear` weight of `model` now, at
     start-up, and pack the weights oneDNN will multiply; then measure up to how many rows the
-    CPU's GEMV kernel beats that GEMM for each layer and `LinearGroup` (`few_rows`), or with
+    CPU's GEMV kernel beats that GEMM for each `LinearGroup` and each layer outside a group
+    that has a few-row path (`few_rows`; the group's call takes its layers' few rows), or with
     `gemv` False give the float layers none (benchmarks compare the two in one run), and
     whether the kernel fetches weights ahead on this CPU (`fetch_ahead`). No step, and no
     profile of one, pays for the measurement or the packing."""
+    groups = [value for module in model.modules() for value in vars(module).values()
+              if isinstance(value, LinearGroup)]
+    for group in groups:
+        group.plan(gemv)
+    grouped = {id(layer) for group in groups if group.path is not None for layer in group.layers}
     for module in model.modules():
         if not isinstance(module, Linear):
             continue
@@ -159,11 +165,8 @@ def choose_gemms(model: nn.Module, gemv: bool = True) -> None:
             out_features, in_features = weight.shape
             if onednn_is_faster(out_features, in_features, weight.dtype):
                 packed_weight(weight)
-        module.few_rows = few_rows(module) if gemv or module.int8 is not None else None
-    for module in model.modules():
-        for value in vars(module).values():
-            if isinstance(value, LinearGroup):
-                value.plan(gemv)
+        module.few_rows = (few_rows(module) if (gemv or module.int8 is not None)
+                           and id(module) not in grouped else None)
     planned = {path.plan.weight_dtype for module in model.modules()
                if isinstance(module, Linear) and (path := module.few_rows) is not None
                and path.plan.fetch_ahead_matters()}

@@ -170,6 +170,23 @@ def test_row_limit_is_within_range_and_measured_once():
     assert gemv_row_limit.cache_info().misses == misses
 
 
+def instant(x: torch.Tensor, w: torch.Tensor) -> None:
+    """A rival GEMM that takes no time: it wins every row count."""
+
+
+def no_faster(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A rival GEMM that is the kernel itself, planned anew on every call: never faster."""
+    return gemv(x, [w])
+
+
+def test_row_limit_gives_the_rows_to_whichever_the_rival_does_not_beat():
+    """The kernel keeps every row a rival does not beat by the margin (a tie keeps the step
+    replayable); it keeps none that an instant rival beats."""
+    shapes = ((48, 32), (16, 32))
+    assert gemv_row_limit(shapes, torch.float32, instant) == 0
+    assert gemv_row_limit(shapes, torch.float32, no_faster) == 8
+
+
 def test_fetching_ahead_is_chosen_per_tile_shape_and_changes_no_result():
     w = torch.randn(40, 64)
     x = torch.randn(2, 64)
@@ -214,9 +231,10 @@ def test_built_by_the_layers_one_builder(tmp_path: Path):
     assert build_native(SOURCE, compiler="no-such-compiler-here", cache_dir=tmp_path / "x") is None
 
 
-def test_the_fetch_ahead_probe_reads_copies_on_huge_pages_beyond_the_caches(monkeypatch):
-    """It measures what a step sees: weights laid out on huge pages (`huge_page_buffer`),
-    `FETCH_PROBE_BYTES` of them, not a few copies a last-level cache partly holds."""
+@pytest.mark.parametrize("probe", ["fetch_ahead", "gemv_row_limit"])
+def test_the_start_up_probes_read_copies_on_huge_pages_beyond_the_caches(monkeypatch, probe):
+    """Each measures what a step sees: weights laid out on huge pages (`huge_page_buffer`),
+    `PROBE_BYTES` of them, not a few copies a last-level cache partly holds."""
     module = importlib.import_module("minipaged.kernels.cpu.gemv")  # not the function `gemv`
     requested, real = [], module.huge_page_buffer
 
@@ -225,8 +243,27 @@ def test_the_fetch_ahead_probe_reads_copies_on_huge_pages_beyond_the_caches(monk
         return real(nbytes)
 
     monkeypatch.setattr(module, "huge_page_buffer", recording)
-    chosen = module._fetch_ahead.__wrapped__(torch.float32, 1)  # past the per-process cache
-    assert isinstance(chosen, bool)
+    if probe == "fetch_ahead":  # past the per-process caches
+        chosen, copy_bytes = module._fetch_ahead.__wrapped__(torch.float32, 1), 4 * 1536 * 576
+    else:
+        shapes = ((192, 576), (64, 576))
+        chosen = module.gemv_row_limit.__wrapped__(shapes, torch.float32, F.linear)
+        copy_bytes = 4 * 256 * 576
+    assert isinstance(chosen, (bool, int))
     assert len(requested) == 1
-    assert module.FETCH_PROBE_BYTES - 4 * 1536 * 576 < requested[0] <= module.FETCH_PROBE_BYTES
-    assert module.FETCH_PROBE_BYTES >= 128 << 20  # four times a 32 MiB last-level cache
+    assert module.PROBE_BYTES - copy_bytes < requested[0] <= module.PROBE_BYTES
+    assert module.PROBE_BYTES >= 128 << 20  # four times a 32 MiB last-level cache
+
+
+def test_probe_copies_lie_back_to_back_and_hold_the_values():
+    module = importlib.import_module("minipaged.kernels.cpu.gemv")
+    shapes = [(48, 64), (16, 64)]
+    values = [torch.randn(shape) for shape in shapes]
+    copies = module.probe_copies(shapes, torch.float32, values)
+    assert len(copies) == min(module.PROBE_MAX_COPIES, module.PROBE_BYTES // (64 * 64 * 4))
+    for index, weights in enumerate(copies):
+        for weight, value in zip(weights, values, strict=True):
+            assert torch.equal(weight, value)
+        assert weights[1].data_ptr() == weights[0].data_ptr() + 48 * 64 * 4
+        if index:
+            assert weights[0].data_ptr() == copies[index - 1][1].data_ptr() + 16 * 64 * 4
