@@ -133,7 +133,10 @@ class KVCacheManager:
     def blocks_for_request(self, prompt_len: int, max_len: int, width: int) -> int:
         """The prompt's full blocks are shared by every sample; the rest of each is its own. A
         sequence never writes the K/V of its last token (it is sampled, and the sequence ends),
-        so `max_len - 1` slots each."""
+        so `max_len - 1` slots each: a request that samples one token writes none past its
+        prompt, and its samples share even the prompt's last, partial block."""
+        if max_len - 1 <= prompt_len:
+            return self.num_blocks_for(prompt_len)
         shared = prompt_len // self.block_size if width > 1 else 0
         return shared + width * (self.num_blocks_for(max_len - 1) - shared)
 

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -664,3 +664,24 @@ def test_both_managers_implement_the_kv_protocol(manager) -> None:
     for name in KVManager.__annotations__:
         assert isinstance(getattr(manager, name), int), f"{name} is not an int"
     assert isinstance(manager.num_free_blocks, int)
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt_len=st.integers(1, 20), new_tokens=st.integers(1, 9), width=st.integers(1, 4),
+       block_size=st.integers(1, 5))
+def test_blocks_for_request_is_the_most_a_request_holds(prompt_len, new_tokens, width,
+                                                         block_size):
+    """Played out: the prompt allocated, its samples forked from it, each growing by a slot for
+    every token but its last (sampled, never written), the samples' tails apart; the most blocks
+    held at once is what admission counts. One new token writes nothing past the prompt, so its
+    samples share even the prompt's partial last block."""
+    kv = KVCacheManager(64, block_size, num_cpu_blocks=0)
+    kv.allocate(0, list(range(prompt_len)))
+    for child in range(1, width):
+        kv.fork(0, child)
+    most = kv.num_used_blocks
+    for _ in range(new_tokens - 1):
+        for seq in range(width):
+            kv.append_slots(seq, 1)
+        most = max(most, kv.num_used_blocks)
+    assert most == kv.blocks_for_request(prompt_len, prompt_len + new_tokens, width)
