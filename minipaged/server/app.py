@@ -195,12 +195,17 @@ class OpenAIServing:
 
     def _event_stream(self, events: AsyncIterator[str], submission: Submission) -> Response:
         """SSE: the events, an error event if the engine loop stops, then `[DONE]`. The
-        background abort covers a client gone before the first event was even asked for."""
+        background abort covers a client gone before the first event was even asked for.
+
+        Each event gives the event loop a turn before the next: events already queued would
+        otherwise be written back to back, and once the client has hung up, asyncio logs every
+        write after the fifth to a closed socket before the hang-up is seen."""
 
         async def framed() -> AsyncIterator[str]:
             try:
                 async for event in events:
                     yield event
+                    await asyncio.sleep(0)
             except EngineLoopError as exc:
                 yield _event(service_unavailable(str(exc)).body())
             yield DONE
