@@ -154,3 +154,31 @@ def test_quantization_refusals_name_the_field():
         quantize_model(model, "fp8")
     with pytest.raises(ValueError, match="dtype must be float32"):
         quantize_model(model.to(torch.bfloat16), "int8")
+
+
+@pytest.mark.parametrize("groups_win", [True, False])
+def test_a_layer_whose_group_takes_few_rows_is_given_none_of_its_own(monkeypatch, groups_win):
+    """`choose_gemms` probes a group's weights together; its layers' few rows are the group's
+    call, so they are probed alone (and given a path) only where the group has none."""
+    import minipaged.models.layers as layers_module
+
+    probed: list[tuple] = []
+
+    def limit(shapes, dtype, rival, prepare=None):  # the kernel wins 4 rows, groups as asked
+        probed.append(shapes)
+        return 4 if groups_win or len(shapes) == 1 else 0
+
+    monkeypatch.setattr(layers_module, "gemv_row_limit", limit)
+    model, _ = tiny_llama_parts()
+    layers_module.choose_gemms(model)
+    groups = [v for m in model.modules() for v in vars(m).values() if isinstance(v, LinearGroup)]
+    assert groups
+    for group in groups:
+        assert (group.path is not None) == groups_win
+        for layer in group.layers:
+            assert (layer.few_rows is None) == groups_win
+    alone = [m for m in model.modules() if isinstance(m, Linear)
+             and not any(m in g.layers for g in groups)]
+    assert alone and all(m.few_rows is not None and m.few_rows.max_rows == 4 for m in alone)
+    assert len(probed) == len(groups) + len(alone) + (0 if groups_win else sum(
+        len(group.layers) for group in groups))
