@@ -21,8 +21,8 @@ module in `tests/` as
   the paged paths are compared with.
 * `assert_llama_config_matches`: a `ModelConfig` equals transformers' `LlamaConfig` field by
   field.
-* `force_kernel`: every linear layer and group of a model on the CPU's few-row kernel, whatever
-  this machine's timings chose.
+* `cpu_platform`: the CPU platform with its few-row choice fixed (every projection on the
+  GEMV kernel up to `rows` rows), whatever this machine's timings would choose.
 
 `transformers` is a development dependency, imported only when a builder runs, so a module that
 imports this one still collects (and its other tests still run) where it is missing.
@@ -38,9 +38,9 @@ import torch
 
 from minipaged.engine.config import EngineConfig
 from minipaged.engine.engine import LLMEngine
-from minipaged.kernels.cpu.gemv import MAX_ROWS, GemvPlan
+from minipaged.kernels.cpu.gemv import MAX_ROWS
 from minipaged.models.checkpoint.model_config import ModelConfig
-from minipaged.models.layers import FewRows, Linear, LinearGroup, choose_gemms
+from minipaged.platforms.cpu import CPUPlatform
 from minipaged.models.registry import FAMILIES, build_model
 from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 from minipaged.testing.dense import DenseAttentionBackend, DenseKVCache
@@ -166,25 +166,7 @@ def run_bounded(engine: LLMEngine, max_steps: int = 2000) -> dict[str, Any]:
     raise AssertionError(f"requests still unfinished after {max_steps} steps")
 
 
-def force_kernel(model: torch.nn.Module, max_rows: int = MAX_ROWS) -> int:
-    """Give every layer and group the kernel up to `max_rows` rows; the number given."""
-    choose_gemms(model)
-    count = 0
-    for module in model.modules():
-        paths = [module] if isinstance(module, Linear) else []
-        paths += [v for v in vars(module).values() if isinstance(v, LinearGroup)]
-        for owner in paths:
-            current = owner.few_rows if isinstance(owner, Linear) else owner.path
-            if current is None:
-                layers = owner.layers if isinstance(owner, LinearGroup) else (owner,)
-                weights = [layer.multiplied_weight() for layer in layers]
-                dtype = torch.float32 if not isinstance(weights[0], torch.Tensor) \
-                    else weights[0].dtype
-                current = FewRows(GemvPlan(weights, [la.bias for la in layers], dtype), 0)
-            forced = replace(current, max_rows=max_rows)
-            if isinstance(owner, Linear):
-                owner.few_rows = forced
-            else:
-                owner.path = forced
-            count += 1
-    return count
+def cpu_platform(rows: int = MAX_ROWS, **options: Any) -> CPUPlatform:
+    """The CPU platform with every float projection on the GEMV kernel up to `rows` rows
+    (0: none), so that a test does not depend on this machine's timings."""
+    return CPUPlatform(torch.device("cpu"), gemv_rows=rows, **options)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from minipaged.attention.contract import (
+    AttentionOps,
     check_copy_blocks_args,
     check_paged_attention_args,
     check_reshape_and_cache_args,
@@ -33,7 +34,7 @@ from minipaged.attention.contract import (
 
 # The gathered K/V of a chunk should still be in the CPU's last-level cache when the attention
 # reads it back: gathering a whole large batch first sends every byte out to memory and back.
-# A few MiB per chunk stays cache-resident on common server CPUs (`benchmarks/attention_cpu.py`
+# A few MiB per chunk stays cache-resident on common server CPUs (`benchmarks/cpu/attention.py`
 # measures what the gather costs).
 GATHER_CHUNK_BYTES = 8 << 20
 
@@ -341,3 +342,14 @@ def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor, *, validate: bo
     src_ids = block_mapping[:, 0].long().to(src.device)
     dst_ids = block_mapping[:, 1].long().to(dst.device)
     dst[:, dst_ids] = src[:, src_ids].to(dst.device)
+
+
+# The reference as a backend: what `attention_backend="torch"` runs.
+REFERENCE_OPS = AttentionOps(
+    name="torch",
+    paged_attention=paged_attention,
+    reshape_and_cache=reshape_and_cache,
+    copy_blocks=copy_blocks,
+    swap_blocks=swap_blocks,
+    plan=plan_attention,
+)

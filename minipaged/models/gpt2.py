@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from minipaged.models.checkpoint.gguf_weights import GGUFMetadata
 from minipaged.models.checkpoint.model_config import FamilySpec, ModelConfig, head_size, required
-from minipaged.models.layers import AttentionBackend, CausalLM, Linear, check_flat_batch
+from minipaged.models.layers import AttentionBackend, CausalLM, check_flat_batch
 from minipaged.models.tensor_parallel import (
     SINGLE_RANK,
     TensorParallel,
@@ -39,7 +39,7 @@ class GPT2Attention(nn.Module):
         self.num_heads, self.head_dim = len(q_heads(config, tp)), config.head_dim
         self.scale = config.head_dim**-0.5
         width = self.num_heads * self.head_dim
-        self.c_attn = Linear(config.hidden_size, 3 * width)
+        self.c_attn = nn.Linear(config.hidden_size, 3 * width)
         self.c_proj = row_parallel_linear(width, config.hidden_size, True, tp)
 
     def forward(self, x: Tensor, attn: AttentionBackend) -> Tensor:
@@ -56,7 +56,7 @@ class GPT2MLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
         inner = config.intermediate_size // tp.world_size
-        self.c_fc = Linear(config.hidden_size, inner)
+        self.c_fc = nn.Linear(config.hidden_size, inner)
         self.c_proj = row_parallel_linear(inner, config.hidden_size, True, tp)
 
     def forward(self, x: Tensor) -> Tensor:

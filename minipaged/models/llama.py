@@ -33,13 +33,10 @@ from minipaged.models.checkpoint.model_config import (
 from minipaged.models.layers import (
     AttentionBackend,
     CausalLM,
-    Linear,
-    LinearGroup,
     RMSNorm,
     RotaryEmbedding,
-    apply_rotary,
+    SiluAndMul,
     check_flat_batch,
-    silu_and_mul,
 )
 from minipaged.models.tensor_parallel import (
     SINGLE_RANK,
@@ -60,33 +57,33 @@ class LlamaAttention(nn.Module):
     all-reduced.
     """
 
-    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel):
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel,
+                 rotary: RotaryEmbedding):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = len(q_heads(config, tp)), len(kv_heads(config, tp))
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         q_size, kv_size = self.num_heads * config.head_dim, self.num_kv_heads * config.head_dim
-        self.q_proj = Linear(config.hidden_size, q_size, bias=config.qkv_bias)
-        self.k_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
-        self.v_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
-        self.qkv = LinearGroup(self.q_proj, self.k_proj, self.v_proj)  # one call at few rows
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.o_proj = row_parallel_linear(q_size, config.hidden_size, config.o_bias, tp)
         # Qwen3: each head's queries and keys normalised on their own (over head_dim).
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        self.rotary = rotary  # one module, shared by every layer (its tables are the model's)
 
-    def forward(self, x: Tensor, rotation: tuple[Tensor, Tensor], attn: AttentionBackend) -> Tensor:
+    def forward(self, positions: Tensor, x: Tensor, attn: AttentionBackend) -> Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv(x)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rotation), apply_rotary(k, *rotation)
+        q, k = self.rotary(positions, q, k)
         out = attn(self.layer_idx, q, k, v, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(out.view(t, self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -96,29 +93,39 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
         inner = config.intermediate_size // tp.world_size
-        self.gate_proj = Linear(config.hidden_size, inner, bias=False)
-        self.up_proj = Linear(config.hidden_size, inner, bias=False)
-        self.gate_up = LinearGroup(self.gate_proj, self.up_proj)  # one call at few rows
+        self.gate_proj = nn.Linear(config.hidden_size, inner, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, inner, bias=False)
+        self.act = SiluAndMul()
         self.down_proj = row_parallel_linear(inner, config.hidden_size, False, tp)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up(x)
-        return self.down_proj(silu_and_mul(gate, up))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x += attn(norm(x)); x += mlp(norm(x))."""
+    """Pre-norm block: x += attn(norm(x)); x += mlp(norm(x)). The residual stream `residual`
+    runs beside the sublayers' outputs; each norm adds the last output to it first (`RMSNorm`
+    with a residual), so the block reads as nano-vllm's and vLLM's do."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel):
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel,
+                 rotary: RotaryEmbedding):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, tp)
+        self.self_attn = LlamaAttention(config, layer_idx, tp, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
-    def forward(self, x: Tensor, rotation: tuple[Tensor, Tensor], attn: AttentionBackend) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotation, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: Tensor, x: Tensor, residual: Tensor | None,
+                attn: AttentionBackend) -> tuple[Tensor, Tensor]:
+        """(this block's MLP output, the residual stream before it is added): the next norm
+        adds them."""
+        if residual is None:  # the first block: the embeddings are the residual stream
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(CausalLM):
@@ -129,21 +136,20 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         self.embed_tokens = token_embedding(config, tp)
+        rotary = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, tp) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, tp, rotary) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = lm_head(config, tp)
-        self.rotary = RotaryEmbedding(config)
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         """Hidden states `[T, hidden_size]` (final norm applied) of a flat token batch."""
         check_flat_batch(self.config, input_ids, positions)
-        x = self.embed_tokens(input_ids)
-        rotation = self.rotary(positions, x.dtype)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, rotation, attn)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, attn)
+        return self.norm(x, residual)[0]
 
     def input_embedding(self) -> nn.Embedding:
         return self.embed_tokens

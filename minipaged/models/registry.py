@@ -38,7 +38,6 @@ from minipaged.models.checkpoint.weight_names import (
 from minipaged.models.gpt2 import GPT2
 from minipaged.models.layers import AttentionBackend, CausalLM, ModelInputError, check_flat_batch
 from minipaged.models.llama import LLAMA, QWEN2, QWEN3
-from minipaged.models.quantization import quantize_model
 from minipaged.models.tensor_parallel import (
     SINGLE_RANK,
     TensorParallel,
@@ -46,7 +45,6 @@ from minipaged.models.tensor_parallel import (
     read_shard,
     shard_shapes,
 )
-from minipaged.models.weight_layout import lay_out_weights
 
 __all__ = [
     "FAMILIES",
@@ -77,8 +75,7 @@ def build_model(
     """The model of `config.family` holding the weights of `state_dict`, in eval mode.
 
     `state_dict` uses Hugging Face's names, with or without the `model.` / `transformer.` prefix.
-    A tied head (`tie_word_embeddings`) shares the embedding's tensor. On the CPU the weights are
-    copies in one buffer, in the order a step reads them (`lay_out_weights`). Raises
+    A tied head (`tie_word_embeddings`) shares the embedding's tensor. Raises
     `CheckpointMismatchError` naming any missing, unexpected or mis-shaped tensor. With `tp`,
     the model is one tensor-parallel rank's shard and `state_dict` holds that rank's slices
     (`minipaged.models.tensor_parallel.shard_state_dict`, or `load_model(..., tp=...)`).
@@ -112,8 +109,6 @@ def build_model(
     assert loaded.missing_keys == (["lm_head.weight"] if config.tie_word_embeddings else [])
     if config.tie_word_embeddings:
         model.lm_head.weight = model.input_embedding().weight
-    if torch.device(device).type == "cpu":
-        lay_out_weights(model)  # one buffer in the order a step reads it, on cache lines
     return model.to(device).eval()  # the rotary tables are computed on the CPU
 
 
@@ -124,20 +119,16 @@ def load_model(
     progress: bool = True,
     tp: TensorParallel | None = None,
     families: Mapping[str, FamilySpec] = FAMILIES,
-    quantization: str | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """Load a checkpoint (HF folder, safetensors or GGUF; default: the bundled SmolLM2) of one
     of `families`. With `tp`, load one tensor-parallel rank's shard, reading only its slices
-    (`read_shard`). With `quantization` ("int8"), its weights are quantised as they load
-    (`minipaged.models.quantization.quantize_model`)."""
+    (`read_shard`). The model is the plain one: a platform makes it fast where it runs
+    (`minipaged.platforms`)."""
     read = None if tp is None or tp.world_size == 1 else partial(read_shard, tp=tp)
     config, state_dict = load_checkpoint(
         path, families, dtype=torch.float32, progress=progress, read=read
     )
-    model = build_model(config, state_dict, dtype=dtype, device=device, tp=tp)
-    if quantization is not None:
-        quantize_model(model, quantization)
-    return model, config
+    return build_model(config, state_dict, dtype=dtype, device=device, tp=tp), config
 
 
 def _check_weights(

@@ -44,7 +44,6 @@ from minipaged.models.checkpoint.weight_names import (
     is_transposed,
     to_module_name,
 )
-from minipaged.models.layers import Linear, linear
 
 
 class TensorParallelError(ValueError):
@@ -251,7 +250,7 @@ def checkpoint_state_dict(config: ModelConfig, model: nn.Module) -> dict[str, Te
     """A whole model's parameters under Hugging Face's names and in its layout (the inverse of
     `build_model`'s loading), ready for `shard_state_dict` and to be pickled to the ranks: a
     parameter that is a view into a larger buffer (a CPU model's weights share one,
-    `minipaged.models.weight_layout`) is copied out of it, since pickling a view sends its
+    `minipaged.platforms.cpu.weight_layout`) is copied out of it, since pickling a view sends its
     whole storage."""
     expected = expected_shapes(config)
     state = {}
@@ -279,7 +278,7 @@ def shard_shapes(config: ModelConfig, tp: TensorParallel) -> dict[str, tuple[int
 # -- the layers ---------------------------------------------------------------------------------
 
 
-class RowParallelLinear(Linear):
+class RowParallelLinear(nn.Linear):
     """A linear layer whose input features are split over the ranks: each computes a partial
     product, the all-reduce sums them, and the (whole) bias is added once, after the sum."""
 
@@ -288,7 +287,7 @@ class RowParallelLinear(Linear):
         self.tp = tp
 
     def forward(self, x: Tensor) -> Tensor:
-        out = self.tp.all_reduce(linear(x, self.weight))
+        out = self.tp.all_reduce(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 
@@ -308,7 +307,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(rows.masked_fill(~inside[:, None], 0.0))
 
 
-class VocabParallelHead(Linear):
+class VocabParallelHead(nn.Linear):
     """The LM head's rows of one rank's vocabulary range; the logits are gathered on rank 0
     (and the padding rows dropped there)."""
 
@@ -317,16 +316,16 @@ class VocabParallelHead(Linear):
         self.tp, self.vocab_size = tp, config.vocab_size
 
     def forward(self, hidden: Tensor) -> Tensor:
-        logits = self.tp.gather_last_dim(linear(hidden, self.weight))
+        logits = self.tp.gather_last_dim(F.linear(hidden, self.weight))
         return logits[:, : self.vocab_size] if self.tp.rank == 0 else logits
 
 
 def row_parallel_linear(
     in_features: int, out_features: int, bias: bool, tp: TensorParallel
-) -> Linear:
-    """A row-parallel layer of `in_features` (this rank's share); a plain `Linear` at one rank."""
+) -> nn.Linear:
+    """A row-parallel layer of `in_features` (this rank's share); plain `nn.Linear` at one rank."""
     if tp.world_size == 1:
-        return Linear(in_features, out_features, bias=bias)
+        return nn.Linear(in_features, out_features, bias=bias)
     return RowParallelLinear(in_features, out_features, bias, tp)
 
 
@@ -342,8 +341,8 @@ def token_embedding(config: ModelConfig, tp: TensorParallel) -> nn.Module:
     return VocabParallelEmbedding(config, tp)
 
 
-def lm_head(config: ModelConfig, tp: TensorParallel) -> Linear:
-    """The LM head of one rank; a plain `Linear` at one rank."""
+def lm_head(config: ModelConfig, tp: TensorParallel) -> nn.Linear:
+    """The LM head of one rank; a plain `nn.Linear` at one rank."""
     if tp.world_size == 1:
-        return Linear(config.hidden_size, config.vocab_size, bias=False)
+        return nn.Linear(config.hidden_size, config.vocab_size, bias=False)
     return VocabParallelHead(config, tp)

@@ -1,67 +1,20 @@
-"""Attention backends for the model: choose one, allocate its KV caches, attend layer by layer.
+"""The KV caches and what the model attends through.
 
-* `get_attention_ops`: the PyTorch reference (`minipaged.attention.reference`), its CPU arrangement
-  (`minipaged.attention.cpu`) or the Triton kernels (`minipaged.kernels`, imported only when
-  chosen), as one `AttentionOps`;
 * `allocate_kv_caches`: one `[2, num_blocks, block_size, H_kv, D]` cache per layer;
-* `PagedAttentionBackend`: the model's `AttentionBackend` (`minipaged.models.registry`) over those
-caches.
+* `PagedAttentionBackend`: the model's `AttentionBackend` (`minipaged.models.layers`) over those
+  caches, with a platform's attention operations (`minipaged.platforms`);
+* `ProfileAttention`: no cache at all, for the memory profile of a step.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from minipaged.attention import reference as attention
 from minipaged.attention.contract import AttentionMetadata, AttentionOps, check_layer_cache
-from minipaged.attention.cpu import CPU_OPS
-
-BACKENDS = ("torch", "cpu", "triton")
-
-TORCH_OPS = AttentionOps(
-    name="torch",
-    paged_attention=attention.paged_attention,
-    reshape_and_cache=attention.reshape_and_cache,
-    copy_blocks=attention.copy_blocks,
-    swap_blocks=attention.swap_blocks,
-    plan=attention.plan_attention,
-)
-
-
-def get_attention_ops(
-    backend: str | None = None,
-    device: str | torch.device | None = None,
-) -> AttentionOps:
-    """The paged-attention operations of `backend`: "torch" (the reference,
-    `minipaged.attention.reference`), "cpu" (arranged for a CPU: decodes read their blocks in
-    place, `minipaged.attention.cpu`), "triton" (`minipaged.kernels`, imported only now) or None /
-    "auto": Triton on a CUDA device, "cpu" on a CPU (docs/benchmarks.md, "CPU performance"), the
-    reference elsewhere. `device` defaults to torch's default device. Every backend takes float32,
-    bfloat16 and float16.
-
-    Swapping is a plain copy between devices, so every backend shares `attention.swap_blocks`.
-    """
-    if backend is None or backend == "auto":
-        device = torch.device(device) if device is not None else torch.get_default_device()
-        backend = {"cuda": "triton", "cpu": "cpu"}.get(device.type, "torch")
-    if backend == "torch":
-        return TORCH_OPS
-    if backend == "cpu":
-        return CPU_OPS
-    if backend == "triton":
-        kernels = importlib.import_module("minipaged.kernels")
-        return AttentionOps(
-            name="triton",
-            paged_attention=kernels.paged_attention,
-            reshape_and_cache=kernels.reshape_and_cache,
-            copy_blocks=kernels.copy_blocks,
-            swap_blocks=attention.swap_blocks,
-        )
-    raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS} or 'auto'")
+from minipaged.attention.reference import REFERENCE_OPS
 
 
 def allocate_kv_caches(
@@ -107,7 +60,7 @@ class PagedAttentionBackend:
         for i, cache in enumerate(kv_caches):
             check_layer_cache(f"kv_caches[{i}]", cache)
         self.kv_caches = list(kv_caches)
-        self.ops = ops if ops is not None else get_attention_ops(device=kv_caches[0].device)
+        self.ops = ops if ops is not None else REFERENCE_OPS
         self.metadata = metadata
 
     @property
@@ -137,3 +90,12 @@ class PagedAttentionBackend:
             q, cache[0], cache[1], md.block_tables, md.seq_lens, md.query_start_loc, scale,
             max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, **planned,
         )
+
+
+class ProfileAttention:
+    """An `AttentionBackend` with no KV cache, for a forward that only measures memory: each
+    layer's output has the queries' shape (attention's workspace is small beside a step's
+    projections)."""
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        return torch.zeros_like(q)

@@ -1,6 +1,6 @@
 """A step's flat batch (docs/architecture.md, "One step of the engine") as Python lists, built
 and checked once (`flat_batch`): the model runner turns it into tensors (`batch_tensors`), and
-a replayed decode step writes it straight into its buffers (`DecodeProgram.run`).
+a replayed decode step writes it straight into its buffers (`minipaged.runner.graphs`).
 
 The batch holds the attention contract by construction: query spans from 0 to the token count,
 each within its context, maxima that bound (the tests hold every batch built here to the

@@ -1,12 +1,14 @@
 """The model runner: one engine step's tensors, from scheduled sequences to logits.
 
-It owns the paged KV cache (one tensor per layer on the device, and a host pool of the same
-layout for swapped-out blocks). Each step it performs the swaps and copy-on-write copies the
-scheduler asked for, builds and checks the flat batch once (`minipaged.runner.flat_batch`;
-docs/architecture.md, "One step of the engine"), runs the model with a `PagedAttentionBackend`
-(which plans the step's attention once for every layer) or replays a CPU decode step
-(`DecodeProgram`), and returns the logits of the sequences that sample this step. It knows
-nothing about requests, sampling or scheduling policy.
+It owns the model (made fast for its device by a platform at load: `minipaged.platforms`) and
+the paged KV cache (one tensor per layer on the device, and a host pool of the same layout for
+swapped-out blocks), sized from the memory left once the weights are placed and the largest
+step has run. Each step it performs the swaps and copy-on-write copies the scheduler asked for,
+builds and checks the flat batch once (`minipaged.runner.flat_batch`; docs/architecture.md,
+"One step of the engine"), runs the model with a `PagedAttentionBackend` (which plans the
+step's attention once for every layer) or replays a captured decode step (`StepGraphs`), and
+returns the logits of the sequences that sample this step. It knows nothing about requests,
+sampling or scheduling policy.
 """
 
 from __future__ import annotations
@@ -20,30 +22,29 @@ from torch import Tensor
 
 from minipaged.attention.contract import AttentionMetadata
 from minipaged.models.checkpoint.model_config import ModelConfig
-from minipaged.models.layers import choose_gemms
-from minipaged.runner.backends import (
-    PagedAttentionBackend,
-    allocate_kv_caches,
-    get_attention_ops,
-)
-from minipaged.runner.cpu_decode import DecodeProgram
+from minipaged.models.layers import check_input_ranges
+from minipaged.platforms import Platform, get_platform, logger
+from minipaged.runner.backends import PagedAttentionBackend, ProfileAttention, allocate_kv_caches
 from minipaged.runner.flat_batch import FlatBatch, batch_tensors, flat_batch
+from minipaged.runner.graphs import StepGraphs
 from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 
 GiB = 1 << 30
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V, over all layers, for one block of `block_size` tokens."""
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                       num_kv_heads: int | None = None) -> int:
+    """Bytes of K and V, over all layers, for one block of `block_size` tokens (of
+    `num_kv_heads` heads: a tensor-parallel rank's; by default the config's)."""
     element = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+    heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return 2 * config.num_layers * block_size * heads * config.head_dim * element
 
 
-def num_blocks_for_memory(
-    config: ModelConfig, block_size: int, dtype: torch.dtype, memory_bytes: float
-) -> int:
+def num_blocks_for_memory(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                          memory_bytes: float, num_kv_heads: int | None = None) -> int:
     """How many blocks fit in `memory_bytes` (the KV cache budget, or the swap space)."""
-    return int(memory_bytes // kv_bytes_per_block(config, block_size, dtype))
+    return int(memory_bytes // kv_bytes_per_block(config, block_size, dtype, num_kv_heads))
 
 
 def blocks_that_fit(
@@ -76,25 +77,37 @@ class ModelRunner:
         config: ModelConfig,
         *,
         block_size: int,
-        num_gpu_blocks: int,
+        num_gpu_blocks: int | None = None,
         num_cpu_blocks: int = 0,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         attention_backend: str | None = None,
         heads: tuple[int, int] | None = None,
         enforce_eager: bool = False,
+        quantization: str | None = None,
+        platform: Platform | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory: float = 4.0,
     ) -> None:
-        """`heads`: (query heads, KV heads) of this runner's model when it is one
-        tensor-parallel rank's shard; by default the config's. Decode steps of a few sequences
-        run as a `DecodeProgram` where one applies (the CPU backend, a one-rank LLaMA-family
-        model), unless `enforce_eager`: then every step runs the model's modules."""
-        self.model = model
-        choose_gemms(model)  # times the two CPU GEMMs per weight shape: once, before any step
+        """`model`, the plain model (on `device`), is made fast there by `platform` (by default
+        the device's: `get_platform`), which swaps its modules and may quantise it. Without
+        `num_gpu_blocks` the KV cache takes what the platform measures is left once the weights
+        are placed and a step of `max_num_batched_tokens` tokens over `max_num_seqs` sequences
+        has run (`gpu_memory_utilization` of a GPU; `kv_cache_memory` GiB of a CPU's memory).
+        Decode steps of the platform's `graph_sizes` are replayed from captures of the model's
+        forward (`StepGraphs`), unless `enforce_eager`. `heads`: (query heads, KV heads) of a
+        tensor-parallel rank's shard; by default the config's."""
+        self.device = torch.device(device)
+        self.platform = platform or get_platform(self.device, attention_backend, enforce_eager,
+                                                 max_num_seqs)
+        self.model = self.platform.load(model, quantization)
         self.config = config
         self.block_size = block_size
-        self.device = torch.device(device)
         self.dtype = dtype
-        self.ops = get_attention_ops(attention_backend, self.device)
+        self.ops = self.platform.attention
         # A step's metadata is the same for every layer: `prepare` validates it once per step,
         # so the layers skip the checks (and their host syncs).
         self.layer_ops = replace(
@@ -104,6 +117,18 @@ class ModelRunner:
         )
         self.num_heads, self.num_kv_heads = heads or (config.num_heads, config.num_kv_heads)
         layer = (block_size, self.num_kv_heads, config.head_dim)
+        if num_gpu_blocks is None:
+            budget = self.platform.kv_cache_bytes(
+                partial(self.profile_run, max_num_batched_tokens, max_num_seqs),
+                gpu_memory_utilization, kv_cache_memory)
+            num_gpu_blocks = num_blocks_for_memory(config, block_size, dtype, budget,
+                                                   self.num_kv_heads)
+            if num_gpu_blocks < 1:
+                raise ValueError("no memory left for even one KV block once the weights are "
+                                 "placed: lower the model size or raise gpu_memory_utilization")
+            logger.info("KV cache: %d blocks of %d tokens (%d tokens) in %.2f GiB",
+                        num_gpu_blocks, block_size, num_gpu_blocks * block_size, budget / GiB)
+        self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
         self.kv_caches = allocate_kv_caches(
             config.num_layers, num_gpu_blocks, *layer, dtype=dtype, device=self.device
         )
@@ -113,10 +138,22 @@ class ModelRunner:
             config.num_layers, num_cpu_blocks, *layer, dtype=dtype,
             pin_memory=self.device.type == "cuda", zeroed=False,
         )
-        self.decode_program = (
-            DecodeProgram.build(model, self.kv_caches, block_size)
-            if not enforce_eager and self.ops.name == "cpu" else None
+        self.graphs = (
+            StepGraphs(self.model, self.kv_caches, self.layer_ops, self.platform, block_size,
+                       min(max_model_len or config.max_position_embeddings,
+                           config.max_position_embeddings))
+            if not enforce_eager and self.platform.graph_sizes else None
         )
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_seqs: int) -> None:
+        """A forward of the largest step the scheduler may plan (`num_tokens` tokens, logits
+        of `num_seqs` of them) without a KV cache: what the memory accounting measures."""
+        num_tokens = max(1, min(num_tokens, self.config.max_position_embeddings))
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        hidden = self.model(input_ids, positions, ProfileAttention())
+        self.model.compute_logits(hidden[: max(1, min(num_seqs, num_tokens))])
 
     def close(self) -> None:
         """Release what outlives the runner's memory: nothing here (a tensor-parallel runner
@@ -155,24 +192,27 @@ class ModelRunner:
 
     def flat_batch(self, entries: Sequence[ScheduledSequence]) -> FlatBatch:
         """The step's flat batch as lists, checked against this runner's cache."""
-        return flat_batch(entries, self.block_size, self.kv_caches[0].shape[1])
+        batch = flat_batch(entries, self.block_size, self.num_gpu_blocks)
+        check_input_ranges(self.config, (min(batch.input_ids), max(batch.input_ids)),
+                           (min(batch.positions), max(batch.positions)))
+        return batch
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> Tensor:
         """Run one step's plan; return float32 logits [scheduled entries with needs_logits,
-        vocab], in the plan's order. A replayed decode step's are the program's own buffer,
-        written again by the next step: a caller that keeps logits past the next `execute`
-        copies them."""
+        vocab], in the plan's order. A replayed decode step's are its captured buffer, written
+        again by the next step: a caller that keeps logits past the next `execute` copies
+        them."""
         self._move_blocks(plan)
         entries = plan.scheduled
         if not entries:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         batch = self.flat_batch(entries)
-        program = self.decode_program
-        if program is not None and program.takes(batch):
-            logits = program.run(batch)  # one row per entry
-            wanted = [i for i, entry in enumerate(entries) if entry.needs_logits]
-            return logits if len(wanted) == len(entries) else logits[wanted]
+        if self.graphs is not None and self.graphs.takes(batch):
+            logits = self.graphs.run(batch)  # one row per entry
+            if logits is not None:
+                wanted = [i for i, entry in enumerate(entries) if entry.needs_logits]
+                return logits if len(wanted) == len(entries) else logits[wanted]
         input_ids, positions, metadata = batch_tensors(batch, self.device)
         attention = PagedAttentionBackend(self.kv_caches, metadata, self.layer_ops)
         hidden = self.model(input_ids, positions, attention)

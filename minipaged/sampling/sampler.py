@@ -22,13 +22,12 @@ temperature can push a logit to +-inf, a row that bans every token leaves none t
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from minipaged.kernels.cpu.greedy import greedy_tokens, greedy_tokens_available
 from minipaged.sampling.params import MAX_SEED, SamplingParams
 
 # --- data types --------------------------------------------------------------------------------
@@ -250,11 +249,16 @@ class Sampler:
 
     `generator` serves the unseeded random rows: None uses torch's default generator of the
     logits' device; a generator given here must live on that device. Seeded rows' generators
-    are CPU generators whatever the device (`make_generator`).
+    are CPU generators whatever the device (`make_generator`). `greedy_tokens`, a platform's
+    (`minipaged.platforms.Platform.greedy_tokens`), takes batches of plain greedy rows in one
+    call: each row's argmax and its log-probability, or None to leave them to PyTorch.
     """
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(self, generator: torch.Generator | None = None,
+                 greedy_tokens: Callable[[Tensor], tuple[Tensor, Tensor] | None] | None = None,
+                 ) -> None:
         self.generator = generator
+        self.greedy_tokens = greedy_tokens
 
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         greedy = self._greedy_only(logits, rows)
@@ -283,17 +287,16 @@ class Sampler:
 
     def _greedy_only(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput | None:
         """The output of a batch of greedy rows with nothing to ban or penalise and no top
-        logprobs to list, from one C call (`minipaged.kernels.cpu.greedy`: the same tokens,
-        the log-probabilities up to a sum's order) over finite float32 CPU logits; None where
-        that does not apply, for the PyTorch path."""
-        if not (logits.dim() == 2 and logits.shape[0] == len(rows) and len(rows) > 0
-                and logits.dtype == torch.float32 and logits.device.type == "cpu"
-                and logits.is_contiguous() and greedy_tokens_available()):
+        logprobs to list, from the platform's `greedy_tokens` (the same tokens, the
+        log-probabilities up to a sum's order); None where that does not apply, for the
+        PyTorch path."""
+        if (self.greedy_tokens is None or logits.dim() != 2 or logits.shape[0] != len(rows)
+                or not rows):
             return None
         if any(not row.params.greedy or row.banned_token_ids or row.params.has_penalties
                or (row.params.logprobs or 0) > 0 for row in rows):
             return None
-        chosen = greedy_tokens(logits)
+        chosen = self.greedy_tokens(logits)
         if chosen is None:  # a NaN or an infinity: `finite_logits` decides
             return None
         token_ids, logprobs = chosen

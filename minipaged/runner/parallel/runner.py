@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from minipaged.models.tensor_parallel import (
     check_shardable,
     checkpoint_state_dict,
 )
-from minipaged.runner.model_runner import ModelRunner
+from minipaged.runner.model_runner import ModelRunner, blocks_that_fit
 from minipaged.runner.parallel.worker import (
     READY,
     PlanBroadcast,
@@ -222,13 +223,17 @@ def build_runner(
     tensor_parallel_timeout: float,
     attention_backend: str,
     block_size: int,
-    num_gpu_blocks: int,
+    num_gpu_blocks: int | None,
     num_cpu_blocks: int,
     enforce_eager: bool = False,
+    **runner_args: Any,
 ) -> ModelRunner:
     """The engine's runner: a `ModelRunner` over `model`, or with `tensor_parallel_size` > 1 a
     `TensorParallelRunner` whose ranks take their shards of it (a model in memory is sliced;
-    a `CheckpointShards` is read slice by slice on every rank).
+    a `CheckpointShards` is read slice by slice on every rank). `runner_args` go to a one-rank
+    `ModelRunner` (quantization, memory accounting, batch limits). Without `num_gpu_blocks`, a
+    one-rank runner sizes its KV cache after its weights (`ModelRunner`); the ranks take
+    `kv_cache_memory` GiB each, or on CUDA what the card has free before their weights.
 
     Under `torchrun`, every rank runs the same program: rank 0 gets the runner, and on any
     other rank this call serves rank 0's plans until rank 0 closes, then exits the process
@@ -241,8 +246,15 @@ def build_runner(
             model.to(device=device, dtype=dtype).eval(), model_config,
             block_size=block_size, num_gpu_blocks=num_gpu_blocks,
             num_cpu_blocks=num_cpu_blocks, device=device, dtype=dtype,
-            attention_backend=attention_backend, enforce_eager=enforce_eager,
+            attention_backend=attention_backend, enforce_eager=enforce_eager, **runner_args,
         )
+    if runner_args.get("quantization") is not None:
+        raise TensorParallelError("int8 weights run on one rank, not tensor-parallel")
+    if num_gpu_blocks is None:
+        num_gpu_blocks = blocks_that_fit(
+            model_config, block_size, dtype, device,
+            runner_args.get("gpu_memory_utilization", 0.9),
+            runner_args.get("kv_cache_memory", 4.0))
     check_shardable(model_config, size)
     check_backend(device, size)
     if isinstance(model, nn.Module):

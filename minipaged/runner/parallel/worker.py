@@ -188,6 +188,9 @@ def load_shard(spec: RankSpec) -> tuple[CausalLM, ModelConfig, dict[str, Any]]:
         dtype=spec.dtype,
         attention_backend=spec.attention_backend,
         heads=(len(q_heads(config, tp)), len(kv_heads(config, tp))),
+        # every rank runs every step through its modules: a capture would run collectives
+        # on one rank alone
+        enforce_eager=True,
     )
     return model.to(device=device, dtype=spec.dtype).eval(), config, runner_args
 

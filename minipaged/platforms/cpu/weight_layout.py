@@ -6,11 +6,10 @@ into one buffer (`huge_page_buffer`), back to back in the order its modules are 
 layer's norms and projections in the order its forward reads them, the layers in order), each
 on a cache line (`ALIGNMENT`): a step reads one stream from its first layer to its last, as
 llama.cpp reads its one weight buffer, through a TLB entry per 2 MiB instead of per 4 KiB.
-`benchmarks/roofline.py` measures the step against the machine's read rate.
+`benchmarks/cpu/roofline.py` measures the step against the machine's read rate.
 
 The weights are views into that buffer, given to each module as new objects (`module.weight =
-...`), so kernel calls bound to the old ones see that they changed
-(`minipaged.models.layers.VersionedWeights`); tied weights stay one object. Int8 weights
+...`) at load, before any kernel call is bound to them; tied weights stay one object. Int8 weights
 (`Int8Weight`) go in too, each one's scales right after its values.
 """
 

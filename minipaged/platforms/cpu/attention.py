@@ -3,7 +3,7 @@
 `minipaged.attention.reference.paged_attention` is the paper's algorithm written to be read (Kwon
 et al., SOSP'23, section 4.1): it gathers a chunk of sequences' blocks (`plan_attention`,
 `gather_context`) and runs one masked attention over them, in float32. This module keeps that
-plan and that gather and changes only what the CPU pays for (`benchmarks/attention_cpu.py`
+plan and that gather and changes only what the CPU pays for (`benchmarks/cpu/attention.py`
 measures each against the reference):
 
 * **The cache's dtype throughout.** K/V are gathered and attended in the dtype they are cached in;
@@ -22,7 +22,7 @@ measures each against the reference):
   copy itself at a decode step.
 
 `cpu_paged_attention` has the attention contract's signature (`minipaged.attention.contract`);
-`CPU_OPS` is the backend "cpu" of `minipaged.runner.backends`: its plan (`plan_cpu_attention`,
+`CPU_OPS` is the CPU platform's backend "cpu": its plan (`plan_cpu_attention`,
 the reference's chunks with the decodes set apart), attention and KV writes
 (`cpu_reshape_and_cache`) beside the reference's block copies.
 """
@@ -48,12 +48,15 @@ from minipaged.attention.reference import (
     plan_attention,
 )
 from minipaged.kernels.cpu.native import (
+    PROFILER_NAME,
+    WRITE_PROFILER_NAME,
+    bind_paged_decode,
+    bind_write_kv,
     native_decode_available,
     native_decode_supports,
-    paged_decode,
-    write_kv,
     write_kv_supports,
 )
+from minipaged.platforms.cpu.replay import CaptureError, launch, platform_code, recording
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,12 @@ def plan_cpu_attention(
     """`attention.plan_attention`'s chunks, with the decode chunks (one query per sequence) set
     apart for the native kernel when it is built and takes `k_cache`'s dtype. `native=False`
     gathers decodes like the rest, as where the kernel cannot be built (for comparison)."""
+    with platform_code():
+        return _plan(block_tables, seq_lens, query_start_loc, k_cache, native)
+
+
+def _plan(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, k_cache: Tensor,
+          native: bool) -> CPUPlan:
     chunks = plan_attention(block_tables, seq_lens, query_start_loc, k_cache)
     decode_chunks = [c for c in chunks if c.query_len == 1]
     if not (native and decode_chunks and native_decode_supports(k_cache)
@@ -121,6 +130,14 @@ def cpu_paged_attention(
     """Causal attention of a flat varlen batch over paged K/V, as `attention.paged_attention`
     (same arguments; `plan` from `plan_cpu_attention`), computed in the cache's dtype. Returns
     `[T, H, D]` in q's dtype."""
+    with platform_code():
+        return _attend(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                       max_query_len, max_seq_len, validate, plan)
+
+
+def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+            seq_lens: Tensor, query_start_loc: Tensor, scale: float, max_query_len: int | None,
+            max_seq_len: int | None, validate: bool, plan: CPUPlan | None) -> Tensor:
     if validate:
         check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                    max_query_len=max_query_len, max_seq_len=max_seq_len)
@@ -128,11 +145,15 @@ def cpu_paged_attention(
         plan = plan_cpu_attention(block_tables, seq_lens, query_start_loc, k_cache)
     elif validate:
         check_plan_covers(plan.num_queries, q)
+    if plan.chunks and recording() is not None:
+        raise CaptureError("a capture replays the native decode kernel only; this step gathers")
     out = q.new_empty(q.shape)
     if plan.decodes is not None:
-        d = plan.decodes
-        paged_decode(out, q.contiguous(), k_cache, v_cache, d.block_tables, d.seq_lens, d.rows,
-                     d.seqs, scale, validate=validate)
+        d, q = plan.decodes, q.contiguous()
+        call = bind_paged_decode(out, q, k_cache, v_cache, d.block_tables, d.seq_lens, d.rows,
+                                 d.seqs, scale, validate=validate)
+        launch(call, PROFILER_NAME, out, q, k_cache, v_cache, d.block_tables, d.seq_lens,
+               d.rows, d.seqs)
     for chunk in plan.chunks:
         out[chunk.tokens] = _attend_chunk(q[chunk.tokens], k_cache, v_cache, chunk, scale)
     return out
@@ -149,13 +170,18 @@ def cpu_reshape_and_cache(
 ) -> None:
     """`attention.reshape_and_cache` (same arguments and result), in one native call where the
     kernel is built and takes these tensors (`write_kv_supports`), else the reference's way."""
-    if validate:
-        check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping)
-    if native_decode_available() and write_kv_supports(key, value, k_cache, v_cache,
-                                                       slot_mapping):
-        write_kv(key, value, k_cache, v_cache, slot_mapping)
-    else:
-        attention.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, validate=False)
+    with platform_code():
+        if validate:
+            check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping)
+        if native_decode_available() and write_kv_supports(key, value, k_cache, v_cache,
+                                                           slot_mapping):
+            launch(bind_write_kv(key, value, k_cache, v_cache, slot_mapping),
+                   WRITE_PROFILER_NAME, key, value, k_cache, v_cache, slot_mapping)
+        elif recording() is not None:
+            raise CaptureError("the native KV write does not take these tensors")
+        else:
+            attention.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping,
+                                        validate=False)
 
 
 def _attend_chunk(q: Tensor, k_cache: Tensor, v_cache: Tensor, chunk: AttentionChunk,

@@ -1,0 +1,109 @@
+"""The CPU platform: the plain model made fast on a CPU, behind `minipaged.platforms.Platform`.
+
+At load (`CPUPlatform.load`) the model's modules become the CPU's subclasses (`linear`:
+few-row GEMV kernel, oneDNN or MKL GEMM, int8 weights; `modules`: RMSNorm, rotary, SwiGLU and
+the embedding in C), its weights are copied into one buffer on huge pages in the order a step
+reads them (`weight_layout`), and the few-row choice is made per weight shape (measured once on
+this CPU, or fixed by `gemv_rows` / `MINIPAGED_GEMV_ROWS`, for tests and comparisons). Decode
+steps of up to as many sequences as every projection's kernel takes are captured from the
+model's forward and replayed (`replay`); attention is `attention.CPU_OPS`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from minipaged.attention.contract import AttentionOps
+from minipaged.kernels.cpu.calls import kernel_calls_available
+from minipaged.kernels.cpu.gemv import MAX_ROWS, fetch_ahead
+from minipaged.kernels.cpu.greedy import greedy_tokens, greedy_tokens_available
+from minipaged.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from minipaged.platforms.base import CaptureUnsupported, Platform, Replay, logger
+from minipaged.platforms.cpu.attention import CPU_OPS
+from minipaged.platforms.cpu.linear import (
+    CPULinear,
+    Int8Linear,
+    choose_few_rows,
+    pack_for_onednn,
+)
+from minipaged.platforms.cpu.modules import (
+    CPUEmbedding,
+    CPURMSNorm,
+    CPURotaryEmbedding,
+    CPUSiluAndMul,
+    swap_modules,
+)
+from minipaged.platforms.cpu.quantization import QUANTIZATIONS, quantize_model
+from minipaged.platforms.cpu.replay import CaptureError, capture
+from minipaged.platforms.cpu.weight_layout import lay_out_weights
+
+__all__ = ["QUANTIZATIONS", "CPUPlatform"]
+
+SWAPS = {nn.Linear: CPULinear, RMSNorm: CPURMSNorm, RotaryEmbedding: CPURotaryEmbedding,
+         SiluAndMul: CPUSiluAndMul, nn.Embedding: CPUEmbedding}
+FETCH_AHEAD_ROWS = (1, 4, 8)  # a row count of each of the GEMV kernel's tile shapes
+GEMV_ROWS_VARIABLE = "MINIPAGED_GEMV_ROWS"  # fixes the few-row choice (0: no GEMV kernel)
+
+
+class CPUPlatform(Platform):
+    """The CPU's modules, kernels and replayed steps (module docstring). `gemv_rows` fixes up to
+    how many rows every float projection takes the GEMV kernel (0: never, so no step is
+    replayed); None measures it per weight shape (or reads `MINIPAGED_GEMV_ROWS`)."""
+
+    name = "cpu"
+
+    def __init__(self, device: torch.device, *, attention: AttentionOps = CPU_OPS,
+                 capture: bool = True, gemv_rows: int | None = None) -> None:
+        super().__init__(device, attention)
+        self.captures = capture and attention is CPU_OPS  # the replay records its kernels
+        env = os.environ.get(GEMV_ROWS_VARIABLE)
+        self.gemv_rows = gemv_rows if gemv_rows is not None or not env else int(env)
+
+    def load(self, model: nn.Module, quantization: str | None = None) -> nn.Module:
+        """Swap the CPU's modules in, quantise (`quantization`: one of `QUANTIZATIONS`), lay the
+        weights out on huge pages and make the few-row choice of every projection."""
+        swap_modules(model, SWAPS)
+        if quantization is not None:
+            quantize_model(model, quantization)
+        head = getattr(model, "lm_head", None)
+        if isinstance(head, CPULinear | Int8Linear):
+            head.logits = True  # float32 logits from the kernel's call, as compute_logits's
+        lay_out_weights(model)
+        layers = [m for m in model.modules() if isinstance(m, CPULinear | Int8Linear)]
+        for layer in layers:
+            if isinstance(layer, CPULinear):
+                pack_for_onednn(layer)
+            choose_few_rows(layer, self.gemv_rows)
+        paths = [layer.few_rows for layer in layers]
+        for path in {p.plan.weight_dtype: p for p in paths if p is not None}.values():
+            if path.plan.fetch_ahead_matters():
+                for rows in FETCH_AHEAD_ROWS:  # measured now, not by a step's first call
+                    fetch_ahead(path.plan.weight_dtype, rows)
+        max_rows = min((p.max_rows if p is not None else 0 for p in paths), default=0)
+        max_rows = min(max_rows, MAX_ROWS)
+        if self.captures and kernel_calls_available():
+            self.graph_sizes = tuple(range(1, max_rows + 1))
+        logger.info("cpu platform: %d projections, the GEMV kernel up to %s rows; decode steps "
+                    "of up to %d sequences replayed", len(layers),
+                    sorted({p.max_rows for p in paths if p is not None}) or "no",
+                    len(self.graph_sizes))
+        return model
+
+    def capture(self, forward: Callable[[], Tensor]) -> tuple[Replay, Tensor]:
+        """Record `forward`'s kernel calls (`replay.capture`) and return their replay."""
+        try:
+            replay, out = capture(forward)
+        except CaptureError as error:
+            raise CaptureUnsupported(str(error)) from error
+        return replay.run, out
+
+    def greedy_tokens(self, logits: Tensor) -> tuple[Tensor, Tensor] | None:
+        """One C call over finite float32 CPU logits (`minipaged.kernels.cpu.greedy`)."""
+        if not (logits.dtype == torch.float32 and logits.device.type == "cpu"
+                and logits.is_contiguous() and greedy_tokens_available()):
+            return None
+        return greedy_tokens(logits)

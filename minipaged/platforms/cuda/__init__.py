@@ -1,0 +1,99 @@
+"""The CUDA platform: the Triton kernels behind the attention contract, decode steps replayed
+from CUDA graphs captured from the model's own forward, and the KV cache sized from the memory
+left after the weights and a profile step.
+
+* **Attention**: `triton_ops` (`minipaged.kernels`: the KV write, split-K decode, varlen
+  prefill and block copy), imported on first use.
+* **Capture** (`CUDAPlatform.capture`): the forward run once to warm up (Triton compiles, the
+  caching allocator settles), then again under `torch.cuda.graph` into one memory pool shared
+  by every size; the runner replays it over its static buffers (`minipaged.runner.graphs`),
+  for the ladder of batch sizes nano-vllm and vLLM use (1, 2, 4, 8, then every 16 up to
+  `max_num_seqs`).
+* **Memory** (`kv_cache_bytes`): vLLM's accounting: with the weights on the card, a forward of
+  the largest step runs and its peak is measured; the cache gets `gpu_memory_utilization` of
+  the card minus that peak and minus what other than PyTorch's allocator holds (the CUDA
+  context, other processes).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from minipaged.attention.contract import AttentionOps
+from minipaged.attention.reference import swap_blocks
+from minipaged.platforms.base import CaptureUnsupported, Platform, Replay
+
+__all__ = ["CUDAPlatform", "graph_ladder", "triton_ops"]
+
+
+@functools.cache
+def triton_ops() -> AttentionOps:
+    """The Triton kernels as a backend ("triton"); swapping is a plain copy between devices."""
+    kernels = importlib.import_module("minipaged.kernels")
+    return AttentionOps(
+        name="triton",
+        paged_attention=kernels.paged_attention,
+        reshape_and_cache=kernels.reshape_and_cache,
+        copy_blocks=kernels.copy_blocks,
+        swap_blocks=swap_blocks,
+    )
+
+
+def graph_ladder(max_num_seqs: int) -> tuple[int, ...]:
+    """The decode batch sizes captured: 1, 2, 4, 8, then every multiple of 16 up to
+    `max_num_seqs` (a step is padded to the next)."""
+    sizes = [size for size in (1, 2, 4, 8) if size <= max_num_seqs]
+    sizes += range(16, max_num_seqs + 1, 16)
+    if sizes[-1] < max_num_seqs:
+        sizes.append(max_num_seqs)
+    return tuple(sizes)
+
+
+class CUDAPlatform(Platform):
+    """The Triton kernels, CUDA graphs and the profiled memory budget (module docstring)."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device, *, attention: AttentionOps | None = None,
+                 capture: bool = True, max_num_seqs: int = 256) -> None:
+        super().__init__(device, attention if attention is not None else triton_ops())
+        self.graph_sizes = graph_ladder(max_num_seqs) if capture else ()
+        self._pool = None
+
+    def load(self, model: nn.Module, quantization: str | None = None) -> nn.Module:
+        """The model on the card, as written (its small operators are few beside a step's
+        launches once the step is a graph)."""
+        super().load(model, quantization)
+        return model.to(self.device)
+
+    def capture(self, forward: Callable[[], Tensor]) -> tuple[Replay, Tensor]:
+        """A CUDA graph of `forward`, after one warm-up run; all sizes share one pool."""
+        try:
+            forward()  # compiles the kernels; the allocator's blocks for this size exist after
+            torch.cuda.synchronize(self.device)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = forward()
+        except RuntimeError as error:  # an operator that syncs or is not capturable
+            raise CaptureUnsupported(f"CUDA graph capture failed: {error}") from error
+        return graph.replay, out
+
+    def kv_cache_bytes(self, profile: Callable[[], object], gpu_memory_utilization: float,
+                       kv_cache_memory: float) -> float:
+        """`gpu_memory_utilization` of the card, less the peak of `profile` (weights and the
+        largest step's activations) and less the memory PyTorch's allocator does not hold."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        profile()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside_torch = total - free - torch.cuda.memory_reserved(self.device)
+        return total * gpu_memory_utilization - peak - max(0, outside_torch)

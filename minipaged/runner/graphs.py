@@ -1,0 +1,184 @@
+"""Decode steps replayed: static buffers, a ladder of batch sizes, which steps replay.
+
+vLLM, nano-vllm and mini-sglang capture a CUDA graph of the model's own forward for each of a
+ladder of decode batch sizes, over static input buffers, and replay it: a decode step of 256
+sequences is thousands of small kernels, whose launches would otherwise keep the GPU waiting
+on Python. `StepGraphs` is that bookkeeping, the same for every platform: it owns the static
+buffers (token ids, positions, slot mapping, sequence lengths, block tables, one per row of the
+largest size), pads a step's rows up to the next size of the ladder (`Platform.graph_sizes`),
+asks the platform to capture the forward over them the first time a size is met
+(`Platform.capture`: a CUDA graph, or the CPU's recorded kernel calls) and replays it after.
+The model is never written again: what is captured is `model.compute_logits(model(...))`.
+
+A padded row decodes token 0 at position 0 of a one-token context in block 0 and writes no
+K/V (slot -1): it costs its share of the step and changes nothing. The inputs are written from
+the step's lists into host buffers, then copied to the device in one copy (on a CPU the host
+buffers are the static buffers themselves).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from minipaged.attention.contract import AttentionMetadata, AttentionOps
+from minipaged.platforms.base import CaptureUnsupported, Platform, Replay, logger
+from minipaged.runner.backends import PagedAttentionBackend
+from minipaged.runner.flat_batch import FlatBatch
+
+# The static buffers, in the order they lie in one block of memory (`StaticBatch`).
+FIELDS = (("input_ids", torch.int64), ("positions", torch.int64),
+          ("slot_mapping", torch.int64), ("seq_lens", torch.int32),
+          ("query_start_loc", torch.int32), ("block_tables", torch.int32))
+
+
+@dataclass
+class Captured:
+    """One size's replay and the buffer its forward's logits land in."""
+
+    replay: Replay
+    logits: Tensor
+
+
+class StaticBatch:
+    """The static inputs of every captured step: `[rows]` token ids, positions, slot mapping and
+    sequence lengths, `[rows + 1]` query starts (one query per row) and `[rows, max_blocks]`
+    block tables, as views of one device buffer, and their host twins, as views of one host
+    buffer (pinned for a GPU), written through `ctypes` without a PyTorch operator."""
+
+    def __init__(self, rows: int, max_blocks: int, device: torch.device) -> None:
+        shapes = {"input_ids": (rows,), "positions": (rows,), "slot_mapping": (rows,),
+                  "seq_lens": (rows,), "query_start_loc": (rows + 1,),
+                  "block_tables": (rows, max_blocks)}
+        nbytes = sum(_numel(shapes[name]) * _size(dtype) for name, dtype in FIELDS)
+        on_host = device.type == "cpu"
+        self.host_memory = torch.zeros(nbytes, dtype=torch.uint8,
+                                       pin_memory=not on_host and torch.cuda.is_available())
+        self.device_memory = (self.host_memory if on_host
+                              else torch.zeros(nbytes, dtype=torch.uint8, device=device))
+        self.host: dict[str, Tensor] = {}
+        self.views: dict[str, Tensor] = {}  # on the device: what the captured steps read
+        offset = 0
+        for name, dtype in FIELDS:
+            size = _numel(shapes[name]) * _size(dtype)
+            for views, memory in ((self.host, self.host_memory),
+                                  (self.views, self.device_memory)):
+                views[name] = memory[offset:offset + size].view(dtype).view(shapes[name])
+            offset += size
+        self.c = {name: _c_array(self.host[name]) for name, _ in FIELDS}
+        self.rows, self.max_blocks = rows, max_blocks
+        self.c["query_start_loc"][:] = list(range(rows + 1))
+        self.c["slot_mapping"][:] = [-1] * rows
+        self.c["seq_lens"][:] = [1] * rows
+        self._sync()
+
+    def write(self, batch: FlatBatch, rows: int) -> None:
+        """`batch`'s decodes into the first rows, the rest of `rows` padded (module docstring),
+        then one copy to the device."""
+        n, c, width = len(batch.input_ids), self.c, self.max_blocks
+        c["input_ids"][:n] = batch.input_ids
+        c["positions"][:n] = batch.positions
+        c["slot_mapping"][:n] = batch.slot_mapping
+        c["seq_lens"][:n] = batch.seq_lens
+        tables = c["block_tables"]
+        for row, table in enumerate(batch.block_tables):
+            tables[row * width:row * width + len(table)] = table
+        if rows > n:
+            pad = rows - n
+            c["input_ids"][n:rows] = [0] * pad
+            c["positions"][n:rows] = [0] * pad
+            c["slot_mapping"][n:rows] = [-1] * pad
+            c["seq_lens"][n:rows] = [1] * pad
+            for row in range(n, rows):
+                tables[row * width] = 0
+        self._sync()
+
+    def _sync(self) -> None:
+        if self.device_memory is not self.host_memory:
+            self.device_memory.copy_(self.host_memory, non_blocking=True)
+
+
+class StepGraphs:
+    """The captured decode steps of one model over one KV cache (module docstring)."""
+
+    def __init__(self, model: nn.Module, kv_caches: Sequence[Tensor], ops: AttentionOps,
+                 platform: Platform, block_size: int, max_model_len: int) -> None:
+        self.model, self.kv_caches, self.ops, self.platform = model, list(kv_caches), ops, platform
+        self.sizes = tuple(sorted(platform.graph_sizes))
+        self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // block_size)
+        self.inputs = StaticBatch(self.sizes[-1], self.max_blocks, kv_caches[0].device)
+        self._captured: dict[tuple[int, int], Captured | None] = {}  # None: cannot capture
+
+    def size_for(self, rows: int) -> int | None:
+        """The smallest size of the ladder that holds `rows` decodes, or None."""
+        return next((size for size in self.sizes if size >= rows), None)
+
+    def takes(self, batch: FlatBatch) -> bool:
+        """Whether `batch` is a decode step a size of the ladder holds: one token per sequence,
+        contexts within `max_model_len`."""
+        return (batch.max_query_len == 1 and self.size_for(len(batch.input_ids)) is not None
+                and batch.max_seq_len <= self.max_model_len)
+
+    def run(self, batch: FlatBatch) -> Tensor | None:
+        """The float32 logits `[rows, vocab]` of a step that `takes` accepts, its K/V written;
+        None where the platform could not capture its size (the caller runs the modules). The
+        logits are the captured buffer's rows, written again by the next replay."""
+        rows = len(batch.input_ids)
+        size = self.size_for(rows)
+        assert size is not None
+        key = (size, torch.get_num_threads())  # the CPU's calls are bound to a thread count
+        if key not in self._captured:
+            self._captured[key] = self._capture(size)
+        captured = self._captured[key]
+        if captured is None:
+            return None
+        self.inputs.write(batch, size)
+        captured.replay()
+        return captured.logits[:rows]
+
+    def _capture(self, size: int) -> Captured | None:
+        device = self.inputs.views
+        metadata = AttentionMetadata(
+            slot_mapping=device["slot_mapping"][:size],
+            query_start_loc=device["query_start_loc"][:size + 1],
+            seq_lens=device["seq_lens"][:size],
+            block_tables=device["block_tables"][:size],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,  # a bound, so that no launch depends on the step
+        )
+        input_ids, positions = device["input_ids"][:size], device["positions"][:size]
+        attention = PagedAttentionBackend(self.kv_caches, metadata, self.ops)
+        model = self.model
+
+        def forward() -> Tensor:
+            return model.compute_logits(model(input_ids, positions, attention))
+
+        try:
+            replay, logits = self.platform.capture(forward)
+        except CaptureUnsupported as reason:
+            logger.info("decode steps of %d sequences run the modules: %s", size, reason)
+            return None
+        return Captured(replay, logits)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def _c_array(tensor: Tensor) -> ctypes.Array:
+    """A contiguous int64 or int32 host tensor's elements as a `ctypes` array over its memory."""
+    kind = ctypes.c_int64 if tensor.dtype == torch.int64 else ctypes.c_int32
+    return (kind * tensor.numel()).from_address(tensor.data_ptr())
+
