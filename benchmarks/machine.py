@@ -1,7 +1,9 @@
 """What every benchmark records beside its numbers: the command, the date and the machine.
 
-Benchmarks run as scripts (`python benchmarks/NAME.py`), so this module sits next to them and is
-imported as `from machine import report_header, save_report`.
+Benchmarks run as scripts (`python benchmarks/GROUP/NAME.py`), grouped in folders by what they
+measure. Each script puts `benchmarks/` first on `sys.path`, then imports this module as
+`from machine import report_header, save_report` and another folder's helpers as packages
+(`from cpu.roofline import ...`).
 """
 
 from __future__ import annotations

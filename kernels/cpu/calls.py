@@ -7,7 +7,7 @@ Every kernel of this layer has, beside its C function, an entry `<kernel>_call(c
 call through ctypes converts each Python argument on every call: 1-4 us for the 7-17 arguments
 of these kernels, as much as the small kernels themselves compute at one row and, over a
 decode step's 331 calls, about a tenth of the step of a bfloat16 SmolLM2
-(`benchmarks/roofline.py` profiles the step). A `KernelCall` fills its struct once; a
+(`benchmarks/cpu/roofline.py` profiles the step). A `KernelCall` fills its struct once; a
 `KernelCalls` passes a whole list of them to one C loop, as a CUDA graph replays its kernels.
 """
 

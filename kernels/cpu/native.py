@@ -3,7 +3,7 @@ and loaded as every kernel of this layer is (`minipaged.kernels.cpu.build`).
 
 PyTorch has no operator that attends over K/V scattered in blocks, so the PyTorch backends copy
 every sequence's blocks out of the cache before attending (`attention.gather_context`): on a
-CPU that copy costs as much as the attention itself (`benchmarks/roofline.py`). The kernel reads
+CPU that copy costs as much as the attention itself (`benchmarks/cpu/roofline.py`). The kernel reads
 the blocks in place instead.
 
 `native_decode_available()` says whether the kernel could be built here (it is built then, once

@@ -34,7 +34,7 @@ static inline const float *row_f32(const void *base, int64_t index, int bf16, in
 
 /* Fetch a row into L2 (prefetcht1), not L1: an L1 prefetch holds one of the core's few L1 miss
  * buffers until its line arrives, so fewer misses are in flight at once; the L2 has more. It
- * reads K/V 1.3-1.7x faster here (benchmarks/attention_cpu.py, docs/benchmarks.md). */
+ * reads K/V 1.3-1.7x faster here (benchmarks/cpu/attention.py, docs/benchmarks.md). */
 static inline void prefetch_row(const void *base, int64_t index, int bf16, int d) {
     const char *row = (const char *)base + index * (bf16 ? 2 : 4);
     for (int b = 0; b < d * (bf16 ? 2 : 4); b += 64) __builtin_prefetch(row + b, 0, 2);
@@ -62,7 +62,7 @@ static inline __attribute__((always_inline)) void attend_one(
         const int64_t first = (block * bs * hkv + kv_head) * d; /* token 0 of the block */
         /* The next block's rows (after the last block, the next pair's first) are fetched a row
          * per key and value while this one computes: one thread's misses alone would leave
-         * memory idle (benchmarks/attention_cpu.py). */
+         * memory idle (benchmarks/cpu/attention.py). */
         const int64_t ahead = start + bs < len ? (table[start / bs + 1] * bs * hkv + kv_head) * d
                                                : then;
         for (int t = 0; t < n; t++) {  /* scores of the block's keys */
