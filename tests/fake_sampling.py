@@ -1,5 +1,6 @@
 """The engine's sampling step without a model, for scheduler tests: each sequence that needs
-logits gets a made-up token and is finished when its stop rule says so."""
+logits gets a made-up token and is finished when its stop rule says so; and the queue invariant
+those tests check after every step."""
 
 from __future__ import annotations
 
@@ -16,3 +17,14 @@ def sample_made_up_tokens(scheduler: Scheduler, out: SchedulerOutput) -> None:
         decision = check_stop(seq, group.sampling_params)
         if decision is not None:
             seq.finish(decision)
+
+
+def assert_queues_follow_status(scheduler: Scheduler) -> None:
+    """Every unfinished group sits in exactly one queue: the one of its sequences' status
+    (`Scheduler.states`)."""
+    seen = []
+    for status, state in scheduler.states.items():
+        for group in state.queue:
+            assert {s.status for s in group.get_unfinished_seqs()} == {status}, group
+            seen.append(group.request_id)
+    assert len(seen) == len(set(seen))

@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
-from minipaged.models.quantization import QUANTIZATIONS
+from minipaged.platforms.cpu.quantization import QUANTIZATIONS
 from minipaged.runner.backends import BACKENDS
 from minipaged.sampling.params import MAX_SEED, shown
 from minipaged.sched.cost_model import CostModel
 from minipaged.sched.mlfq import MLFQConfig
 from minipaged.sched.output import PreemptionMode
-from minipaged.sched.registry import SCHEDULERS, needs_cost_model
+from minipaged.sched.registry import SCHEDULERS, check_preemption_mode, needs_cost_model
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = (*DTYPES, "auto")
@@ -67,25 +67,33 @@ def cpu_flags() -> frozenset[str]:
 
 # -- configuration --------------------------------------------------------------------------------
 
+# What a setting left at None becomes on each kind of device: a CPU keeps its exact float32 and
+# the batch a few cores serve; a GPU takes bfloat16 where the card has it and vLLM's batch limits.
+DEVICE_DEFAULTS: dict[str, dict[str, object]] = {
+    "cpu": {"dtype": "float32", "max_num_seqs": 64, "max_num_batched_tokens": 2048},
+    "cuda": {"dtype": "auto", "max_num_seqs": 256, "max_num_batched_tokens": 8192},
+}
+
 
 @dataclass
 class EngineConfig:
     """Everything `LLM(...)` / `LLMEngine.from_pretrained(...)` accepts besides the model path.
 
-    `num_gpu_blocks` and `num_cpu_blocks` are vLLM's names for the device and host pools of KV
-    blocks (`KVCacheManager`'s `num_gpu_blocks` and `num_cpu_blocks`).
+    `num_gpu_blocks` and `num_cpu_blocks` are vLLM's names for the two pools of KV blocks:
+    the GPU pool (the device's KV cache) and the CPU pool (the host's swap space), as the KV
+    cache manager and the model runner call them.
     """
 
-    dtype: str = "float32"  # or "bfloat16", "float16", "auto" (bfloat16 where native)
+    dtype: str | None = None  # or "float32", "bfloat16", "float16", "auto" (DEVICE_DEFAULTS)
     device: str | None = None  # None: "cuda" when available, else "cpu"
     block_size: int = 16
     num_gpu_blocks: int | None = None  # None: from kv_cache_memory / gpu_memory_utilization
     kv_cache_memory: float = 1.0  # GiB of KV cache on a CPU device
     gpu_memory_utilization: float = 0.9  # fraction of a CUDA device's memory for model + cache
-    swap_space: float = 1.0  # GiB of host memory for swapped-out blocks
+    swap_space: float = 1.0  # GiB of host memory for the CPU pool (swapped-out blocks)
     num_cpu_blocks: int | None = None  # None: from swap_space
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None  # None: the device's (DEVICE_DEFAULTS)
+    max_num_batched_tokens: int | None = None  # None: the device's (DEVICE_DEFAULTS)
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -99,11 +107,13 @@ class EngineConfig:
     mlfq: MLFQConfig | None = None
     cost_model: CostModel | None = None
     cost_model_file: str | Path | None = None
-    preemption_mode: str | None = None  # None: recompute single sequences, swap groups
+    # "recompute" or "swap", for every scheduler (`PreemptionMode`); None: the scheduler's
+    # default (FCFS: recompute single sequences, swap groups; MLFQ: swap).
+    preemption_mode: str | None = None
     attention_backend: str | None = None  # None: Triton on CUDA; on a CPU "cpu" for 16 bits
     quantization: str | None = None  # "int8": weight-only int8 at load (a CPU, one rank)
     # True: every step through the model's modules, never a replayed decode step
-    # (`minipaged.runner.cpu_decode`; vLLM's flag of the same name turns off CUDA graphs).
+    # (`minipaged.platforms.cpu.replay`; vLLM's flag of the same name turns off CUDA graphs).
     enforce_eager: bool = False
     seed: int = 0  # the engine's generator, for requests without a seed of their own
     # Tensor parallelism: ranks (worker processes) the model is split over, and how long a
@@ -115,7 +125,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_field_types(self)
         self._check_ranges()
-        if self.dtype not in DTYPE_CHOICES:
+        defaults = DEVICE_DEFAULTS.get(self.torch_device.type, DEVICE_DEFAULTS["cpu"])
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if self.dtype not in (None, *DTYPE_CHOICES):
             raise ValueError(f"dtype must be one of {sorted(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.scheduler not in SCHEDULERS:
             raise ValueError(
@@ -178,6 +192,8 @@ class EngineConfig:
             raise ValueError(
                 f"preemption_mode must be None or one of {modes}, got {self.preemption_mode!r}"
             )
+        if self.scheduler in SCHEDULERS:
+            check_preemption_mode(self.scheduler, self.preemption_mode)
         if self.attention_backend not in (None, "auto", *BACKENDS):
             raise ValueError(
                 f"attention_backend must be None, 'auto' or one of {list(BACKENDS)}, "
@@ -187,7 +203,7 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The model's dtype; "auto" resolved for `torch_device`."""
-        if self.dtype == "auto":
+        if self.dtype in ("auto", None):
             return torch.bfloat16 if native_bfloat16(self.torch_device) else torch.float32
         return DTYPES[self.dtype]
 

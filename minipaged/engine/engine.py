@@ -33,6 +33,7 @@ from minipaged.engine.postprocess import OutputProcessor, StepUpdate
 from minipaged.engine.record import StepRecord, StepTimings
 from minipaged.engine.requests import RequestStream, check_params, prompt_token_ids
 from minipaged.models.checkpoint.model_config import ModelConfig
+from minipaged.platforms import Platform
 from minipaged.runner.model_runner import (
     GiB,
     ModelRunner,
@@ -98,10 +99,13 @@ class LLMEngine:
             num_gpu_blocks = scheduler.kv_manager.num_gpu_blocks
             num_cpu_blocks = scheduler.kv_manager.num_cpu_blocks
         else:
-            num_gpu_blocks = config.num_gpu_blocks or blocks_that_fit(
-                model_config, config.block_size, dtype, device,
-                config.gpu_memory_utilization, config.kv_cache_memory,
-            )
+            # Without a size, a runner built here sizes its cache once its weights are placed.
+            num_gpu_blocks = config.num_gpu_blocks
+            if num_gpu_blocks is None and runner is not None:
+                num_gpu_blocks = blocks_that_fit(
+                    model_config, config.block_size, dtype, device,
+                    config.gpu_memory_utilization, config.kv_cache_memory,
+                )
             num_cpu_blocks = config.num_cpu_blocks
             if num_cpu_blocks is None:
                 num_cpu_blocks = num_blocks_for_memory(
@@ -122,7 +126,14 @@ class LLMEngine:
                 ),
                 num_gpu_blocks=num_gpu_blocks,
                 num_cpu_blocks=num_cpu_blocks,
+                quantization=config.quantization,
+                max_model_len=self.max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                gpu_memory_utilization=config.gpu_memory_utilization,
+                kv_cache_memory=config.kv_cache_memory,
             )
+            num_gpu_blocks = runner.num_gpu_blocks
         self.runner = runner
         if scheduler is None:
             # Skip-join MLFQ predicts prefill times (FastServe §4.1): measured before it is built.
@@ -153,7 +164,8 @@ class LLMEngine:
             eos_token_ids.add(tokenizer.eos_token_id)
         self.processor = processor(
             scheduler,
-            Sampler(torch.Generator().manual_seed(config.seed)),
+            Sampler(torch.Generator().manual_seed(config.seed),
+                    greedy_tokens=getattr(runner, "platform", Platform(device)).greedy_tokens),
             eos_token_ids=eos_token_ids,
             max_model_len=self.max_model_len,
             clock=clock,
@@ -177,8 +189,7 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:  # every rank reads its own slices
             source, model_config = CheckpointShards(str(path)), checkpoint_config(path, FAMILIES)
             return cls(source, model_config, Tokenizer.from_pretrained(path), config)
-        nn_model, model_config = load_model(path, dtype=config.torch_dtype, device="cpu",
-                                            quantization=config.quantization)
+        nn_model, model_config = load_model(path, dtype=config.torch_dtype, device="cpu")
         return cls(nn_model, model_config, Tokenizer.from_pretrained(path), config)
 
     def close(self) -> None:

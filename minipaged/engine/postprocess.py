@@ -12,8 +12,9 @@ of the step is sampled again on its own, and only those that fail alone end with
 "error" (`StepUpdate.failed`). The simulator's processor (`minipaged.sim.simulator`) replaces
 `sample` with made-up tokens and keeps the rest.
 
-Sampling items are `(group, sequence, row of the logits)`; grouped by request they become
-`(group, sequences, rows)`, with a finished prompt's forks sharing its row.
+The step's sampling sequences come from the scheduler as `GroupMember`s, in the order of the
+logits' rows; grouped by request they become `RequestSamples`, with a finished prompt's forks
+sharing its row.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ import itertools
 import logging
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from torch import Tensor
 
 from minipaged.engine.beam_search import advance_beams
 from minipaged.sampling.sampler import Sampler
 from minipaged.sampling.sequence import (
+    GroupMember,
     IncrementalDetokenizer,
     Sequence,
     SequenceGroup,
@@ -39,10 +42,18 @@ from minipaged.sched.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-# A sampling sequence of the step: its request, the sequence, and its row of the logits.
-SamplingItem = tuple[SequenceGroup, Sequence, int]
-
 # -- data types -----------------------------------------------------------------------------------
+
+
+class RequestSamples(NamedTuple):
+    """One request's sequences that sample this step, and the row of the logits each reads: a
+    request is sampled (and, on failure, retried) as a whole, and a finished prompt's forked
+    samples share its row."""
+
+    group: SequenceGroup
+    seqs: list[Sequence]
+    rows: list[int]
+
 
 
 @dataclass
@@ -111,15 +122,13 @@ class OutputProcessor:
         failed."""
         plan = update.plan
         self.scheduler.mark_computed(plan)
-        sampling = [s for s in plan.scheduled if s.needs_logits]
-        resolved = self.scheduler.resolve(sampling)
-        items = [(group, seq, row) for row, (group, seq) in enumerate(resolved)]
+        members = self.scheduler.resolve(s for s in plan.scheduled if s.needs_logits)
         now = self.clock()
-        touched = list({id(group): group for group, _, _ in items}.values())
+        touched = list({id(group): group for group, _ in members}.values())
         for group in touched:
             if group.metrics.first_token_time is None:  # time to first token ends here
                 group.metrics.first_token_time = now
-        self.sample_isolated(items, logits, update)
+        self.sample_isolated(members, logits, update)
         failed = set(update.failed)
         update.touched = [g for g in touched if g.request_id not in failed]
         finished = self.scheduler.finish_step()
@@ -130,55 +139,51 @@ class OutputProcessor:
         return update
 
     def sample_isolated(
-        self, items: list[SamplingItem], logits: Tensor, update: StepUpdate
+        self, members: list[GroupMember], logits: Tensor, update: StepUpdate
     ) -> None:
-        """`sample` the step's requests; when that fails, each request again on its own, and
-        only those that fail alone end with "error" (a request's own parameters never end
-        another's). Forks come first, outside the retries: they are bookkeeping that bad
-        parameters cannot break, and a retry must not fork twice."""
-        rows = self.requests_of(items)
-        beams = [r for r in rows if r[0].sampling_params.use_beam_search]
-        plain = [r for r in rows if not r[0].sampling_params.use_beam_search]
+        """`sample` the step's requests (`members`: the sampling sequences, row `i` of `logits`
+        the `i`-th's); when that fails, each request again on its own, and only those that fail
+        alone end with "error" (a request's own parameters never end another's). Forks come
+        first, outside the retries: they are bookkeeping that bad parameters cannot break, and
+        a retry must not fork twice."""
+        requests = self.requests_of(members)
+        beams = [r for r in requests if r.group.sampling_params.use_beam_search]
+        plain = [r for r in requests if not r.group.sampling_params.use_beam_search]
         failed = []
         for request in beams:  # each request's beams advance on their own
             if not self.try_sample([request], logits):
-                failed.append(request[0].request_id)
+                failed.append(request.group.request_id)
         if plain and not self.try_sample(plain, logits):
             logger.warning("sampling the step failed; sampling its requests one at a time")
-            failed += [r[0].request_id for r in plain if not self.try_sample([r], logits)]
+            failed += [r.group.request_id for r in plain if not self.try_sample([r], logits)]
         self.fail(failed, update)
 
-    def requests_of(
-        self, items: list[SamplingItem]
-    ) -> list[tuple[SequenceGroup, list[Sequence], list[int]]]:
-        """The step's sampling sequences by request, with their logits rows; a request whose
-        prompt just finished gets its forked samples here, sharing the prompt's row."""
-        groups: dict[str, tuple[SequenceGroup, list[Sequence], list[int]]] = {}
-        for group, seq, row in items:
-            _, seqs, rows = groups.setdefault(group.request_id, (group, [], []))
-            seqs.append(seq)
-            rows.append(row)
-        for group, seqs, rows in groups.values():
+    def requests_of(self, members: list[GroupMember]) -> list[RequestSamples]:
+        """The step's sampling sequences (row `i` of the logits the `i`-th's) by request; a
+        request whose prompt just finished gets its forked samples here, sharing the prompt's
+        row."""
+        requests: dict[str, RequestSamples] = {}
+        for row, (group, seq) in enumerate(members):
+            request = requests.setdefault(group.request_id, RequestSamples(group, [], []))
+            request.seqs.append(seq)
+            request.rows.append(row)
+        for group, seqs, rows in requests.values():
             if not group.sampling_params.use_beam_search:
                 forks = self.fork_samples(group, seqs[0])
                 seqs += forks
                 rows += [rows[0]] * len(forks)
-        return list(groups.values())
+        return list(requests.values())
 
-    def try_sample(
-        self, requests: list[tuple[SequenceGroup, list[Sequence], list[int]]], logits: Tensor
-    ) -> bool:
+    def try_sample(self, requests: list[RequestSamples], logits: Tensor) -> bool:
         try:
             self.sample(requests, logits)
         except Exception:
-            names = ", ".join(r[0].request_id for r in requests)
+            names = ", ".join(r.group.request_id for r in requests)
             logger.exception("sampling failed for request(s) %s", names)
             return False
         return True
 
-    def sample(
-        self, requests: list[tuple[SequenceGroup, list[Sequence], list[int]]], logits: Tensor
-    ) -> None:
+    def sample(self, requests: list[RequestSamples], logits: Tensor) -> None:
         """The next token of every sequence of `requests` (their rows of `logits`): plain and
         parallel samples through the sampler at once, a beam-search request through its beams;
         then the stop rules."""

@@ -1,14 +1,18 @@
 """One sequence's block table: its logical blocks mapped to physical blocks (vLLM paper §4.2).
 
 Logical block `i` holds the K/V of tokens `i * block_size ... (i + 1) * block_size - 1`; the
-table names the physical block of each, anywhere in the device pool (or in the host pool while
-the sequence is swapped out). Only the last block may be partly filled. A table shared by a
-fork is copied on write (§4.4): before slots are added to a shared, partly filled last block,
-the table takes a private copy of it and returns the copy for the engine to perform.
+table names the physical block of each, anywhere in the GPU pool (or in the CPU pool while the
+sequence is swapped out). Only the last block may be partly filled. A table shared by a fork is
+copied on write (§4.4): before slots are added to a shared, partly filled last block, the table
+takes a private copy of it and returns the copy for the engine to perform.
+
+A table keeps no count of its own: the slots it covers are its blocks' fills, which the pools
+hold (every sharer of a block agrees on its fill). How many tokens the sequence has is its
+owner's to say, and growth is asked for as the number of tokens to cover.
 
 A table also remembers the chained hashes of its full blocks (prefix caching): they are
 extended from the computed tokens its owner reports, and its computed full blocks are offered
-to the pool's prefix cache (`minipaged.kv.pool`).
+to the GPU pool's prefix cache (`minipaged.kv.pool`).
 """
 
 from __future__ import annotations
@@ -17,47 +21,64 @@ import math
 from collections.abc import Sequence
 
 from minipaged.kv.interface import BlockCopy, as_token_ids
-from minipaged.kv.pool import ROOT_HASH, BlockPool, HostPool, chained_hashes
+from minipaged.kv.pool import ROOT_HASH, CPUPool, GPUPool, chained_hashes
 
 
 class BlockTable:
-    """A sequence's blocks, slot count, place (device or host) and block hashes."""
+    """A sequence's blocks, place (GPU or CPU pool) and block hashes."""
 
     def __init__(
         self,
-        pool: BlockPool,
+        gpu: GPUPool,
+        cpu: CPUPool,
         blocks: list[int],
-        num_tokens: int,
         block_hashes: list[bytes],
         num_registered_blocks: int,
     ) -> None:
-        self.pool = pool
-        self.blocks = blocks  # device block ids, or host block ids while on the host
-        self.num_tokens = num_tokens  # token slots the table covers
-        self.on_host = False
+        self.gpu = gpu
+        self.cpu = cpu
+        self.blocks = blocks  # GPU block ids, or CPU block ids while swapped out
+        self.on_cpu = False
         self.block_hashes = block_hashes  # chained hashes of the full blocks known so far
         self.num_registered_blocks = num_registered_blocks  # [0, n) offered to the prefix cache
 
     @property
+    def num_slots(self) -> int:
+        """Token slots the table covers: every block but the last is full, the last holds its
+        fill."""
+        if not self.blocks:
+            return 0
+        return (len(self.blocks) - 1) * self.gpu.block_size + self.fill(self.blocks[-1])
+
+    def fill(self, block_id: int) -> int:
+        """Slots of one of the table's blocks holding tokens, from the pool it is in."""
+        if self.on_cpu:
+            return self.cpu.num_tokens[block_id]
+        return self.gpu.blocks[block_id].num_tokens
+
+    @property
     def last_block_is_shared_and_partial(self) -> bool:
         return (
-            self.num_tokens % self.pool.block_size != 0
-            and self.pool.blocks[self.blocks[-1]].ref_count > 1
+            self.num_slots % self.gpu.block_size != 0
+            and self.gpu.blocks[self.blocks[-1]].ref_count > 1
         )
 
-    def blocks_to_append(self, n: int) -> int:
-        """Free device blocks `append(n)` takes: new blocks plus a copy-on-write copy."""
-        if n == 0:
+    def blocks_to_append(self, num_tokens: int) -> int:
+        """Free GPU blocks `append(num_tokens)` takes: new blocks plus a copy-on-write copy."""
+        if num_tokens <= self.num_slots:
             return 0
-        new_blocks = math.ceil((self.num_tokens + n) / self.pool.block_size) - len(self.blocks)
+        new_blocks = math.ceil(num_tokens / self.gpu.block_size) - len(self.blocks)
         return new_blocks + int(self.last_block_is_shared_and_partial)
 
-    def append(self, n: int) -> list[BlockCopy]:
-        """Cover `n` more slots (the caller made sure `blocks_to_append(n)` blocks are free);
-        returns the copy-on-write copy, if the last block was shared and partly filled."""
-        pool = self.pool
+    def append(self, num_tokens: int) -> list[BlockCopy]:
+        """Cover the first `num_tokens` tokens (the caller made sure `blocks_to_append` blocks
+        are free, and that the table covers no more); returns the copy-on-write copy, if the
+        last block was shared and partly filled."""
+        pool, covered = self.gpu, self.num_slots
         copies: list[BlockCopy] = []
-        if n and self.last_block_is_shared_and_partial:
+        if num_tokens == covered:
+            return copies
+        if self.last_block_is_shared_and_partial:
             src = self.blocks[-1]
             dst = pool.take_free()
             pool.set_num_tokens(dst, pool.blocks[src].num_tokens)
@@ -65,19 +86,17 @@ class BlockTable:
             self.blocks[-1] = dst
             copies.append((src, dst))
         bs = pool.block_size
-        new_len = self.num_tokens + n
-        if self.blocks and n:
-            pool.set_num_tokens(self.blocks[-1], min(bs, new_len - (len(self.blocks) - 1) * bs))
-        for index in range(len(self.blocks), math.ceil(new_len / bs)):
+        if self.blocks:
+            pool.set_num_tokens(self.blocks[-1], min(bs, num_tokens - (len(self.blocks) - 1) * bs))
+        for index in range(len(self.blocks), math.ceil(num_tokens / bs)):
             block_id = pool.take_free()
-            pool.set_num_tokens(block_id, min(bs, new_len - index * bs))
+            pool.set_num_tokens(block_id, min(bs, num_tokens - index * bs))
             self.blocks.append(block_id)
-        self.num_tokens = new_len
         return copies
 
     def register_computed(self, computed: Sequence[int]) -> None:
         """Hash the full blocks of the computed prefix `computed` and offer them to the cache."""
-        bs = self.pool.block_size
+        bs = self.gpu.block_size
         num_full = len(computed) // bs
         if len(self.block_hashes) < num_full:
             start = len(self.block_hashes)
@@ -87,59 +106,57 @@ class BlockTable:
         for index in range(self.num_registered_blocks, num_full):
             parent = self.block_hashes[index - 1] if index else ROOT_HASH
             tokens = computed[index * bs : (index + 1) * bs]
-            self.pool.register(self.blocks[index], self.block_hashes[index], parent, tokens)
+            self.gpu.register(self.blocks[index], self.block_hashes[index], parent, tokens)
         self.num_registered_blocks = max(self.num_registered_blocks, num_full)
 
     def fork(self) -> BlockTable:
-        """A table sharing every block of this one (on the device)."""
+        """A table sharing every block of this one (in the GPU pool)."""
         for block_id in self.blocks:
-            self.pool.take_shared(block_id)
+            self.gpu.take_shared(block_id)
         return BlockTable(
-            self.pool,
+            self.gpu,
+            self.cpu,
             list(self.blocks),
-            self.num_tokens,
             list(self.block_hashes),
             self.num_registered_blocks,
         )
 
-    def release(self, host: HostPool) -> None:
+    def release(self) -> None:
         """Drop this table's references (cached blocks stay findable until evicted)."""
-        if self.on_host:
-            for host_block in self.blocks:
-                host.release(host_block)
+        if self.on_cpu:
+            for cpu_block in self.blocks:
+                self.cpu.release(cpu_block)
             return
         # Last block first: the prefix, the likeliest to be shared again, is evicted last.
         for block_id in reversed(self.blocks):
-            self.pool.release(block_id)
+            self.gpu.release(block_id)
 
     def check_invariants(
-        self, name: str, host: HostPool, refs: list[int], host_refs: list[int], fills: dict
+        self, name: str, refs: list[int], cpu_refs: list[int], fills: dict[int, int]
     ) -> None:
-        """Check this table and add its references and block fills to the counts the pools
+        """Check this table and add its references and GPU block fills to the counts the pools
         are then checked against; raise AssertionError naming the first broken invariant."""
-        bs, n = self.pool.block_size, self.num_tokens
-        assert n > 0, f"sequence {name} has no tokens"
-        assert len(self.blocks) == math.ceil(n / bs), (
-            f"sequence {name}: {n} tokens need {math.ceil(n / bs)} blocks, "
-            f"table has {len(self.blocks)}"
-        )
-        assert self.num_registered_blocks <= len(self.block_hashes) <= n // bs, (
+        bs = self.gpu.block_size
+        assert self.blocks, f"sequence {name} has no blocks"
+        for index, block_id in enumerate(self.blocks):
+            fill = self.fill(block_id)
+            last = index == len(self.blocks) - 1
+            assert (0 < fill <= bs) if last else fill == bs, (
+                f"sequence {name}: block {block_id} at position {index} holds {fill} of {bs} "
+                "slots (every block but the last is full, the last is not empty)"
+            )
+        assert self.num_registered_blocks <= len(self.block_hashes) <= self.num_slots // bs, (
             f"sequence {name}: hashes or registered blocks beyond its full blocks"
         )
+        if self.on_cpu:
+            for block_id in self.blocks:
+                cpu_refs[block_id] += 1
+            return
         for index, block_id in enumerate(self.blocks):
-            fill = min(bs, n - index * bs)
-            if self.on_host:
-                host_refs[block_id] += 1
-                assert host.num_tokens[block_id] == fill, (
-                    f"host block {block_id}: fill {host.num_tokens[block_id]} != {fill}"
-                )
-                continue
             refs[block_id] += 1
-            assert fills.setdefault(block_id, fill) == fill, (
-                f"block {block_id} shared by sequences that disagree on its fill"
-            )
-            block = self.pool.blocks[block_id]
-            if fill < bs and block.ref_count > 1:
+            fills[block_id] = self.fill(block_id)
+            block = self.gpu.blocks[block_id]
+            if fills[block_id] < bs and block.ref_count > 1:
                 assert index == len(self.blocks) - 1, (
                     f"shared partial block {block_id} is not last in {name}'s table"
                 )

@@ -1,19 +1,21 @@
 """What a KV cache manager offers the scheduler: the KV layer's interface (vLLM paper §4.2-4.5).
 
 Two managers implement `KVManager`: `minipaged.kv.manager.KVCacheManager` (paged blocks, shared
-with reference counts, prefix caching, a host pool for swapping) and
+with reference counts, prefix caching, a CPU pool for swapping) and
 `minipaged.kv.reservation.ReservationKVCacheManager` (one contiguous chunk per request, the Orca
 and static-batching baselines of the paper's §6.1). The scheduler is written against this
 protocol only, so the baselines run through the very scheduling code of the paged system.
 
-**What a manager owns: blocks, nothing else.** Block tables, slot counts (how many token slots
-each sequence's table covers), reference counts, block hashes, the free lists and the host
-pool. A sequence's token ids and how many of them are computed belong to its `Sequence`
-(`minipaged.sampling.sequence`); a call that needs them (`allocate`, `mark_computed`) is given them.
+**What a manager owns: blocks, nothing else.** Block tables, block fills (how many slots of
+each block hold tokens), reference counts, block hashes, the free lists and the CPU pool. A
+sequence's token ids, its length and how many of its tokens are computed belong to its
+`Sequence` (`minipaged.sampling.sequence`); a call that needs them is given them: `allocate` the
+prompt's ids, `append_slots` the length to cover, `mark_computed` the computed prefix's ids.
 
-**The two pools** are the *device* pool (`num_gpu_blocks` blocks, where attention reads; vLLM and
-`EngineConfig` call its size `num_gpu_blocks`) and the *host* pool (`num_cpu_blocks`, CPU
-memory for swapped-out blocks; `num_cpu_blocks` in `EngineConfig`).
+**The two pools** are vLLM's: the *GPU pool* (`num_gpu_blocks` blocks, the device's KV cache,
+where attention reads) and the *CPU pool* (`num_cpu_blocks` blocks, the host's swap space for
+swapped-out blocks), named so in `EngineConfig` and the model runner too. Unqualified counts
+(`num_free_blocks`, `watermark_blocks`) are the GPU pool's.
 
 Every mutating call either succeeds or raises with the state untouched: `NoFreeBlocksError`
 when a pool is short, `KVCacheError` (a `ValueError`) for a request that makes no sense.
@@ -25,7 +27,7 @@ copy-on-write copies; then the forward pass writes the new K/V.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Protocol
@@ -113,15 +115,16 @@ class KVManager(Protocol):
     """
 
     block_size: int  # token slots per block
-    num_gpu_blocks: int  # blocks in the device pool
-    watermark_blocks: int  # device blocks admission leaves free, so running sequences can grow
+    num_gpu_blocks: int  # blocks in the GPU pool
+    num_cpu_blocks: int  # blocks in the CPU pool (0: nothing is swapped)
+    watermark_blocks: int  # GPU blocks admission leaves free, so running sequences can grow
 
     @property
     def num_free_blocks(self) -> int:
-        """Free device blocks."""
+        """Free GPU blocks."""
 
     def __contains__(self, seq_id: object) -> bool:
-        """Whether the sequence holds blocks (on the device or on the host)."""
+        """Whether the sequence holds blocks (in the GPU or the CPU pool)."""
 
     def seq_ids(self) -> list[SeqId]:
         """Every sequence holding blocks."""
@@ -130,7 +133,7 @@ class KVManager(Protocol):
         """Blocks that `num_tokens` token slots fill."""
 
     def blocks_for_request(self, prompt_len: int, max_len: int, width: int) -> int:
-        """The most device blocks one request can hold at once: `width` sequences (parallel
+        """The most GPU blocks one request can hold at once: `width` sequences (parallel
         samples or beams) grown from one prompt to at most `max_len` tokens each. A request
         needing more than `num_gpu_blocks` can never run."""
 
@@ -145,15 +148,19 @@ class KVManager(Protocol):
         cache up); return how many leading tokens are already computed (cached). Never the last
         token: its logits must be computed."""
 
-    def num_blocks_to_append(self, seq_id: SeqId, n: int) -> int:
-        """Free device blocks `append_slots(seq_id, n)` would take (new blocks and copies)."""
+    def num_blocks_to_append(self, seq_id: SeqId, *, num_tokens: int) -> int:
+        """Free GPU blocks `append_slots(seq_id, num_tokens=num_tokens)` would take (new blocks
+        and copies)."""
 
-    def can_append(self, seq_id: SeqId, n: int) -> bool:
-        """Whether `append_slots(seq_id, n)` would find its blocks (no watermark applies)."""
+    def can_append(self, seq_id: SeqId, *, num_tokens: int) -> bool:
+        """Whether `append_slots(seq_id, num_tokens=num_tokens)` would find its blocks (no
+        watermark applies)."""
 
-    def append_slots(self, seq_id: SeqId, n: int) -> list[BlockCopy]:
-        """Slots for `n` tokens about to be computed; returns the copy-on-write copies (src, dst)
-        the engine performs before writing into them."""
+    def append_slots(self, seq_id: SeqId, *, num_tokens: int) -> list[BlockCopy]:
+        """Slots for the sequence's first `num_tokens` tokens (its length: keyword-only, so that
+        it is never read as a number of new tokens), those not covered yet about to be
+        computed; returns the copy-on-write copies (src, dst) the engine performs before
+        writing into them. A table never shrinks."""
 
     def mark_computed(self, seq_id: SeqId, computed_token_ids: Sequence[int]) -> None:
         """The forward pass wrote the K/V of the sequence's first `len(computed_token_ids)`
@@ -171,27 +178,28 @@ class KVManager(Protocol):
     # -- swapping (§4.5) --------------------------------------------------------------------------
 
     def can_swap_out(self, seq_ids: SeqId | Sequence[SeqId]) -> bool:
-        """Whether the host pool can take the sequence's (or group's) blocks."""
+        """Whether the CPU pool can take the sequence's (or group's) blocks."""
 
     def swap_out(self, seq_ids: SeqId | Sequence[SeqId]) -> list[BlockCopy]:
-        """Move a sequence or group to the host pool; returns the (device, host) copies."""
+        """Move a sequence or group to the CPU pool; returns the (GPU, CPU) copies."""
 
     def can_swap_in(self, seq_ids: SeqId | Sequence[SeqId]) -> bool:
-        """Whether the device pool can take a swapped sequence or group back, watermark kept."""
+        """Whether the GPU pool can take a swapped sequence or group back, watermark kept."""
+
+    def num_blocks_to_swap_in(self, num_tokens: Mapping[SeqId, int]) -> int:
+        """Free GPU blocks a swapped group (each sequence -> the length it must then cover)
+        takes to come back and grow to those lengths, shared blocks counted once."""
 
     def swap_in(self, seq_ids: SeqId | Sequence[SeqId]) -> list[BlockCopy]:
-        """Bring a swapped sequence or group back; returns the (host, device) copies."""
+        """Bring a swapped sequence or group back; returns the (CPU, GPU) copies."""
 
     # -- queries ----------------------------------------------------------------------------------
 
     def block_table(self, seq_id: SeqId) -> list[int]:
         """The sequence's physical block ids, logical block 0 first (a copy)."""
 
-    def num_tokens(self, seq_id: SeqId) -> int:
-        """Token slots the sequence's table covers (computed or about to be)."""
-
     def memory_usage(self) -> MemoryUsage:
-        """The device pool's slots by the paper's Fig. 2 categories."""
+        """The GPU pool's slots by the paper's Fig. 2 categories."""
 
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first broken structural invariant."""

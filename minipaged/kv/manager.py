@@ -8,9 +8,20 @@ bounded by the unfilled tail of each sequence's last block.
 Blocks are shared with reference counts: within a request by `fork` (parallel sampling, beam
 search, §4.4) and across requests by *prefix caching* (§4.4, "shared prefix"). A shared block is
 never written: `append_slots` copies a shared, partly filled last block first (copy-on-write)
-and returns the copies for the engine to perform. When device blocks run out, a whole sequence
-group can be swapped to a host pool and back (§4.5). The blocks themselves, their hashes and
-the free queue are `minipaged.kv.pool`'s; no token ids of a sequence are kept here.
+and returns the copies for the engine to perform. When GPU blocks run out, a whole sequence
+group can be swapped to the CPU pool and back (§4.5). The blocks themselves, their fills, their
+hashes and the free queue are `minipaged.kv.pool`'s.
+
+**The two pools** keep vLLM's names: the *GPU pool* (`num_gpu_blocks` blocks), the device's KV
+cache, where attention reads and writes; and the *CPU pool* (`num_cpu_blocks`), the host's swap
+space for swapped-out blocks. On a CPU-only machine the "GPU pool" is the device cache in host
+memory all the same: the names say which pool, not which chip. Unqualified counts (`ref_count`,
+`num_free_blocks`) are the GPU pool's; the CPU pool's say so (`cpu_ref_count`,
+`num_free_cpu_blocks`).
+
+**No token counts.** The manager keeps no sequence's length: the slots a table covers are its
+blocks' fills, and growth is asked for as the number of tokens to cover, which the sequence's
+owner knows (`append_slots(seq_id, num_tokens=...)`).
 
 **The rule that keeps prefix caching correct.** A block's hash becomes findable only when the
 engine says its K/V has really been computed: `mark_computed(seq_id, computed_token_ids)`,
@@ -30,7 +41,7 @@ wholly inside it. Allocation alone never publishes a hash, so
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from numbers import Integral
 
 from minipaged.kv.block_table import BlockTable
@@ -42,13 +53,13 @@ from minipaged.kv.interface import (
     SeqId,
     as_token_ids,
 )
-from minipaged.kv.pool import BlockPool, HostPool, chained_hashes, distinct_blocks
+from minipaged.kv.pool import CPUPool, GPUPool, chained_hashes, distinct_blocks
 
 
 class KVCacheManager:
-    """Block tables, copy-on-write, prefix caching and swapping over a device and a host pool;
-    implements `minipaged.kv.interface.KVManager` (see the module docstring for the prefix-caching
-    rule)."""
+    """Block tables, copy-on-write, prefix caching and swapping over a GPU and a CPU pool;
+    implements `minipaged.kv.interface.KVManager` (see the module docstring for the pools'
+    names and the prefix-caching rule)."""
 
     def __init__(
         self,
@@ -74,8 +85,8 @@ class KVCacheManager:
         self.watermark = watermark
         # Blocks admission keeps free so running sequences can grow without instant preemption.
         self.watermark_blocks = int(watermark * num_gpu_blocks)
-        self._pool = BlockPool(num_gpu_blocks, block_size)
-        self._host = HostPool(num_cpu_blocks)
+        self._gpu = GPUPool(num_gpu_blocks, block_size)
+        self._cpu = CPUPool(num_cpu_blocks)
         self._tables: dict[SeqId, BlockTable] = {}
         # Prefix-cache counters, in blocks looked up by `allocate`.
         self.prefix_cache_hits = 0
@@ -85,20 +96,20 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._pool.free)
+        return len(self._gpu.free)
 
     @property
-    def num_free_host_blocks(self) -> int:
-        return len(self._host.free)
+    def num_free_cpu_blocks(self) -> int:
+        return len(self._cpu.free)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_gpu_blocks - len(self._pool.free)
+        return self.num_gpu_blocks - len(self._gpu.free)
 
     @property
     def num_cached_blocks(self) -> int:
         """Blocks whose hash is registered (in use or free but not yet evicted)."""
-        return len(self._pool.cache)
+        return len(self._gpu.cache)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -112,20 +123,22 @@ class KVCacheManager:
         return list(self._tables)
 
     def block_table(self, seq_id: SeqId) -> list[int]:
-        """The sequence's physical block ids (host block ids while it is swapped out)."""
+        """The sequence's physical block ids (CPU block ids while it is swapped out)."""
         return list(self._table(seq_id).blocks)
 
-    def num_tokens(self, seq_id: SeqId) -> int:
-        return self._table(seq_id).num_tokens
+    def num_slots(self, seq_id: SeqId) -> int:
+        """Token slots the sequence's table covers: its blocks' fills (for pictures and tests;
+        the sequence's own length is its owner's)."""
+        return self._table(seq_id).num_slots
 
     def is_swapped(self, seq_id: SeqId) -> bool:
-        return self._table(seq_id).on_host
+        return self._table(seq_id).on_cpu
 
     def ref_count(self, block_id: int) -> int:
-        return self._pool.blocks[block_id].ref_count
+        return self._gpu.blocks[block_id].ref_count
 
-    def host_ref_count(self, host_block_id: int) -> int:
-        return self._host.ref_counts[host_block_id]
+    def cpu_ref_count(self, cpu_block_id: int) -> int:
+        return self._cpu.ref_counts[cpu_block_id]
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
@@ -141,9 +154,9 @@ class KVCacheManager:
         return shared + width * (self.num_blocks_for(max_len - 1) - shared)
 
     def memory_usage(self) -> MemoryUsage:
-        """Device slots holding tokens; the rest of the used blocks is internal fragmentation."""
+        """GPU slots holding tokens; the rest of the used blocks is internal fragmentation."""
         used_slots = self.num_used_blocks * self.block_size
-        token_slots = self._pool.num_token_slots
+        token_slots = self._gpu.num_token_slots
         return MemoryUsage(
             total_slots=self.num_gpu_blocks * self.block_size,
             token_slots=token_slots,
@@ -156,8 +169,8 @@ class KVCacheManager:
         """Whether `allocate` would succeed and leave at least the watermark's blocks free
         (a prefix hit on a block in use takes no free block)."""
         tokens = self._new_prompt(seq_id, token_ids)
-        hits = self._pool.cached_prefix(tokens, self._hashes(tokens))
-        needed = self._pool.num_to_take(self.num_blocks_for(len(tokens)) - len(hits), hits)
+        hits = self._gpu.cached_prefix(tokens, self._hashes(tokens))
+        needed = self._gpu.num_to_take(self.num_blocks_for(len(tokens)) - len(hits), hits)
         return self.num_free_blocks - needed >= self.watermark_blocks
 
     def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
@@ -169,58 +182,57 @@ class KVCacheManager:
         """
         tokens = self._new_prompt(seq_id, token_ids)
         hashes = self._hashes(tokens)
-        hits = self._pool.cached_prefix(tokens, hashes)
-        needed = self._pool.num_to_take(self.num_blocks_for(len(tokens)) - len(hits), hits)
+        hits = self._gpu.cached_prefix(tokens, hashes)
+        needed = self._gpu.num_to_take(self.num_blocks_for(len(tokens)) - len(hits), hits)
         if needed > self.num_free_blocks:
-            raise NoFreeBlocksError("device", needed, self.num_free_blocks)
+            raise NoFreeBlocksError("GPU", needed, self.num_free_blocks)
         if self.enable_prefix_caching:
             eligible = (len(tokens) - 1) // self.block_size
             self.prefix_cache_hits += len(hits)
             self.prefix_cache_misses += eligible - len(hits)
         for block_id in hits:
-            self._pool.take_shared(block_id)
-        num_cached = len(hits) * self.block_size
-        table = BlockTable(self._pool, list(hits), num_cached, hashes, len(hits))
-        table.append(len(tokens) - num_cached)
+            self._gpu.take_shared(block_id)
+        table = BlockTable(self._gpu, self._cpu, list(hits), hashes, len(hits))
+        table.append(len(tokens))
         self._tables[seq_id] = table
-        return num_cached
+        return len(hits) * self.block_size
 
-    def num_blocks_to_append(self, seq_id: SeqId, n: int) -> int:
-        """Free blocks `append_slots` of `n` tokens would take (new blocks plus a copy-on-write
-        copy); the scheduler sums them over a group whose sequences must grow together."""
-        if not isinstance(n, Integral) or isinstance(n, bool) or n < 0:
-            raise KVCacheError(f"number of tokens to append must be an integer >= 0, got {n!r}")
-        return self._device_table(seq_id).blocks_to_append(n)
+    def num_blocks_to_append(self, seq_id: SeqId, *, num_tokens: int) -> int:
+        """Free blocks `append_slots(seq_id, num_tokens=num_tokens)` would take (new blocks
+        plus a copy-on-write copy); the scheduler sums them over a group whose sequences must
+        grow together."""
+        return self._growing_table(seq_id, num_tokens).blocks_to_append(num_tokens)
 
-    def can_append(self, seq_id: SeqId, n: int = 1) -> bool:
-        """Whether `append_slots` of `n` tokens would find enough free blocks.
+    def can_append(self, seq_id: SeqId, *, num_tokens: int) -> bool:
+        """Whether `append_slots` would find enough free blocks to cover `num_tokens` tokens.
 
         The watermark is not applied: it is the reserve kept at admission precisely so that
         running sequences can keep growing (as in vLLM).
         """
-        return self.num_blocks_to_append(seq_id, n) <= self.num_free_blocks
+        return self.num_blocks_to_append(seq_id, num_tokens=num_tokens) <= self.num_free_blocks
 
-    def append_slots(self, seq_id: SeqId, n: int) -> list[BlockCopy]:
-        """Grow the sequence's table by slots for `n` tokens about to be written; return the
-        copy-on-write pairs.
+    def append_slots(self, seq_id: SeqId, *, num_tokens: int) -> list[BlockCopy]:
+        """Grow the sequence's table to cover its first `num_tokens` tokens (its length, from
+        its owner; nothing to do when covered already); return the copy-on-write pairs.
 
         If the last block is partly filled and shared (after `fork`), it is first replaced by a
         private copy: the engine must copy block `src` to `dst` for every returned pair before
         writing the new tokens. Raises `NoFreeBlocksError` (state untouched) when short.
         """
-        needed = self.num_blocks_to_append(seq_id, n)
+        needed = self.num_blocks_to_append(seq_id, num_tokens=num_tokens)
         if needed > self.num_free_blocks:
-            raise NoFreeBlocksError("device", needed, self.num_free_blocks)
-        return self._tables[seq_id].append(n)
+            raise NoFreeBlocksError("GPU", needed, self.num_free_blocks)
+        return self._tables[seq_id].append(num_tokens)
 
     def mark_computed(self, seq_id: SeqId, computed_token_ids: Sequence[int]) -> None:
         """Record that the K/V of the sequence's computed prefix `computed_token_ids` (from its
         owner) is written, and publish the hashes of the full blocks wholly inside it."""
-        table = self._device_table(seq_id)
-        if len(computed_token_ids) > table.num_tokens:
+        table = self._gpu_table(seq_id)
+        if len(computed_token_ids) > table.num_slots:
             raise KVCacheError(
                 f"sequence {seq_id!r}: {len(computed_token_ids)} computed tokens but only "
-                f"{table.num_tokens} slots (num_computed_tokens must not exceed num_tokens)"
+                f"{table.num_slots} slots (num_computed_tokens must not exceed the slots "
+                "appended)"
             )
         if self.enable_prefix_caching:
             table.register_computed(computed_token_ids)
@@ -235,52 +247,66 @@ class KVCacheManager:
         """
         if child_id in self._tables:
             raise KVCacheError(f"sequence {child_id!r} is already allocated")
-        self._tables[child_id] = self._device_table(parent_id).fork()
+        self._tables[child_id] = self._gpu_table(parent_id).fork()
 
     def free(self, seq_id: SeqId) -> None:
         """Drop the sequence; blocks no longer referenced return to the free queue (cached ones
         stay findable until evicted)."""
-        self._table(seq_id).release(self._host)
+        self._table(seq_id).release()
         del self._tables[seq_id]
 
     # -- swapping ---------------------------------------------------------------------------------
 
     def can_swap_out(self, seq_ids: SeqId | Sequence[SeqId]) -> bool:
-        group = self._group(seq_ids, on_host=False)
-        return len(distinct_blocks(t.blocks for t in group)) <= self.num_free_host_blocks
+        group = self._group(seq_ids, on_cpu=False)
+        return len(distinct_blocks(t.blocks for t in group)) <= self.num_free_cpu_blocks
 
     def swap_out(self, seq_ids: SeqId | Sequence[SeqId]) -> list[BlockCopy]:
-        """Move a sequence, or a group sharing blocks (pass a list), to the host pool.
+        """Move a sequence, or a group sharing blocks (pass a list), to the CPU pool.
 
-        Each distinct device block is copied once; returns the (device, host) copies to
-        perform. Device blocks left unreferenced are freed (cached ones stay findable).
+        Each distinct GPU block is copied once; returns the (GPU, CPU) copies to perform. GPU
+        blocks left unreferenced are freed (cached ones stay findable).
         """
-        group = self._group(seq_ids, on_host=False)
+        group = self._group(seq_ids, on_cpu=False)
         needed = len(distinct_blocks(t.blocks for t in group))
-        if needed > self.num_free_host_blocks:
-            raise NoFreeBlocksError("host", needed, self.num_free_host_blocks)
-        host_tables, copies = self._host.move_out([t.blocks for t in group], self._pool)
-        for table, blocks in zip(group, host_tables, strict=True):
-            table.blocks, table.on_host = blocks, True
+        if needed > self.num_free_cpu_blocks:
+            raise NoFreeBlocksError("CPU", needed, self.num_free_cpu_blocks)
+        cpu_tables, copies = self._cpu.move_out([t.blocks for t in group], self._gpu)
+        for table, blocks in zip(group, cpu_tables, strict=True):
+            table.blocks, table.on_cpu = blocks, True
         return copies
 
     def can_swap_in(self, seq_ids: SeqId | Sequence[SeqId]) -> bool:
         """Whether `swap_in` would leave at least the watermark's blocks free."""
-        needed = len(distinct_blocks(t.blocks for t in self._group(seq_ids, on_host=True)))
+        needed = len(distinct_blocks(t.blocks for t in self._group(seq_ids, on_cpu=True)))
         return self.num_free_blocks - needed >= self.watermark_blocks
 
+    def num_blocks_to_swap_in(self, num_tokens: Mapping[SeqId, int]) -> int:
+        """Free GPU blocks a swapped-out group (its ids -> the tokens each must then cover)
+        takes to come back and grow: each shared CPU block once, plus new blocks and at most one
+        copy-on-write copy a sequence (its last block, partly filled and shared)."""
+        group = self._group(list(num_tokens), on_cpu=True)
+        uses = distinct_blocks(t.blocks for t in group)
+        growth = 0
+        for table, wanted in zip(group, num_tokens.values(), strict=True):
+            covered = self._check_growth(table, wanted)
+            growth += self.num_blocks_for(wanted) - len(table.blocks)
+            if wanted > covered and covered % self.block_size and uses[table.blocks[-1]] > 1:
+                growth += 1
+        return len(uses) + growth
+
     def swap_in(self, seq_ids: SeqId | Sequence[SeqId]) -> list[BlockCopy]:
-        """Bring a swapped-out sequence or group back; returns the (host, device) copies.
+        """Bring a swapped-out sequence or group back; returns the (CPU, GPU) copies.
 
         The swapped-in blocks are offered to the prefix cache again at the next `mark_computed`.
         """
-        group = self._group(seq_ids, on_host=True)
+        group = self._group(seq_ids, on_cpu=True)
         needed = len(distinct_blocks(t.blocks for t in group))
         if needed > self.num_free_blocks:
-            raise NoFreeBlocksError("device", needed, self.num_free_blocks)
-        device_tables, copies = self._host.move_in([t.blocks for t in group], self._pool)
-        for table, blocks in zip(group, device_tables, strict=True):
-            table.blocks, table.on_host, table.num_registered_blocks = blocks, False, 0
+            raise NoFreeBlocksError("GPU", needed, self.num_free_blocks)
+        gpu_tables, copies = self._cpu.move_in([t.blocks for t in group], self._gpu)
+        for table, blocks in zip(group, gpu_tables, strict=True):
+            table.blocks, table.on_cpu, table.num_registered_blocks = blocks, False, 0
         return copies
 
     # -- invariants -------------------------------------------------------------------------------
@@ -289,12 +315,12 @@ class KVCacheManager:
         """Check every structural invariant; raise AssertionError describing the first broken:
         each table on its own, then ref counts equal to table references in both pools."""
         refs = [0] * self.num_gpu_blocks
-        host_refs = [0] * self.num_cpu_blocks
+        cpu_refs = [0] * self.num_cpu_blocks
         fills: dict[int, int] = {}
         for seq_id, table in self._tables.items():
-            table.check_invariants(repr(seq_id), self._host, refs, host_refs, fills)
-        self._pool.check_invariants(refs, fills)
-        self._host.check_invariants(host_refs)
+            table.check_invariants(repr(seq_id), refs, cpu_refs, fills)
+        self._gpu.check_invariants(refs, fills)
+        self._cpu.check_invariants(cpu_refs)
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -304,11 +330,31 @@ class KVCacheManager:
         except KeyError:
             raise KVCacheError(f"unknown sequence {seq_id!r}") from None
 
-    def _device_table(self, seq_id: SeqId) -> BlockTable:
+    def _gpu_table(self, seq_id: SeqId) -> BlockTable:
         table = self._table(seq_id)
-        if table.on_host:
+        if table.on_cpu:
             raise KVCacheError(f"sequence {seq_id!r} is swapped out; swap it in first")
         return table
+
+    def _growing_table(self, seq_id: SeqId, num_tokens: int) -> BlockTable:
+        """The GPU table of a sequence about to cover `num_tokens` tokens, checked."""
+        table = self._gpu_table(seq_id)
+        self._check_growth(table, num_tokens)
+        return table
+
+    @staticmethod
+    def _check_growth(table: BlockTable, num_tokens: int) -> int:
+        """The slots `table` covers, after checking that `num_tokens` is a length it may grow
+        to (a table never shrinks: a sequence's tokens are only ever appended)."""
+        if not isinstance(num_tokens, Integral) or isinstance(num_tokens, bool):
+            raise KVCacheError(f"num_tokens must be an integer, got {num_tokens!r}")
+        covered = table.num_slots
+        if num_tokens < covered:
+            raise KVCacheError(
+                f"num_tokens is the sequence's length to cover, at least the {covered} tokens "
+                f"its table covers already, got {num_tokens}"
+            )
+        return covered
 
     def _new_prompt(self, seq_id: SeqId, token_ids: Sequence[int]) -> list[int]:
         if seq_id in self._tables:
@@ -318,7 +364,7 @@ class KVCacheManager:
             raise KVCacheError(f"sequence {seq_id!r}: a prompt needs at least one token")
         return tokens
 
-    def _group(self, seq_ids: SeqId | Sequence[SeqId], on_host: bool) -> list[BlockTable]:
+    def _group(self, seq_ids: SeqId | Sequence[SeqId], on_cpu: bool) -> list[BlockTable]:
         ids = list(seq_ids) if isinstance(seq_ids, (list, tuple)) else [seq_ids]
         if not ids:
             raise KVCacheError("empty sequence group")
@@ -326,8 +372,8 @@ class KVCacheManager:
             raise KVCacheError(f"sequence group {ids!r} repeats an id")
         group = [self._table(i) for i in ids]
         for seq_id, table in zip(ids, group, strict=True):
-            if table.on_host != on_host:
-                where = "swapped out" if table.on_host else "on the device"
+            if table.on_cpu != on_cpu:
+                where = "swapped out" if table.on_cpu else "in the GPU pool"
                 raise KVCacheError(f"sequence {seq_id!r} is already {where}")
         return group
 

@@ -1,9 +1,9 @@
-"""The physical blocks under `KVCacheManager`: the device pool with its free queue and prefix
-cache, and the host pool that swapped-out blocks go to (vLLM paper §4.2-4.5).
+"""The physical blocks under `KVCacheManager`: the GPU pool with its free queue and prefix
+cache, and the CPU pool that swapped-out blocks go to (vLLM paper §4.2-4.5).
 
-The device pool knows, for each block, how many sequences reference it and how many of its
-slots hold tokens; a full block whose K/V is computed may also carry a *block hash*, which
-makes it findable by later prompts with the same prefix (§4.4, "shared prefix"). A hash is
+The GPU pool knows, for each block, how many sequences reference it and how many of its
+slots hold tokens (its fill); a full block whose K/V is computed may also carry a *block hash*,
+which makes it findable by later prompts with the same prefix (§4.4, "shared prefix"). A hash is
 chained -- BLAKE2b over (the previous block's hash, the block's token ids) -- so equal hashes
 mean equal prefixes, and every hit is still confirmed against the block's stored token ids.
 A freed cached block stays findable until the `FreeBlockQueue` evicts it (LRU).
@@ -28,7 +28,8 @@ ROOT_HASH = bytes(16)
 
 @dataclass
 class Block:
-    """A physical device block. Prefix-cache fields are set only while its hash is registered."""
+    """A physical block of the GPU pool. Prefix-cache fields are set only while its hash is
+    registered."""
 
     block_id: int
     ref_count: int = 0
@@ -39,7 +40,7 @@ class Block:
 
 
 class FreeBlockQueue:
-    """Free device blocks in eviction order, with O(1) removal from anywhere.
+    """Free GPU blocks in eviction order, with O(1) removal from anywhere.
 
     The front is taken first. Blocks without a cached hash go to the front (nothing is lost by
     reusing them); blocks with a hash go to the back, so the cached block freed longest ago is
@@ -106,11 +107,12 @@ def distinct_blocks(tables: Iterable[list[int]]) -> dict[int, int]:
     return counts
 
 
-# -- the device pool ------------------------------------------------------------------------------
+# -- the GPU pool ---------------------------------------------------------------------------------
 
 
-class BlockPool:
-    """Device blocks: reference counts, slot fills, the free queue and the prefix cache."""
+class GPUPool:
+    """The GPU pool's blocks: reference counts, slot fills, the free queue and the prefix
+    cache."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
@@ -222,11 +224,12 @@ class BlockPool:
         )
 
 
-# -- the host pool --------------------------------------------------------------------------------
+# -- the CPU pool ---------------------------------------------------------------------------------
 
 
-class HostPool:
-    """Host blocks holding swapped-out K/V: reference counts and fills, lowest id taken first."""
+class CPUPool:
+    """The CPU pool's blocks, holding swapped-out K/V: reference counts and fills, lowest id
+    taken first."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -235,53 +238,53 @@ class HostPool:
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() from the end
 
     def take(self, ref_count: int, num_tokens: int) -> int:
-        host_block = self.free.pop()
-        self.ref_counts[host_block] = ref_count
-        self.num_tokens[host_block] = num_tokens
-        return host_block
+        cpu_block = self.free.pop()
+        self.ref_counts[cpu_block] = ref_count
+        self.num_tokens[cpu_block] = num_tokens
+        return cpu_block
 
-    def release(self, host_block: int) -> None:
-        self.ref_counts[host_block] -= 1
-        if self.ref_counts[host_block] == 0:
-            self.free.append(host_block)
+    def release(self, cpu_block: int) -> None:
+        self.ref_counts[cpu_block] -= 1
+        if self.ref_counts[cpu_block] == 0:
+            self.free.append(cpu_block)
 
     def move_out(
-        self, tables: list[list[int]], device: BlockPool
+        self, tables: list[list[int]], gpu: GPUPool
     ) -> tuple[list[list[int]], list[tuple[int, int]]]:
-        """Copy the distinct device blocks of a group's tables here (the caller checked there
-        is room) and release them on the device; returns the host tables and the (device, host)
-        copies."""
+        """Copy the distinct GPU blocks of a group's tables here (the caller checked there is
+        room) and release them on the GPU; returns the CPU tables and the (GPU, CPU) copies."""
         mapping = {
-            block_id: self.take(refs, device.blocks[block_id].num_tokens)
+            block_id: self.take(refs, gpu.blocks[block_id].num_tokens)
             for block_id, refs in distinct_blocks(tables).items()
         }
         for table in tables:
             for block_id in reversed(table):  # the prefix is evicted last
-                device.release(block_id)
+                gpu.release(block_id)
         return [[mapping[b] for b in table] for table in tables], list(mapping.items())
 
     def move_in(
-        self, tables: list[list[int]], device: BlockPool
+        self, tables: list[list[int]], gpu: GPUPool
     ) -> tuple[list[list[int]], list[tuple[int, int]]]:
-        """The reverse: fresh device blocks for a group's host tables (the caller checked there
-        is room); returns the device tables and the (host, device) copies."""
+        """The reverse: fresh GPU blocks for a group's CPU tables (the caller checked there is
+        room); returns the GPU tables and the (CPU, GPU) copies."""
         mapping: dict[int, int] = {}
-        for host_block, refs in distinct_blocks(tables).items():
-            block_id = device.take_free()
-            device.blocks[block_id].ref_count = refs
-            device.set_num_tokens(block_id, self.num_tokens[host_block])
-            mapping[host_block] = block_id
+        for cpu_block, refs in distinct_blocks(tables).items():
+            block_id = gpu.take_free()
+            gpu.blocks[block_id].ref_count = refs
+            gpu.set_num_tokens(block_id, self.num_tokens[cpu_block])
+            mapping[cpu_block] = block_id
         for table in tables:
-            for host_block in table:
-                self.release(host_block)
+            for cpu_block in table:
+                self.release(cpu_block)
         return [[mapping[h] for h in table] for table in tables], list(mapping.items())
 
     def check_invariants(self, refs: list[int]) -> None:
+        """Given the references the block tables imply, check the counts and the free list."""
         unreferenced = [h for h in range(self.num_blocks) if not refs[h]]
         assert sorted(self.free) == unreferenced, (
-            "host free list does not hold exactly the unreferenced host blocks"
+            "CPU free list does not hold exactly the unreferenced CPU blocks"
         )
         for h in range(self.num_blocks):
             assert self.ref_counts[h] == refs[h], (
-                f"host block {h}: ref count {self.ref_counts[h]} but {refs[h]} references"
+                f"CPU block {h}: ref count {self.ref_counts[h]} but {refs[h]} references"
             )

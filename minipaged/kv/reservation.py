@@ -22,7 +22,7 @@ cache, no swapping and no sharing: `fork` gives the child a chunk the request re
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from minipaged.kv.buddy import BuddyAllocator, next_power_of_two
@@ -96,11 +96,12 @@ class _Request:
 
 @dataclass
 class _Member:
-    """A sequence in its request's chunk: how many token slots it fills."""
+    """A sequence in its request's chunk, and how many of the chunk's slots hold its tokens
+    (the chunk's fill: a chunk has no blocks of its own to keep it)."""
 
     request: _Request
     chunk: _Chunk
-    num_tokens: int
+    num_slots: int
 
 
 # -- the KV manager -------------------------------------------------------------------------------
@@ -112,7 +113,7 @@ class ReservationKVCacheManager:
     `static_batch`, chunks come back only once no sequence is left."""
 
     watermark_blocks = 0  # no admission reserve: a reservation is never outgrown
-    num_cpu_blocks = 0  # no host pool: nothing is swapped
+    num_cpu_blocks = 0  # no CPU pool: nothing is swapped
 
     def __init__(
         self,
@@ -168,14 +169,15 @@ class ReservationKVCacheManager:
         reserved = reservation_len(self.policy, prompt_len, output_len, self.max_seq_len)
         return width * next_power_of_two(self.num_blocks_for(reserved))
 
-    def num_tokens(self, seq_id: SeqId) -> int:
-        return self._member(seq_id).num_tokens
+    def num_slots(self, seq_id: SeqId) -> int:
+        """Slots of the sequence's chunk holding its tokens (for pictures and tests)."""
+        return self._member(seq_id).num_slots
 
     def block_table(self, seq_id: SeqId) -> list[int]:
         """The chunk's first blocks, as many as the sequence's tokens fill: consecutive ids."""
         member = self._member(seq_id)
         start = member.chunk.offset
-        return list(range(start, start + self.num_blocks_for(member.num_tokens)))
+        return list(range(start, start + self.num_blocks_for(member.num_slots)))
 
     def reserved_blocks(self, seq_id: SeqId) -> int:
         """Blocks of the sequence's chunk (after the allocator's rounding)."""
@@ -230,28 +232,29 @@ class ReservationKVCacheManager:
 
     # -- growth -----------------------------------------------------------------------------------
 
-    def num_blocks_to_append(self, seq_id: SeqId, n: int) -> int:
+    def num_blocks_to_append(self, seq_id: SeqId, *, num_tokens: int) -> int:
         """Always 0: the chunk already holds the whole request (growing past it raises)."""
-        self._check_room(seq_id, n)
+        self._check_room(seq_id, num_tokens)
         return 0
 
-    def can_append(self, seq_id: SeqId, n: int = 1) -> bool:
-        member = self._member(seq_id)
-        return member.num_tokens + n <= member.request.expected.total_len
+    def can_append(self, seq_id: SeqId, *, num_tokens: int) -> bool:
+        return num_tokens <= self._member(seq_id).request.expected.total_len
 
-    def append_slots(self, seq_id: SeqId, n: int) -> list[BlockCopy]:
-        """Record `n` more tokens written into the chunk; never any copy-on-write."""
-        self._check_room(seq_id, n)
-        self._members[seq_id].num_tokens += n
+    def append_slots(self, seq_id: SeqId, *, num_tokens: int) -> list[BlockCopy]:
+        """Record that the chunk holds the sequence's first `num_tokens` tokens; never any
+        copy-on-write."""
+        self._check_room(seq_id, num_tokens)
+        self._members[seq_id].num_slots = num_tokens
         return []
 
     def mark_computed(self, seq_id: SeqId, computed_token_ids: Sequence[int]) -> None:
         """Nothing to publish (no prefix cache); checks the prefix fits the sequence's slots."""
         member = self._member(seq_id)
-        if len(computed_token_ids) > member.num_tokens:
+        if len(computed_token_ids) > member.num_slots:
             raise KVCacheError(
                 f"sequence {seq_id!r}: {len(computed_token_ids)} computed tokens but only "
-                f"{member.num_tokens} slots (num_computed_tokens must not exceed num_tokens)"
+                f"{member.num_slots} slots (num_computed_tokens must not exceed the slots "
+                "appended)"
             )
 
     # -- fork and free ----------------------------------------------------------------------------
@@ -267,7 +270,7 @@ class ReservationKVCacheManager:
         if not request.spare:
             raise NoFreeBlocksError("spare chunk of the request", 1, 0)
         request.members.add(child_id)
-        self._members[child_id] = _Member(request, request.spare.pop(), parent.num_tokens)
+        self._members[child_id] = _Member(request, request.spare.pop(), parent.num_slots)
 
     def free(self, seq_id: SeqId) -> None:
         """Drop the sequence; its chunk goes back to its request, and the request's chunks go
@@ -296,10 +299,13 @@ class ReservationKVCacheManager:
     can_swap_in = can_swap_out
 
     def swap_out(self, seq_ids: SeqId | Sequence[SeqId]) -> list[BlockCopy]:
-        raise KVCacheError("contiguous reservations are not swapped (no host pool)")
+        raise KVCacheError("contiguous reservations are not swapped (no CPU pool)")
+
+    def num_blocks_to_swap_in(self, num_tokens: Mapping[SeqId, int]) -> int:
+        raise KVCacheError("contiguous reservations are not swapped (no CPU pool)")
 
     def swap_in(self, seq_ids: SeqId | Sequence[SeqId]) -> list[BlockCopy]:
-        raise KVCacheError("contiguous reservations are not swapped (no host pool)")
+        raise KVCacheError("contiguous reservations are not swapped (no CPU pool)")
 
     # -- accounting -------------------------------------------------------------------------------
 
@@ -311,7 +317,7 @@ class ReservationKVCacheManager:
         tokens = reserved = internal = external = 0
         for request in self._live_requests():
             total = request.expected.total_len
-            held = {id(m.chunk): m.num_tokens for m in map(self._members.get, request.members)}
+            held = {id(m.chunk): m.num_slots for m in map(self._members.get, request.members)}
             for chunk in request.chunks:
                 used = held.get(id(chunk), 0)
                 tokens += used
@@ -353,7 +359,7 @@ class ReservationKVCacheManager:
                 member = self._members[seq_id]
                 assert member.request is request
                 total = request.expected.total_len
-                assert 0 < member.num_tokens <= total, f"sequence {seq_id!r} outgrew its length"
+                assert 0 < member.num_slots <= total, f"sequence {seq_id!r} outgrew its length"
         assert not self._dead or self.static_batch, "dead chunks outside a static batch"
         assert all(c <= 1 for c in covered), "two chunks overlap"
         used = self.num_gpu_blocks - self.num_free_blocks
@@ -387,14 +393,17 @@ class ReservationKVCacheManager:
             reservation_len(self.policy, e.prompt_len, e.output_len, self.max_seq_len)
         )
 
-    def _check_room(self, seq_id: SeqId, n: int) -> None:
-        if not isinstance(n, int) or n < 0:
-            raise KVCacheError(f"number of tokens to append must be an integer >= 0, got {n!r}")
+    def _check_room(self, seq_id: SeqId, num_tokens: int) -> None:
         member = self._member(seq_id)
+        if not isinstance(num_tokens, int) or num_tokens < member.num_slots:
+            raise KVCacheError(
+                "num_tokens is the sequence's length to cover, an integer >= the "
+                f"{member.num_slots} tokens its chunk holds already, got {num_tokens!r}"
+            )
         total = member.request.expected.total_len
-        if member.num_tokens + n > total:
+        if num_tokens > total:
             raise ReservationExceededError(
-                f"sequence {seq_id!r}: {member.num_tokens + n} tokens would exceed its length "
+                f"sequence {seq_id!r}: {num_tokens} tokens would exceed its length "
                 f"{total} (prompt + expected output), which its reservation was sized for: a "
                 "sequence cannot outgrow it; expect() a longer output"
             )

@@ -7,10 +7,11 @@ from __future__ import annotations
 from minipaged.sampling.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minipaged.sampling.params import SamplingParams, SamplingType
 from minipaged.sampling.sampler import Sampler
-from minipaged.sampling.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.sampling.sequence import GroupMember, Sequence, SequenceGroup, SequenceStatus
 
 __all__ = [
     "CompletionOutput",
+    "GroupMember",
     "RequestMetrics",
     "RequestOutput",
     "Sampler",

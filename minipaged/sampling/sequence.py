@@ -17,7 +17,7 @@ import enum
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -33,8 +33,8 @@ class SequenceStatus(enum.Enum):
     """Where a sequence is in its life; the FINISHED_* values say why it ended."""
 
     WAITING = "waiting"  # not yet scheduled, or preempted by recomputation
-    RUNNING = "running"  # its KV blocks are in device memory
-    SWAPPED = "swapped"  # preempted: its KV blocks are in host memory
+    RUNNING = "running"  # its KV blocks are in the GPU pool
+    SWAPPED = "swapped"  # preempted: its KV blocks are in the CPU pool
     FINISHED_STOPPED = "finished_stopped"  # EOS, a stop token or a stop string
     FINISHED_LENGTH_CAPPED = "finished_length_capped"  # max_tokens or the model's context
     FINISHED_ABORTED = "finished_aborted"  # the user aborted the request
@@ -90,9 +90,11 @@ class StopDecision:
 class Sequence:
     """One token stream: the prompt, the tokens generated so far and their text.
 
-    `num_computed_tokens` counts the tokens whose K/V are in the cache; the scheduler grows it
-    (chunked prefill, decode) and resets it when a preemption drops the blocks. `sample_index`
-    says which of a request's `n` samples this is (it picks the seeded generator).
+    The one owner of the sequence's token counts: its length (`get_len`, prompt and output)
+    and `num_computed_tokens`, the tokens whose K/V are in the cache; the scheduler grows the
+    latter (chunked prefill, decode), resets it when a preemption drops the blocks, and tells
+    the KV cache manager the length its blocks must cover. `sample_index` says which of a
+    request's `n` samples this is (it picks the seeded generator).
     """
 
     def __init__(
@@ -347,3 +349,12 @@ class SequenceGroup:
             finished=self.is_finished(),
             metrics=self.metrics,
         )
+
+
+class GroupMember(NamedTuple):
+    """A sequence with the request it belongs to: how the scheduler resolves a planned
+    `ScheduledSequence`'s ids to its objects (`Scheduler.resolve`), and what the sampling step
+    works on, one per sequence that samples."""
+
+    group: SequenceGroup
+    seq: Sequence

@@ -8,7 +8,7 @@ from __future__ import annotations
 from minipaged.sched.base import Scheduler
 from minipaged.sched.cost_model import CostModel, StepShape
 from minipaged.sched.fcfs import FCFSScheduler
-from minipaged.sched.mlfq import MLFQConfig, SkipJoinMLFQScheduler
+from minipaged.sched.mlfq import MLFQ_VARIANTS, MLFQConfig, MLFQVariant, SkipJoinMLFQScheduler
 from minipaged.sched.output import (
     PreemptionMode,
     RequestRejectedError,
@@ -22,6 +22,8 @@ __all__ = [
     "CostModel",
     "FCFSScheduler",
     "MLFQConfig",
+    "MLFQVariant",
+    "MLFQ_VARIANTS",
     "PreemptionMode",
     "RequestRejectedError",
     "SCHEDULERS",

@@ -1,13 +1,15 @@
 """Iteration-level scheduling over a KV cache manager: which sequences run in the next step.
 
 `Scheduler` holds the mechanics every policy shares (vLLM paper §4.5): three queues by where a
-group's blocks are (waiting: none, running: on the device, swapped: on the host); admitting,
-growing, preempting all-or-nothing by swapping to host memory or by freeing the blocks for
-recomputation, swapping back in; the fit checks; the step's token budget (`StepBudget`); and
-`schedule(now)`, which asks the policy to fill the step and hands the block tables the step
-needs to the engine on `SchedulerOutput`. A policy only orders and chooses (`choose`):
-`minipaged.sched.fcfs.FCFSScheduler` (vLLM's), `minipaged.sched.mlfq.SkipJoinMLFQScheduler`
-(FastServe's multi-level feedback queue), and the baselines' `minipaged.sched.baselines`.
+group's blocks are (waiting: none, running: in the GPU pool, swapped: in the CPU pool), one
+`QueueState` each, which is the only place that tells the three apart; admitting, growing,
+preempting all-or-nothing by swapping to the CPU pool or by freeing the blocks for
+recomputation (`PreemptionMode`, from the config), swapping back in; the fit checks; the
+step's token budget (`StepBudget`); and `schedule(now)`, which asks the policy to fill the
+step and hands the block tables the step needs to the engine on `SchedulerOutput`. A policy
+only orders and chooses (`choose`): `minipaged.sched.fcfs.FCFSScheduler` (vLLM's),
+`minipaged.sched.mlfq.SkipJoinMLFQScheduler` (FastServe's multi-level feedback queue), and the
+baselines' `minipaged.sched.baselines`.
 
 The scheduler is pure bookkeeping over `SequenceGroup`s and a `KVManager`
 (`minipaged.kv.interface`) -- no tensors -- so the simulator drives the very code the engine
@@ -18,12 +20,13 @@ samples, and calls `finish_step()`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
+from typing import NamedTuple
 
 from minipaged.kv.interface import KVManager
-from minipaged.sampling.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.sampling.sequence import GroupMember, Sequence, SequenceGroup, SequenceStatus
 from minipaged.sched.output import (
     PreemptionMode,
     RequestRejectedError,
@@ -34,6 +37,21 @@ from minipaged.sched.output import (
 )
 
 # The step's data types (`minipaged.sched.output`) are this module's vocabulary too.
+
+# -- data types -----------------------------------------------------------------------------------
+
+
+class QueueState(NamedTuple):
+    """What one of a group's three states means to the scheduler: the queue holding the groups
+    in it, whether such a group can compute its pending tokens now (`fits`), how many free GPU
+    blocks that takes (`blocks_needed`), and the move that puts its blocks in the GPU pool
+    first (`to_gpu`; none for a running group, whose blocks are there)."""
+
+    queue: deque[SequenceGroup] | list[SequenceGroup]
+    fits: Callable[[list[Sequence]], bool]
+    blocks_needed: Callable[[list[Sequence]], int]
+    to_gpu: Callable[[SequenceGroup, SchedulerOutput], None] | None
+
 
 # -- the scheduler --------------------------------------------------------------------------------
 
@@ -46,13 +64,17 @@ class Scheduler(ABC):
     tests/sched/test_contract.py checks every registered one).
 
     Invariant: every unfinished group is in exactly one queue, by where its blocks are --
-    `waiting` (none: new, or preempted by recomputation), `running` (on the device; a policy
-    may leave a running group out of a step, it keeps its blocks) or `swapped` (on the host).
-    Only the moves below change the queues and, through `kv_manager`, the block tables.
+    `waiting` (none: new, or preempted by recomputation), `running` (in the GPU pool; a policy
+    may leave a running group out of a step, it keeps its blocks) or `swapped` (in the CPU
+    pool) -- the queue of its sequences' status in `states`. Only the moves below (`_move`)
+    change the queues and, through `kv_manager`, the block tables.
     """
 
     # Whether the policy predicts step times (`cost_model`), as skip-join MLFQ does.
     needs_cost_model = False
+    # How the policy preempts when the config leaves it open (`preemption_mode` None); None
+    # here is vLLM's rule: swap a group of several sequences, recompute a single one.
+    default_preemption_mode: PreemptionMode | None = None
 
     def __init__(self, config: SchedulerConfig, kv_manager: KVManager) -> None:
         self.config = config
@@ -60,6 +82,19 @@ class Scheduler(ABC):
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
+        # The one switch over a group's state; `groups()` yields the queues in this order.
+        self.states: dict[SequenceStatus, QueueState] = {
+            SequenceStatus.RUNNING: QueueState(
+                self.running, self.can_grow, self.grow_blocks, None
+            ),
+            SequenceStatus.SWAPPED: QueueState(
+                self.swapped, self.can_swap_in, self.swap_in_blocks, self.swap_in
+            ),
+            SequenceStatus.WAITING: QueueState(
+                self.waiting, self.can_admit, self.admit_blocks,
+                lambda group, _out: self.admit(group),
+            ),
+        }
         self.num_preemptions = 0
         self._now = 0.0
 
@@ -106,7 +141,8 @@ class Scheduler(ABC):
     ) -> SequenceGroup | None:
         """Remove a request wherever it is, return its blocks, and end its unfinished
         sequences with `status`; None when it is unknown."""
-        for queue in (self.waiting, self.running, self.swapped):
+        for state in self.states.values():
+            queue = state.queue
             for group in queue:
                 if group.request_id == request_id:
                     queue.remove(group)
@@ -133,12 +169,12 @@ class Scheduler(ABC):
         return {}
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return any(state.queue for state in self.states.values())
 
     def groups(self) -> Iterator[SequenceGroup]:
-        yield from self.running
-        yield from self.swapped
-        yield from self.waiting
+        """Every unfinished group: the running ones, then the swapped, then the waiting."""
+        for state in self.states.values():
+            yield from state.queue
 
     # -- one step ---------------------------------------------------------------------------------
 
@@ -177,16 +213,14 @@ class Scheduler(ABC):
                 tokens = tokens[: seq.num_computed_tokens]
             self.kv_manager.mark_computed(seq.seq_id, tokens)
 
-    def resolve(
-        self, items: Iterable[ScheduledSequence]
-    ) -> list[tuple[SequenceGroup, Sequence]]:
+    def resolve(self, items: Iterable[ScheduledSequence]) -> list[GroupMember]:
         """The running group and the sequence each scheduled item names (the plan holds ids;
         the scheduler owns the objects)."""
         groups = {group.request_id: group for group in self.running}
         resolved = []
         for item in items:
             group = groups[item.request_id]
-            resolved.append((group, group.find(item.seq_id)))
+            resolved.append(GroupMember(group, group.find(item.seq_id)))
         return resolved
 
     def finish_step(self) -> list[SequenceGroup]:
@@ -199,18 +233,28 @@ class Scheduler(ABC):
                 if seq.is_finished():
                     self._release(seq)
         finished = [g for g in self.running if g.is_finished()]
-        self.running = [g for g in self.running if not g.is_finished()]
+        self.running[:] = [g for g in self.running if not g.is_finished()]
         return finished
 
     # -- fit checks -------------------------------------------------------------------------------
 
+    def fits(self, seqs: list[Sequence]) -> bool:
+        """Whether a group can compute its pending tokens now, wherever its blocks are."""
+        return self.states[seqs[0].status].fits(seqs)
+
+    def blocks_needed(self, seqs: list[Sequence]) -> int:
+        """Free GPU blocks a group needs before it can compute its pending tokens, shared
+        blocks counted once (prefix-cache hits not counted: an upper bound for a waiting one)."""
+        return self.states[seqs[0].status].blocks_needed(seqs)
+
     def can_grow(self, seqs: list[Sequence]) -> bool:
         """Whether every running sequence of a group gets the slots of its pending tokens."""
+        return self.grow_blocks(seqs) <= self.kv_manager.num_free_blocks
+
+    def grow_blocks(self, seqs: list[Sequence]) -> int:
+        """GPU blocks a running group takes for the slots of its pending tokens."""
         kv = self.kv_manager
-        needed = sum(
-            kv.num_blocks_to_append(s.seq_id, s.get_len() - kv.num_tokens(s.seq_id)) for s in seqs
-        )
-        return needed <= kv.num_free_blocks
+        return sum(kv.num_blocks_to_append(s.seq_id, num_tokens=s.get_len()) for s in seqs)
 
     def can_swap_in(self, seqs: list[Sequence]) -> bool:
         """Whether a swapped group fits back in *and* can then take its pending tokens."""
@@ -220,19 +264,8 @@ class Scheduler(ABC):
         return kv.num_free_blocks - self.swap_in_blocks(seqs) >= 0
 
     def swap_in_blocks(self, seqs: list[Sequence]) -> int:
-        """Device blocks a swapped group takes to come back and take its pending tokens: each
-        shared host block once, plus growth and at most one copy-on-write copy a sequence."""
-        kv = self.kv_manager
-        tables = {s.seq_id: kv.block_table(s.seq_id) for s in seqs}
-        uses = Counter(block for table in tables.values() for block in table)
-        growth = 0
-        for seq in seqs:
-            cached, wanted = kv.num_tokens(seq.seq_id), seq.get_len()
-            growth += kv.num_blocks_for(wanted) - kv.num_blocks_for(cached)
-            last_block_shared = uses[tables[seq.seq_id][-1]] > 1
-            if wanted > cached and cached % kv.block_size and last_block_shared:
-                growth += 1  # at most one copy-on-write copy
-        return len(uses) + growth
+        """GPU blocks a swapped group takes to come back and take its pending tokens."""
+        return self.kv_manager.num_blocks_to_swap_in({s.seq_id: s.get_len() for s in seqs})
 
     def can_admit(self, seqs: list[Sequence]) -> bool:
         """Whether admitting these waiting sequences leaves the watermark free."""
@@ -244,36 +277,13 @@ class Scheduler(ABC):
         return kv.num_free_blocks - self.admit_blocks(seqs) >= kv.watermark_blocks
 
     def admit_blocks(self, seqs: list[Sequence]) -> int:
-        """Device blocks `admit` takes for these waiting sequences (no prefix hits counted)."""
+        """GPU blocks `admit` takes for these waiting sequences (no prefix hits counted)."""
         shared = self.shared_prompt_blocks(seqs)
         return shared + sum(self.kv_manager.num_blocks_for(s.get_len()) - shared for s in seqs)
 
     def shared_prompt_blocks(self, seqs: list[Sequence]) -> int:
         """Full prompt blocks that the sequences of one group share (none for a single one)."""
         return seqs[0].get_prompt_len() // self.kv_manager.block_size if len(seqs) > 1 else 0
-
-    def fits(self, seqs: list[Sequence]) -> bool:
-        """Whether a group can compute its pending tokens now, wherever its blocks are."""
-        status = seqs[0].status
-        if status is SequenceStatus.RUNNING:
-            return self.can_grow(seqs)
-        if status is SequenceStatus.SWAPPED:
-            return self.can_swap_in(seqs)
-        return self.can_admit(seqs)
-
-    def blocks_needed(self, seqs: list[Sequence]) -> int:
-        """Free device blocks a group needs before it can compute its pending tokens, shared
-        blocks counted once (prefix-cache hits not counted: an upper bound for a waiting one)."""
-        kv = self.kv_manager
-        status = seqs[0].status
-        if status is SequenceStatus.RUNNING:
-            return sum(
-                kv.num_blocks_to_append(s.seq_id, s.get_len() - kv.num_tokens(s.seq_id))
-                for s in seqs
-            )
-        if status is SequenceStatus.SWAPPED:
-            return self.swap_in_blocks(seqs)
-        return self.admit_blocks(seqs)
 
     # -- the step's token budget ------------------------------------------------------------------
 
@@ -339,19 +349,15 @@ class Scheduler(ABC):
     # -- moves ------------------------------------------------------------------------------------
 
     def run(self, group: SequenceGroup, out: SchedulerOutput, budget: StepBudget) -> None:
-        """Put a group's blocks on the device if they are not (admit or swap in), give its
+        """Put a group's blocks in the GPU pool if they are not (admit or swap in), give its
         sequences the slots of their pending tokens, and schedule what the budget allows.
         The caller checked `fits`."""
         seqs = group.get_unfinished_seqs()
-        status = seqs[0].status
-        if status is SequenceStatus.WAITING:
-            self.admit(group)
-        elif status is SequenceStatus.SWAPPED:
-            self.swap_in(group, out)
+        to_gpu = self.states[seqs[0].status].to_gpu
+        if to_gpu is not None:
+            to_gpu(group, out)
         for seq in seqs:
-            pending = seq.get_len() - self.kv_manager.num_tokens(seq.seq_id)
-            if pending:
-                out.copy.extend(self.kv_manager.append_slots(seq.seq_id, pending))
+            out.copy.extend(self.kv_manager.append_slots(seq.seq_id, num_tokens=seq.get_len()))
         for seq, n in self.step_plan(seqs, budget):
             out.scheduled.append(scheduled_share(group, seq, n))
             budget.take(n)
@@ -365,7 +371,6 @@ class Scheduler(ABC):
         only: a re-admission after recomputation finding its own blocks again is no prefix hit.
         """
         first_admission = group.metrics.first_scheduled_time is None
-        self.waiting.remove(group)
         seqs = group.get_unfinished_seqs()
         shared = self.shared_prompt_blocks(seqs) * self.kv_manager.block_size
         if shared:  # samples or beams back from recomputation: one copy of the prompt blocks
@@ -379,57 +384,70 @@ class Scheduler(ABC):
             seq.num_computed_tokens = shared if i and shared else cached  # `run` orders them
             if first_admission:
                 group.metrics.num_cached_tokens += cached
-            seq.status = SequenceStatus.RUNNING
-        self.running.append(group)
+        self._move(group, seqs, SequenceStatus.RUNNING)
 
     def swap_in(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        """Swapped -> running: copy the group's blocks back to the device (copies in `out`)."""
+        """Swapped -> running: copy the group's blocks back to the GPU pool (copies in
+        `out`)."""
         seqs = group.get_seqs(SequenceStatus.SWAPPED)
         out.swap_in.extend(self.kv_manager.swap_in([s.seq_id for s in seqs]))
-        for seq in seqs:
-            seq.status = SequenceStatus.RUNNING
-        self.swapped.remove(group)
-        self.running.append(group)
+        self._move(group, seqs, SequenceStatus.RUNNING)
 
     def swap_out(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
-        """Running -> swapped: move the group's blocks to the host pool; False (nothing done)
-        when the host pool cannot take them."""
+        """Running -> swapped: move the group's blocks to the CPU pool; False (nothing done)
+        when the CPU pool cannot take them."""
         seqs = group.get_seqs(SequenceStatus.RUNNING)
         ids = [s.seq_id for s in seqs]
         if not self.kv_manager.can_swap_out(ids):
             return False
         out.swap_out.extend(self.kv_manager.swap_out(ids))
-        for seq in seqs:
-            seq.status = SequenceStatus.SWAPPED
-        self.running.remove(group)
-        self.swapped.append(group)
+        self._move(group, seqs, SequenceStatus.SWAPPED)
         return True
+
+    def preemption_mode(self, group: SequenceGroup) -> PreemptionMode:
+        """How `group` gives back its blocks when preempted: the config's `preemption_mode`,
+        else the policy's `default_preemption_mode`, else vLLM's rule (swap a group of several
+        running sequences, recompute a single one)."""
+        mode = self.config.preemption_mode or self.default_preemption_mode
+        if mode is not None:
+            return mode
+        several = len(group.get_seqs(SequenceStatus.RUNNING)) > 1
+        return PreemptionMode.SWAP if several else PreemptionMode.RECOMPUTE
 
     def preempt(
         self, group: SequenceGroup, out: SchedulerOutput, mode: PreemptionMode | None = None
     ) -> None:
-        """Take all of a running group's blocks back (all-or-nothing, vLLM paper §4.5).
+        """Take all of a running group's blocks back (all-or-nothing, vLLM paper §4.5), by
+        `mode`, or by `preemption_mode(group)` when None.
 
-        `mode` None: the config's mode, else swap groups of several sequences and recompute
-        single ones. Swapping falls back to recomputation when the host pool is full; a group
-        preempted by recomputation goes to the front of `waiting` and prefills prompt + output
-        again when resumed.
+        Swapping falls back to recomputation when the CPU pool is full; a group preempted by
+        recomputation goes to the front of `waiting` and prefills prompt + output again when
+        resumed.
         """
         seqs = group.get_seqs(SequenceStatus.RUNNING)
-        mode = (
-            mode
-            or self.config.preemption_mode
-            or (PreemptionMode.SWAP if len(seqs) > 1 else PreemptionMode.RECOMPUTE)
-        )
+        mode = mode or self.preemption_mode(group)
         if not (mode is PreemptionMode.SWAP and self.swap_out(group, out)):
+            self._move(group, seqs, SequenceStatus.WAITING, front=True)
             for seq in seqs:
                 self._release(seq)
                 seq.reset_for_recompute()
-            self.running.remove(group)
-            self.waiting.appendleft(group)
         group.metrics.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(group.request_id)
+
+    def _move(
+        self, group: SequenceGroup, seqs: list[Sequence], to: SequenceStatus, front: bool = False
+    ) -> None:
+        """Move `group` from the queue of its sequences' state to the back (or `front`) of the
+        queue of `to`, and give `seqs` that status: the one place a group changes queue."""
+        self.states[seqs[0].status].queue.remove(group)
+        for seq in seqs:
+            seq.status = to
+        queue = self.states[to].queue
+        if front:
+            queue.insert(0, group)
+        else:
+            queue.append(group)
 
     def _release(self, seq: Sequence) -> None:
         if seq.seq_id in self.kv_manager:

@@ -9,7 +9,7 @@ iteration time" that decides which queue it joins. One step's time is modelled a
 
 (an intercept for the fixed cost of a forward pass -- on a GPU, reading the weights once --,
 the prefill's tokens, the decodes' tokens, and the KV cache the decodes attend to), plus
-`per_swap_block` seconds for each block copied between device and host memory.
+`per_swap_block` seconds for each block copied between the GPU and the CPU pool.
 
 `CostModel.fit` finds the four numbers by least squares from measured steps (the measuring is
 done above: `minipaged.runner.profiler` times a model runner's forward passes,
@@ -64,7 +64,7 @@ class CostModel:
     per_prefill_token: float
     per_decode_seq: float
     per_context_token: float
-    per_swap_block: float = 0.0  # one block copied device -> host or host -> device
+    per_swap_block: float = 0.0  # one block copied from the GPU pool to the CPU pool or back
     name: str = "custom"
 
     def __post_init__(self) -> None:

@@ -22,27 +22,31 @@ multi-level feedback queue (MLFQ), which favours short jobs without knowing job 
   within a queue, within the token budget and `max_num_seqs` (without chunked prefill a job's
   whole pending prefill must fit what is left of the budget). A job left out keeps its blocks.
 * **Making room**: when a selected job needs blocks, resident jobs expected to run after it
-  give theirs up, the one expected to run last first: swapped to the host, or freed for
-  recomputation. A resident job growing by a block, or a job promoted for starvation, may evict
-  any of them; a *new* job only jobs of strictly lower queues (no preemption among peers of a
-  first-come-first-served queue); a job that already ran and was preempted comes back only when
-  its blocks fit (or ahead of time, below), never by evicting others.
+  give theirs up, the one expected to run last first: swapped to the CPU pool, or freed for
+  recomputation, by the scheduler config's `preemption_mode` (swapping unless it says
+  otherwise: `default_preemption_mode`). A resident job growing by a block, or a job promoted
+  for starvation, may evict any of them; a *new* job only jobs of strictly lower queues (no
+  preemption among peers of a first-come-first-served queue); a job that already ran and was
+  preempted comes back only when its blocks fit (or ahead of time, below), never by evicting
+  others.
   Without this rule jobs would swap each other out and in every time a demotion reorders them,
   and on a full cache that churn costs more than the reordering gains (CHANGELOG.md).
-* **Proactive swapping** (§4.2): after choosing the batch, keep at least `reserve_blocks` free
-  device blocks (default: `max_num_seqs`, one new block per sequence of a full batch next step)
-  by swapping out the jobs expected to run last, and swap in ahead of time the swapped jobs
-  expected to run next when there is room beyond the reserve. These swaps serve later steps,
-  so a server overlaps them with this step's compute (`SchedulerOutput.num_swap_blocks_ahead`).
+* **Proactive swapping** (§4.2, `MLFQConfig.proactive_swapping`): after choosing the batch,
+  keep at least `reserve_blocks` free GPU blocks (default: `max_num_seqs`, one new block per
+  sequence of a full batch next step) by swapping out the jobs expected to run last, and swap
+  in ahead of time the swapped jobs expected to run next when there is room beyond the
+  reserve. These swaps serve later steps, so a server overlaps them with this step's compute
+  (`SchedulerOutput.num_swap_blocks_ahead`). Jobs that preemption would recompute are not
+  swapped ahead.
 
 **Time.** The scheduler keeps no clock of its own: `schedule(now)` charges the previous step's
 batch with `now - previous now`. That is exactly the step's duration when the driver calls
 `schedule` back to back, as `LLMEngine.run_until_done` and the simulator do; a driver that
 idles between steps with work pending charges the idle time too.
 
-Ablation variants (FastServe §6.3): naive MLFQ (every job enters Q1), fixed priority (skip-join
-levels, no demotion or promotion), recomputation instead of swapping, reactive swapping (swap
-only when a selected job's allocation fails).
+Ablation variants (FastServe §6.3, `MLFQ_VARIANTS`): naive MLFQ (every job enters Q1), fixed
+priority (skip-join levels, no demotion or promotion), recomputation instead of swapping (the
+preemption mode), reactive swapping (swap only when a selected job's allocation fails).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
-from enum import Enum
+from typing import NamedTuple
 
 from minipaged.kv.interface import KVManager
 from minipaged.sampling.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -68,14 +72,6 @@ from minipaged.sched.cost_model import CostModel
 # -- data types -----------------------------------------------------------------------------------
 
 
-class SwapPolicy(str, Enum):
-    """What happens to the KV cache of jobs that must make room (FastServe §4.2, §6.3)."""
-
-    PROACTIVE = "proactive"  # keep a reserve of free blocks; swap out/in ahead of time
-    REACTIVE = "reactive"  # swap out only when a selected job cannot get its blocks
-    RECOMPUTE = "recompute"  # free a victim's blocks; it prefills everything again later
-
-
 @dataclass
 class MLFQConfig:
     """The multi-level feedback queue's parameters (defaults as FastServe's: 10 ms, x2)."""
@@ -86,8 +82,10 @@ class MLFQConfig:
     starvation_bound: float | None = 5.0  # seconds without a step; None: never promote
     skip_join: bool = True  # False: naive MLFQ, every job enters Q1
     demotion: bool = True  # False (with starvation_bound None): fixed priority
-    swap_policy: SwapPolicy = SwapPolicy.PROACTIVE
-    reserve_blocks: int | None = None  # K free device blocks to keep; None: max_num_seqs
+    # Keep a reserve of free blocks and swap out/in ahead of time (FastServe §4.2); False:
+    # reactive, swap out only when a selected job cannot get its blocks.
+    proactive_swapping: bool = True
+    reserve_blocks: int | None = None  # K free GPU blocks to keep; None: max_num_seqs
 
     @classmethod
     def sized_to(cls, cost_model: CostModel, **overrides: object) -> MLFQConfig:
@@ -108,7 +106,6 @@ class MLFQConfig:
             raise ValueError(f"starvation_bound must be > 0 seconds, got {self.starvation_bound}")
         if self.reserve_blocks is not None and self.reserve_blocks < 0:
             raise ValueError(f"reserve_blocks must be >= 0, got {self.reserve_blocks}")
-        self.swap_policy = SwapPolicy(self.swap_policy)
 
     def quantum(self, level: int) -> float:
         """The quantum of queue `level` (0-based: level 0 is Q1)."""
@@ -134,6 +131,7 @@ class SkipJoinMLFQScheduler(Scheduler):
     """Skip-join MLFQ with proactive swapping (FastServe §4); see the module docstring."""
 
     needs_cost_model = True
+    default_preemption_mode = PreemptionMode.SWAP  # FastServe swaps every preempted job
 
     def __init__(
         self,
@@ -158,12 +156,6 @@ class SkipJoinMLFQScheduler(Scheduler):
     def reserve_blocks(self) -> int:
         reserve = self.mlfq.reserve_blocks
         return self.config.max_num_seqs if reserve is None else reserve
-
-    @property
-    def preemption_mode(self) -> PreemptionMode:
-        if self.mlfq.swap_policy is SwapPolicy.RECOMPUTE:
-            return PreemptionMode.RECOMPUTE
-        return PreemptionMode.SWAP
 
     # -- requests in and out -----------------------------------------------------------------------
 
@@ -238,7 +230,7 @@ class SkipJoinMLFQScheduler(Scheduler):
                 continue
             self.run(group, out, budget)
             selected.append(group)
-        if self.mlfq.swap_policy is SwapPolicy.PROACTIVE:
+        if self.mlfq.proactive_swapping:
             self._swap_ahead(order, selected, out)
         self._last_batch = [group for group, _ in self.resolve(out.scheduled)]
         self._last_sampled = {s.request_id for s in out.scheduled if s.needs_logits}
@@ -298,17 +290,13 @@ class SkipJoinMLFQScheduler(Scheduler):
         lower: list[SequenceGroup],
         out: SchedulerOutput,
     ) -> bool:
-        """Free device blocks for `group` by preempting resident jobs it may evict, last
-        first; False (nobody preempted) when even all of them would not make enough room.
+        """Free GPU blocks for `group` by preempting resident jobs it may evict, last first;
+        False (nobody preempted) when even all of them would not make enough room.
 
         A resident or promoted (starving) job evicts any job behind it; a new job only jobs of
         strictly lower queues; a preempted job waits until its blocks fit (module docstring)."""
         if self.fits(seqs):
             return True
-        if out.swap_in and self.preemption_mode is PreemptionMode.SWAP:
-            # The runner copies every swap-out of a step before its swap-ins, and a swap-in
-            # frees host blocks that a later swap-out would reuse: no swap-out after a swap-in.
-            return False
         job = self.jobs[group.request_id]
         if job.promoted or seqs[0].status is SequenceStatus.RUNNING:
             victims = [g for g in lower if g in self.running]
@@ -318,7 +306,11 @@ class SkipJoinMLFQScheduler(Scheduler):
             ]
         else:
             return False
-
+        swaps = any(self.preemption_mode(g) is PreemptionMode.SWAP for g in victims)
+        if out.swap_in and swaps:
+            # The runner copies every swap-out of a step before its swap-ins, and a swap-in
+            # frees CPU blocks that a later swap-out would reuse: no swap-out after a swap-in.
+            return False
         held = sum(
             len(self.kv_manager.block_table(s.seq_id))
             for g in victims
@@ -328,15 +320,15 @@ class SkipJoinMLFQScheduler(Scheduler):
         if self.kv_manager.num_free_blocks + held < self.blocks_needed(seqs):
             return False
         while victims and not self.fits(seqs):
-            self.preempt(victims.pop(), out, self.preemption_mode)
+            self.preempt(victims.pop(), out)
         return self.fits(seqs)
 
     def _swap_ahead(
         self, order: list[SequenceGroup], selected: list[SequenceGroup], out: SchedulerOutput
     ) -> None:
         """Proactive swapping (§4.2): restore the free-block reserve by swapping out the
-        resident jobs expected to run last, then swap in the swapped jobs expected to run next
-        while the reserve stays free."""
+        resident jobs expected to run last (those preemption would swap), then swap in the
+        swapped jobs expected to run next while the reserve stays free."""
         kv, reserve = self.kv_manager, self.reserve_blocks
         chosen = set(map(id, selected))
         idle = [g for g in order if id(g) not in chosen]
@@ -344,8 +336,10 @@ class SkipJoinMLFQScheduler(Scheduler):
         for group in reversed(idle):
             if kv.num_free_blocks >= reserve or out.swap_in:  # no swap-out after a swap-in
                 break
-            if group in self.running and not self.swap_out(group, out):
-                break  # the host pool is full
+            if group not in self.running or self.preemption_mode(group) is not PreemptionMode.SWAP:
+                continue
+            if not self.swap_out(group, out):
+                break  # the CPU pool is full
         for group in idle:
             if group not in self.swapped:
                 continue
@@ -362,16 +356,49 @@ class SkipJoinMLFQScheduler(Scheduler):
 
 # -- the variants (FastServe §6.3's ablation) -----------------------------------------------------
 
-MLFQ_VARIANTS: dict[str, MLFQConfig] = {
-    "mlfq": MLFQConfig(),
-    "mlfq-naive": MLFQConfig(skip_join=False),
-    "mlfq-fixed": MLFQConfig(demotion=False, starvation_bound=None),
-    "mlfq-recompute": MLFQConfig(swap_policy=SwapPolicy.RECOMPUTE),
-    "mlfq-reactive": MLFQConfig(swap_policy=SwapPolicy.REACTIVE),
-}
 
-
-def mlfq_factory(mlfq: MLFQConfig, cost_model: CostModel | None = None) -> SchedulerFactory:
+def mlfq_factory(
+    mlfq: MLFQConfig,
+    cost_model: CostModel | None = None,
+    preemption_mode: PreemptionMode | str | None = None,
+) -> SchedulerFactory:
     """A `(SchedulerConfig, KVManager) -> scheduler` constructor with these settings (what
-    `minipaged.sched.registry` holds, and what `minipaged.sim.simulator` takes)."""
-    return functools.partial(SkipJoinMLFQScheduler, mlfq=mlfq, cost_model=cost_model)
+    `minipaged.sched.registry` holds, and what `minipaged.sim.simulator` takes).
+    `preemption_mode`, when given, is the mode the scheduler config gets (a config naming
+    another one is an error)."""
+    if preemption_mode is None:
+        return functools.partial(SkipJoinMLFQScheduler, mlfq=mlfq, cost_model=cost_model)
+    mode = PreemptionMode(preemption_mode)
+
+    def build(config: SchedulerConfig, kv_manager: KVManager) -> SkipJoinMLFQScheduler:
+        if config.preemption_mode not in (None, mode):
+            raise ValueError(
+                f"this MLFQ variant preempts by {mode.value}, but the scheduler config asks for "
+                f"preemption_mode={config.preemption_mode.value!r}"
+            )
+        config = dataclasses.replace(config, preemption_mode=mode)
+        return SkipJoinMLFQScheduler(config, kv_manager, mlfq, cost_model)
+
+    return build
+
+
+class MLFQVariant(NamedTuple):
+    """One setting of FastServe's ablation (§6.3) by name: the feedback queue's parameters, and
+    the preemption mode the variant stands for (None: the scheduler config's)."""
+
+    mlfq: MLFQConfig
+    preemption_mode: PreemptionMode | None = None
+
+    def factory(self, cost_model: CostModel | None = None, **overrides: object) -> SchedulerFactory:
+        """`mlfq_factory` of this variant; `overrides` replace fields of its `MLFQConfig`."""
+        mlfq = dataclasses.replace(self.mlfq, **overrides) if overrides else self.mlfq
+        return mlfq_factory(mlfq, cost_model, self.preemption_mode)
+
+
+MLFQ_VARIANTS: dict[str, MLFQVariant] = {
+    "mlfq": MLFQVariant(MLFQConfig()),
+    "mlfq-naive": MLFQVariant(MLFQConfig(skip_join=False)),
+    "mlfq-fixed": MLFQVariant(MLFQConfig(demotion=False, starvation_bound=None)),
+    "mlfq-recompute": MLFQVariant(MLFQConfig(), PreemptionMode.RECOMPUTE),
+    "mlfq-reactive": MLFQVariant(MLFQConfig(proactive_swapping=False)),
+}

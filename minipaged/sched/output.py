@@ -1,10 +1,10 @@
 """The data of one scheduling step: its limits, its budget and its plan (vLLM paper §4.5).
 
-`SchedulerConfig` sets a step's limits and the preemption policy; `StepBudget` is what is left
-of them while a policy fills the step; `SchedulerOutput` is the plan the model runner executes
--- which sequences compute which tokens over which block tables (`ScheduledSequence`), and the
-block movements that come first -- and the step record keeps. `minipaged.sched.base` makes
-them.
+`SchedulerConfig` sets a step's limits and the preemption mode every scheduler reads;
+`StepBudget` is what is left of them while a policy fills the step; `SchedulerOutput` is the
+plan the model runner executes -- which sequences compute which tokens over which block tables
+(`ScheduledSequence`), and the block movements that come first -- and the step record keeps.
+`minipaged.sched.base` makes them.
 """
 
 from __future__ import annotations
@@ -16,22 +16,25 @@ from enum import Enum
 
 
 class PreemptionMode(str, Enum):
-    """How a preempted group gives back its blocks (vLLM paper §4.5)."""
+    """How a preempted group gives back its GPU blocks (vLLM paper §4.5; FastServe §4.2 and
+    its recomputation ablation): the one choice of every scheduler, `SchedulerConfig`'s."""
 
     RECOMPUTE = "recompute"  # free the blocks; later prefill prompt + generated tokens again
-    SWAP = "swap"  # copy the blocks to the host pool; later copy them back
+    SWAP = "swap"  # copy the blocks to the CPU pool; later copy them back
 
 
 @dataclass
 class SchedulerConfig:
-    """The limits of one step, and the preemption policy."""
+    """The limits of one step, and the preemption mode."""
 
     max_num_batched_tokens: int = 2048  # tokens computed in one step (prefill chunks + decodes)
     max_num_seqs: int = 64  # sequences in one step
     max_model_len: int = 2048  # context length: prompt + output
     enable_chunked_prefill: bool = True
-    # None: recompute a single sequence, swap a group of several (parallel sampling, beams),
-    # as vLLM does; swapping falls back to recomputation when the host pool is full.
+    # None: the policy's default (`Scheduler.default_preemption_mode`): vLLM's rule for FCFS
+    # and the baselines (recompute a single sequence, swap a group of several: parallel
+    # samples, beams), swapping for skip-join MLFQ. Swapping falls back to recomputation when
+    # the CPU pool is full.
     preemption_mode: PreemptionMode | None = None
     # vLLM's: with chunked prefill, no sequence computes more than this many tokens in one step,
     # so a long prompt leaves the rest of each step's budget to others (0: no limit).
@@ -68,7 +71,7 @@ class ScheduledSequence:
 
     Plain data, taken when the step is planned, so a record of the step stays true after the
     sequence grows, and the plan crosses process boundaries (tensor parallelism) as it is. The
-    scheduler resolves the ids to its objects (`Scheduler.find`).
+    scheduler resolves the ids to its objects (`Scheduler.resolve`).
     """
 
     request_id: str
@@ -89,11 +92,17 @@ class ScheduledSequence:
 @dataclass
 class SchedulerOutput:
     """One step's plan: what it computes, and the block movements that come first
-    (`minipaged.kv.interface` gives their order). The model runner executes it as it is."""
+    (`minipaged.kv.interface` gives their order). The model runner executes it as it is.
+
+    It is the step's batch as the scheduler's layer can say it: ids, token ids and block ids,
+    no tensors (the scheduler sits below the runner, and the simulator runs it with none), so
+    it is also what the step record keeps and what crosses to tensor-parallel ranks. The
+    runner turns it into the forward pass's tensors itself.
+    """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU block, GPU block)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (GPU block, CPU block)
     copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, dest)
     preempted: list[str] = field(default_factory=list)  # request ids
 

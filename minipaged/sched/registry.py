@@ -3,9 +3,10 @@ choose from. Each name is a policy over the KV memory it runs on:
 
 * "fcfs": vLLM's FCFS continuous batching over the paged `KVCacheManager` (vLLM paper §4.5);
 * "mlfq", "mlfq-naive", "mlfq-fixed", "mlfq-recompute", "mlfq-reactive": FastServe's skip-join
-  MLFQ and its ablation variants (§6.3) over the paged manager;
+  MLFQ and its ablation variants (§6.3) over the paged manager ("mlfq-recompute" is "mlfq"
+  with `preemption_mode` "recompute");
 * "static", "orca-max", "orca-pow2", "orca-oracle": the vLLM paper's baselines (§6.1) over
-  contiguous reservations (`ReservationKVCacheManager`), which have no host pool and no prefix
+  contiguous reservations (`ReservationKVCacheManager`), which have no CPU pool and no prefix
   cache.
 
 `build_scheduler` builds the scheduler with its KV manager (`scheduler.kv_manager`). A name added
@@ -18,7 +19,7 @@ from __future__ import annotations
 from minipaged.kv.interface import KVManager
 from minipaged.kv.manager import KVCacheManager
 from minipaged.kv.reservation import ReservationKVCacheManager
-from minipaged.sched.base import Scheduler, SchedulerConfig, SchedulerFactory
+from minipaged.sched.base import PreemptionMode, Scheduler, SchedulerConfig, SchedulerFactory
 from minipaged.sched.baselines import OrcaScheduler, StaticBatchScheduler
 from minipaged.sched.cost_model import CostModel
 from minipaged.sched.fcfs import FCFSScheduler
@@ -26,7 +27,7 @@ from minipaged.sched.mlfq import MLFQ_VARIANTS, MLFQConfig, mlfq_factory
 
 SCHEDULERS: dict[str, SchedulerFactory] = {
     "fcfs": FCFSScheduler,
-    **{name: mlfq_factory(mlfq) for name, mlfq in MLFQ_VARIANTS.items()},
+    **{name: variant.factory() for name, variant in MLFQ_VARIANTS.items()},
     "static": StaticBatchScheduler,
     "orca-max": OrcaScheduler,
     "orca-pow2": OrcaScheduler,
@@ -48,6 +49,18 @@ def needs_cost_model(name: str) -> bool:
     return _check_name(name) in MLFQ_VARIANTS
 
 
+def check_preemption_mode(name: str, mode: PreemptionMode | str | None) -> None:
+    """A `ValueError` when the scheduler `name` stands for one preemption mode and `mode`
+    names the other ("mlfq-recompute" with "swap")."""
+    variant = MLFQ_VARIANTS.get(_check_name(name))
+    fixed = None if variant is None else variant.preemption_mode
+    if mode is not None and fixed is not None and PreemptionMode(mode) is not fixed:
+        raise ValueError(
+            f"preemption_mode must be None or {fixed.value!r} for scheduler {name!r}, which "
+            f"preempts by {fixed.value}; got {PreemptionMode(mode).value!r}"
+        )
+
+
 def build_scheduler(
     name: str,
     config: SchedulerConfig,
@@ -60,11 +73,13 @@ def build_scheduler(
     cost_model: CostModel | None = None,
 ) -> Scheduler:
     """The scheduler `name` over a KV manager of `num_gpu_blocks` blocks of `block_size`
-    tokens. The host pool and prefix caching apply to the paged schedulers only; `mlfq`
-    replaces an MLFQ variant's settings and `cost_model` gives it its step-time predictions."""
+    tokens. The CPU pool and prefix caching apply to the paged schedulers only; `mlfq`
+    replaces an MLFQ variant's queue settings (its preemption mode stays) and `cost_model`
+    gives it its step-time predictions."""
     mlfq_scheduler = needs_cost_model(name)  # also checks the name
     if (mlfq is not None or cost_model is not None) and not mlfq_scheduler:
         raise ValueError(f"mlfq settings and a cost model need an MLFQ scheduler, got {name!r}")
+    check_preemption_mode(name, config.preemption_mode)
     kv_manager: KVManager
     if name in RESERVATIONS:
         policy, static_batch = RESERVATIONS[name]
@@ -80,7 +95,8 @@ def build_scheduler(
         )
     factory = SCHEDULERS[name]
     if mlfq_scheduler:
-        factory = mlfq_factory(mlfq or MLFQ_VARIANTS[name], cost_model)
+        variant = MLFQ_VARIANTS[name]
+        factory = mlfq_factory(mlfq or variant.mlfq, cost_model, variant.preemption_mode)
     return factory(config, kv_manager)
 
 

@@ -36,7 +36,7 @@ from minipaged.kv.manager import KVCacheManager
 from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.registry import FAMILIES
 from minipaged.sampling.params import SamplingParams
-from minipaged.sampling.sequence import Sequence, SequenceGroup
+from minipaged.sampling.sequence import GroupMember, Sequence, SequenceGroup
 from minipaged.sched.base import Scheduler, SchedulerConfig, SchedulerFactory
 from minipaged.sched.cost_model import CostModel, StepShape, step_shape
 from minipaged.sched.fcfs import FCFSScheduler
@@ -44,9 +44,9 @@ from minipaged.sched.output import SchedulerOutput
 from minipaged.sim.traces import TraceRequest
 
 # The sampler's part of beam search in a simulation, called after each step's made-up tokens
-# are appended: (scheduler, the step's sampling (request, sequence) pairs, the engine's
+# are appended: (scheduler, the step's sampling sequences with their requests, the engine's
 # sequence-id counter). Parallel samples need none: the engine forks them itself.
-SampleHook = Callable[[Scheduler, list[tuple[SequenceGroup, Sequence]], Iterator[int]], None]
+SampleHook = Callable[[Scheduler, list[GroupMember], Iterator[int]], None]
 SIMULATED_VOCAB = 1 << 30  # made-up prompt ids are any non-negative int32 below this
 
 # -- data types -----------------------------------------------------------------------------------
@@ -196,14 +196,14 @@ class SimulatedOutputProcessor(OutputProcessor):
         return update
 
     def sample_isolated(
-        self, items: list[tuple[SequenceGroup, Sequence, int]], logits: Tensor, update: StepUpdate
+        self, members: list[GroupMember], logits: Tensor, update: StepUpdate
     ) -> None:
-        requests = self.requests_of(items)  # forks a finished prompt's parallel samples
-        for _, seqs, _ in requests:
-            for seq in seqs:
+        requests = self.requests_of(members)  # forks a finished prompt's parallel samples
+        for request in requests:
+            for seq in request.seqs:
                 seq.append_token(0, 0.0)
         if self.on_sample is not None:
-            self.on_sample(self.scheduler, [(g, s) for g, s, _ in items], self.seq_ids)
+            self.on_sample(self.scheduler, members, self.seq_ids)
         for group, _, _ in requests:  # forked samples and beams included
             for seq in group.get_unfinished_seqs():
                 self.check_stop(seq, group)

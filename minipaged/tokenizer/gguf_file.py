@@ -10,8 +10,8 @@ in the files llama.cpp writes; big-endian ones are refused.
 The `gguf` package's `GGUFReader` makes a NumPy view of every item of every metadata array: a
 BPE vocabulary of 49,152 tokens and as many merges takes it 2.3 s, at every start of the engine
 and again for its tokenizer; `struct` reads the same header in 0.08 s
-(`benchmarks/startup.py`). The `gguf` package still supplies the tensor types' block sizes and
-the dequantisation.
+(`benchmarks/serving/startup.py`). The `gguf` package still supplies the tensor types' block
+sizes and the dequantisation.
 """
 
 from __future__ import annotations

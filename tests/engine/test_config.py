@@ -88,6 +88,11 @@ def test_every_field_is_refused_by_name_or_holds_a_value_of_its_type(name, value
         ({"swap_space": math.nan}, ValueError, r"^swap_space must be a finite number"),
         ({"device": "gpu9"}, ValueError, r"^device must be None or a torch device"),
         ({"preemption_mode": "drop"}, ValueError, r"^preemption_mode must be None or one of"),
+        (
+            {"scheduler": "mlfq-recompute", "preemption_mode": "swap"},
+            ValueError,
+            r"^preemption_mode must be None or 'recompute' for scheduler 'mlfq-recompute'",
+        ),
         ({"attention_backend": "flash"}, ValueError, r"^attention_backend must be None"),
         ({"seed": 2**64}, ValueError, r"^seed must be an integer in \[0, 2\*\*64\)"),
     ],

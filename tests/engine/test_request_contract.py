@@ -309,9 +309,10 @@ def test_a_failing_step_ends_only_the_requests_that_cause_it(small, fail_at, whe
     "error"; the others finish exactly as they would alone. A step whose sampling fails for
     every request alike ends those requests; the rest go on."""
     model, config = small
+    # Eager: the fault is injected by the wrapper's Python, which a replayed step never runs.
     engine = LLMEngine(
         FailingModel(model, fail_at, where), config, None,
-        EngineConfig(num_gpu_blocks=32, block_size=4, max_num_seqs=2),
+        EngineConfig(num_gpu_blocks=32, block_size=4, max_num_seqs=2, enforce_eager=True),
     )
     records = []
     engine.add_step_observer(records.append)

@@ -32,7 +32,7 @@ from minipaged.kv.reservation import ReservationKVCacheManager
 
 BS = 3  # odd, so block boundaries fall everywhere
 NUM_BLOCKS = 16
-NUM_HOST_BLOCKS = 9
+NUM_CPU_BLOCKS = 9
 # The machine's two token ids: far above any block id or count, so a token id held anywhere in
 # the manager is recognisable.
 TOKEN_BASE = 10**9
@@ -45,9 +45,9 @@ new_tokens_strategy = st.lists(st.sampled_from(TOKENS), min_size=1, max_size=4)
 def snapshot(m: KVCacheManager) -> tuple:
     """Everything a failed call must leave unchanged."""
     return (
-        {s: (m.block_table(s), m.num_tokens(s), m.is_swapped(s)) for s in m.seq_ids()},
+        {s: (m.block_table(s), m.num_slots(s), m.is_swapped(s)) for s in m.seq_ids()},
         m.num_free_blocks,
-        m.num_free_host_blocks,
+        m.num_free_cpu_blocks,
         [m.ref_count(b) for b in range(m.num_gpu_blocks)],
         m.num_cached_blocks,
     )
@@ -83,24 +83,24 @@ def ints_reachable(obj: object) -> Iterator[int]:
 class KVCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.m = KVCacheManager(NUM_BLOCKS, BS, NUM_HOST_BLOCKS, watermark=0.0)
+        self.m = KVCacheManager(NUM_BLOCKS, BS, NUM_CPU_BLOCKS, watermark=0.0)
         self.tokens: dict[int, list[int]] = {}
         self.written: dict[int, int] = {}  # tokens whose K/V the simulated engine has written
-        self.device: dict[int, int] = {}  # shadow of device slots: slot -> token written there
-        self.host: dict[int, int] = {}  # shadow of host slots
+        self.gpu: dict[int, int] = {}  # shadow of GPU slots: slot -> token written there
+        self.cpu: dict[int, int] = {}  # shadow of CPU slots
         self.history: list[list[int]] = []  # token lists seen, to re-use as shared prefixes
         self.next_id = 0
 
     # --- helpers --------------------------------------------------------------------------
 
-    def _device_ids(self) -> list[int]:
+    def _gpu_ids(self) -> list[int]:
         return [s for s in self.tokens if not self.m.is_swapped(s)]
 
-    def _host_ids(self) -> list[int]:
+    def _cpu_ids(self) -> list[int]:
         return [s for s in self.tokens if self.m.is_swapped(s)]
 
-    def _computed_device_ids(self) -> list[int]:
-        return [s for s in self._device_ids() if self.written[s] == len(self.tokens[s])]
+    def _computed_gpu_ids(self) -> list[int]:
+        return [s for s in self._gpu_ids() if self.written[s] == len(self.tokens[s])]
 
     def _copy(self, src_pool: dict, src: int, dst_pool: dict, dst: int) -> None:
         for offset in range(BS):
@@ -115,7 +115,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         upto = len(self.tokens[sid]) if upto is None else upto
         table = self.m.block_table(sid)
         for i in range(self.written[sid], upto):
-            self.device[table[i // BS] * BS + i % BS] = self.tokens[sid][i]
+            self.gpu[table[i // BS] * BS + i % BS] = self.tokens[sid][i]
         self.m.mark_computed(sid, self.tokens[sid][:upto])
         self.written[sid] = upto
 
@@ -152,66 +152,69 @@ class KVCacheMachine(RuleBasedStateMachine):
         if prompt:
             self._allocate(prompt)
 
-    @precondition(lambda self: self._device_ids())
+    @precondition(lambda self: self._gpu_ids())
     @rule(data=st.data(), new=new_tokens_strategy)
     def append_slots(self, data: st.DataObject, new: list[int]) -> None:
-        sid = data.draw(st.sampled_from(self._device_ids()))
+        sid = data.draw(st.sampled_from(self._gpu_ids()))
         before = snapshot(self.m)
-        expected_ok = self.m.can_append(sid, len(new))
+        length = len(self.tokens[sid]) + len(new)
+        expected_ok = self.m.can_append(sid, num_tokens=length)
         try:
-            copies = self.m.append_slots(sid, len(new))
+            copies = self.m.append_slots(sid, num_tokens=length)
         except NoFreeBlocksError:
             assert not expected_ok
             assert snapshot(self.m) == before
             return
         assert expected_ok
         for src, dst in copies:
-            self._copy(self.device, src, self.device, dst)
+            self._copy(self.gpu, src, self.gpu, dst)
         self.tokens[sid].extend(new)
 
-    @precondition(lambda self: self._device_ids())
+    @precondition(lambda self: self._gpu_ids())
     @rule(data=st.data())
     def compute(self, data: st.DataObject) -> None:
         """The engine writes some pending tokens' K/V (a whole or chunked prefill, a decode)."""
-        sid = data.draw(st.sampled_from(self._device_ids()))
+        sid = data.draw(st.sampled_from(self._gpu_ids()))
         self._write_pending(sid, data.draw(st.integers(self.written[sid], len(self.tokens[sid]))))
 
-    @precondition(lambda self: self._computed_device_ids())
+    @precondition(lambda self: self._computed_gpu_ids())
     @rule(data=st.data(), token=st.sampled_from(TOKENS))
     def decode_step(self, data: st.DataObject, token: int) -> None:
         """The common engine step: one new token, written at once (copy-on-write after fork)."""
-        sid = data.draw(st.sampled_from(self._computed_device_ids()))
-        if not self.m.can_append(sid, 1):
+        sid = data.draw(st.sampled_from(self._computed_gpu_ids()))
+        length = len(self.tokens[sid]) + 1
+        if not self.m.can_append(sid, num_tokens=length):
             with pytest.raises(NoFreeBlocksError):
-                self.m.append_slots(sid, 1)
+                self.m.append_slots(sid, num_tokens=length)
             return
-        for src, dst in self.m.append_slots(sid, 1):
-            self._copy(self.device, src, self.device, dst)
+        for src, dst in self.m.append_slots(sid, num_tokens=length):
+            self._copy(self.gpu, src, self.gpu, dst)
         self.tokens[sid].append(token)
         self._write_pending(sid)
 
-    @precondition(lambda self: self._computed_device_ids())
+    @precondition(lambda self: self._computed_gpu_ids())
     @rule(data=st.data(), tokens=st.tuples(st.sampled_from(TOKENS), st.sampled_from(TOKENS)))
     def fork_and_diverge(self, data: st.DataObject, tokens: tuple[int, int]) -> None:
         """Parallel sampling: fork, then parent and child each decode their own token."""
-        sid = data.draw(st.sampled_from(self._computed_device_ids()))
+        sid = data.draw(st.sampled_from(self._computed_gpu_ids()))
         child = self.next_id
         self.m.fork(sid, child)
         self.next_id += 1
         self.tokens[child] = list(self.tokens[sid])
         self.written[child] = self.written[sid]
         for seq, token in zip((child, sid), tokens, strict=True):
-            if self.m.can_append(seq, 1):
-                for src, dst in self.m.append_slots(seq, 1):
-                    self._copy(self.device, src, self.device, dst)
+            length = len(self.tokens[seq]) + 1
+            if self.m.can_append(seq, num_tokens=length):
+                for src, dst in self.m.append_slots(seq, num_tokens=length):
+                    self._copy(self.gpu, src, self.gpu, dst)
                 self.tokens[seq].append(token)
                 self._write_pending(seq)
 
-    @precondition(lambda self: self._computed_device_ids())
+    @precondition(lambda self: self._computed_gpu_ids())
     @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
         """A fork as the engine does it: after sampling, when the parent is fully computed."""
-        sid = data.draw(st.sampled_from(self._computed_device_ids()))
+        sid = data.draw(st.sampled_from(self._computed_gpu_ids()))
         child = self.next_id
         self.m.fork(sid, child)
         self.next_id += 1
@@ -225,10 +228,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.m.free(sid)
         del self.tokens[sid], self.written[sid]
 
-    @precondition(lambda self: self._device_ids())
+    @precondition(lambda self: self._gpu_ids())
     @rule(data=st.data())
     def swap_out(self, data: st.DataObject) -> None:
-        group = data.draw(st.lists(st.sampled_from(self._device_ids()), min_size=1, unique=True))
+        group = data.draw(st.lists(st.sampled_from(self._gpu_ids()), min_size=1, unique=True))
         before = snapshot(self.m)
         expected_ok = self.m.can_swap_out(group)
         try:
@@ -239,13 +242,13 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         assert expected_ok
         assert len({d for d, _ in copies}) == len(copies), "a shared block was swapped twice"
-        for device_block, host_block in copies:
-            self._copy(self.device, device_block, self.host, host_block)
+        for gpu_block, cpu_block in copies:
+            self._copy(self.gpu, gpu_block, self.cpu, cpu_block)
 
-    @precondition(lambda self: self._host_ids())
+    @precondition(lambda self: self._cpu_ids())
     @rule(data=st.data())
     def swap_in(self, data: st.DataObject) -> None:
-        group = data.draw(st.lists(st.sampled_from(self._host_ids()), min_size=1, unique=True))
+        group = data.draw(st.lists(st.sampled_from(self._cpu_ids()), min_size=1, unique=True))
         before = snapshot(self.m)
         expected_ok = self.m.can_swap_in(group)  # watermark 0: exactly "enough blocks"
         try:
@@ -255,8 +258,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert snapshot(self.m) == before
             return
         assert expected_ok
-        for host_block, device_block in copies:
-            self._copy(self.host, host_block, self.device, device_block)
+        for cpu_block, gpu_block in copies:
+            self._copy(self.cpu, cpu_block, self.gpu, gpu_block)
 
     # --- invariants -----------------------------------------------------------------------
 
@@ -267,24 +270,24 @@ class KVCacheMachine(RuleBasedStateMachine):
     @invariant()
     def tables_and_ref_counts_match(self) -> None:
         refs: dict[int, int] = {}
-        host_refs: dict[int, int] = {}
+        cpu_refs: dict[int, int] = {}
         fills: dict[int, int] = {}
         for sid, tokens in self.tokens.items():
             table = self.m.block_table(sid)
-            assert self.m.num_tokens(sid) == len(tokens)
+            assert self.m.num_slots(sid) == len(tokens)  # the blocks' fills cover the tokens
             assert len(table) == math.ceil(len(tokens) / BS)
-            counter = host_refs if self.m.is_swapped(sid) else refs
+            counter = cpu_refs if self.m.is_swapped(sid) else refs
             for i, b in enumerate(table):
                 counter[b] = counter.get(b, 0) + 1
                 if not self.m.is_swapped(sid):
                     fills[b] = min(BS, len(tokens) - i * BS)
         for b in range(NUM_BLOCKS):
             assert self.m.ref_count(b) == refs.get(b, 0)
-        for h in range(NUM_HOST_BLOCKS):
-            assert self.m.host_ref_count(h) == host_refs.get(h, 0)
+        for h in range(NUM_CPU_BLOCKS):
+            assert self.m.cpu_ref_count(h) == cpu_refs.get(h, 0)
         # Free and used blocks partition each pool.
         assert self.m.num_free_blocks == NUM_BLOCKS - len(refs)
-        assert self.m.num_free_host_blocks == NUM_HOST_BLOCKS - len(host_refs)
+        assert self.m.num_free_cpu_blocks == NUM_CPU_BLOCKS - len(cpu_refs)
         # Accounting: shared blocks hold their token states once.
         usage = self.m.memory_usage()
         assert usage.token_slots == sum(fills.values())
@@ -300,7 +303,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @invariant()
     def slots_read_back_equal_tokens(self) -> None:
         for sid, tokens in self.tokens.items():
-            pool = self.host if self.m.is_swapped(sid) else self.device
+            pool = self.cpu if self.m.is_swapped(sid) else self.gpu
             table = self.m.block_table(sid)
             read_back = [pool.get(table[i // BS] * BS + i % BS) for i in range(self.written[sid])]
             assert read_back == tokens[: self.written[sid]], f"sequence {sid} lost its K/V"
@@ -310,7 +313,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.m.free(sid)
         self.m.check_invariants()
         assert self.m.num_free_blocks == NUM_BLOCKS
-        assert self.m.num_free_host_blocks == NUM_HOST_BLOCKS
+        assert self.m.num_free_cpu_blocks == NUM_CPU_BLOCKS
 
 
 KVCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
@@ -336,7 +339,7 @@ class Owner:
         return cached
 
     def append(self, sid: str, new: list[int]) -> list[tuple[int, int]]:
-        copies = self.m.append_slots(sid, len(new))
+        copies = self.m.append_slots(sid, num_tokens=len(self.tokens[sid]) + len(new))
         self.tokens[sid] += new
         return copies
 
@@ -421,12 +424,12 @@ def test_swapped_out_blocks_stay_cached_and_swap_in_is_a_fresh_copy() -> None:
     prompt = list(range(9))
     own.allocate("a", prompt)
     own.compute("a")
-    device_table = m.block_table("a")
+    gpu_table = m.block_table("a")
     copies = m.swap_out("a")
-    assert [d for d, _ in copies] == device_table
+    assert [d for d, _ in copies] == gpu_table
     assert m.num_free_blocks == 6
     assert own.allocate("b", prompt) == 8  # the swapped-out blocks still hold A's K/V
-    assert m.block_table("b")[:2] == device_table[:2]
+    assert m.block_table("b")[:2] == gpu_table[:2]
     back = m.swap_in("a")
     assert [h for h, _ in back] == [h for _, h in copies]
     assert not set(m.block_table("a")) & set(m.block_table("b"))
@@ -473,7 +476,7 @@ def test_group_swap_copies_each_shared_block_once() -> None:
         own.fork("p", child)
     out = m.swap_out(["p", "c1", "c2"])
     assert len(out) == 2  # two distinct blocks, shared three ways
-    assert all(m.host_ref_count(h) == 3 for _, h in out)
+    assert all(m.cpu_ref_count(h) == 3 for _, h in out)
     assert m.num_free_blocks == 8
     back = m.swap_in(["p", "c1", "c2"])
     assert len(back) == 2 and all(m.ref_count(d) == 3 for _, d in back)
@@ -580,16 +583,16 @@ def test_exhaustion_reports_and_leaves_state_untouched() -> None:
     with pytest.raises(NoFreeBlocksError) as info:
         own.allocate("d", [1, 1, 1, 1, 1])
     assert (info.value.needed, info.value.available) == (3, 1)
-    assert not m.can_append("a", 3)  # copy-on-write block + one more
+    assert not m.can_append("a", num_tokens=6)  # copy-on-write block + one more
     with pytest.raises(NoFreeBlocksError):
         own.append("a", [7, 7, 7])
-    assert not m.can_swap_out(["a", "b"])  # two distinct blocks, one host block
+    assert not m.can_swap_out(["a", "b"])  # two distinct blocks, one CPU block
     with pytest.raises(NoFreeBlocksError):
         m.swap_out(["a", "b"])
     assert snapshot(m) == before
     assert "d" not in m
     m.check_invariants()
-    m.swap_out("c")  # fits the host pool; now the device cannot take A's blocks back later
+    m.swap_out("c")  # fits the CPU pool; now the GPU pool cannot take C's blocks back later
     own.allocate("e", [3, 3, 3, 3])
     assert not m.can_swap_in("c")
     with pytest.raises(NoFreeBlocksError):
@@ -603,7 +606,7 @@ def test_watermark_applies_to_admission_not_to_growth() -> None:
     assert m.watermark_blocks == 2
     assert m.can_allocate("a", [0] * 16) and not m.can_allocate("a", [0] * 17)
     own.allocate("a", [0] * 16)  # allocate itself only needs the blocks
-    assert m.can_append("a", 4) and not m.can_append("a", 5)
+    assert m.can_append("a", num_tokens=20) and not m.can_append("a", num_tokens=21)
     own.append("a", [1] * 4)
     assert m.num_free_blocks == 0
 
@@ -618,14 +621,18 @@ def test_bad_input_is_rejected_with_clear_errors() -> None:
     with pytest.raises(KVCacheError, match="already allocated"):
         m.allocate("a", [1])
     with pytest.raises(KVCacheError, match="unknown sequence"):
-        m.append_slots("zzz", 1)
+        m.append_slots("zzz", num_tokens=1)
     with pytest.raises(KVCacheError, match="num_computed_tokens"):
         m.mark_computed("a", [1, 2, 3, 4])
-    with pytest.raises(KVCacheError, match="integer >= 0"):
-        m.append_slots("a", -1)
+    with pytest.raises(KVCacheError, match="at least the 3 tokens"):
+        m.append_slots("a", num_tokens=2)  # a length, never a number of new tokens
+    with pytest.raises(KVCacheError, match="must be an integer"):
+        m.append_slots("a", num_tokens=4.0)
+    with pytest.raises(TypeError):
+        m.append_slots("a", 1)  # keyword-only: a stale count of new tokens fails loudly
     m.swap_out("a")
     with pytest.raises(KVCacheError, match="swapped out"):
-        m.append_slots("a", 1)
+        m.append_slots("a", num_tokens=4)
     with pytest.raises(KVCacheError, match="already swapped out"):
         m.swap_out("a")
     with pytest.raises(ValueError, match="block_size"):
@@ -680,8 +687,8 @@ def test_blocks_for_request_is_the_most_a_request_holds(prompt_len, new_tokens, 
     for child in range(1, width):
         kv.fork(0, child)
     most = kv.num_used_blocks
-    for _ in range(new_tokens - 1):
+    for step in range(1, new_tokens):
         for seq in range(width):
-            kv.append_slots(seq, 1)
+            kv.append_slots(seq, num_tokens=prompt_len + step)
         most = max(most, kv.num_used_blocks)
     assert most == kv.blocks_for_request(prompt_len, prompt_len + new_tokens, width)

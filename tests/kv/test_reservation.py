@@ -119,7 +119,7 @@ def reserve(kv: ReservationKVCacheManager, rid, prompt_len: int, output_len: int
 def test_reservation_accounting_of_one_request(policy: str, reserved: int, chunk: int) -> None:
     kv = ReservationKVCacheManager(4096, 1, policy, max_seq_len=2048)
     reserve(kv, "r", prompt_len=10, output_len=7)
-    kv.append_slots("r", 3)
+    kv.append_slots("r", num_tokens=13)
     usage = kv.memory_usage()
     assert usage.token_slots == 13  # prompt + 3 generated
     assert usage.reserved_slots == 4  # 4 tokens still to generate
@@ -128,7 +128,7 @@ def test_reservation_accounting_of_one_request(policy: str, reserved: int, chunk
     assert usage.free_slots == 4096 - chunk
     assert usage.token_fraction_of_allocated == pytest.approx(13 / chunk)
     with pytest.raises(KVCacheError, match="exceed its length"):
-        kv.append_slots("r", 5)
+        kv.append_slots("r", num_tokens=18)
     kv.free("r")
     assert kv.memory_usage().allocated_slots == 0
 
@@ -186,7 +186,7 @@ def test_reservation_categories_add_up_and_policies_are_ordered(requests) -> Non
             kv.expect(i, prompt, output)
             if kv.can_allocate(i, [1] * prompt):
                 kv.allocate(i, [1] * prompt)
-                kv.append_slots(i, min(generated, output))
+                kv.append_slots(i, num_tokens=prompt + min(generated, output))
                 admitted.append(i)
         usage = kv.memory_usage()
         assert usage.allocated_slots == 15_700 - kv.allocator.num_free_slots
@@ -202,7 +202,7 @@ def test_reservation_categories_add_up_and_policies_are_ordered(requests) -> Non
     for policy in ("max", "pow2", "oracle"):
         kv = ReservationKVCacheManager(4096, 1, policy)
         reserve(kv, "r", prompt, output)
-        kv.append_slots("r", min(generated, output))
+        kv.append_slots("r", num_tokens=prompt + min(generated, output))
         fractions.append(kv.memory_usage().token_fraction_of_allocated)
     assert fractions[0] <= fractions[1] <= fractions[2]
 
@@ -229,7 +229,7 @@ def test_one_slot_blocks_account_exactly_like_the_papers_definitions(policy, req
             kv.allocate(rid, [1] * prompt_len)
             offset, _ = reference.allocate(reserved)
             grow = data.draw(st.integers(0, output_len), label="grow")
-            kv.append_slots(rid, grow)
+            kv.append_slots(rid, num_tokens=prompt_len + grow)
             live[rid] = [prompt_len, output_len, prompt_len + grow, offset]
         if live and data.draw(st.booleans(), label="free one"):
             victim = data.draw(st.sampled_from(sorted(live)), label="victim")
@@ -256,7 +256,7 @@ def test_parallel_samples_each_get_a_chunk_reserved_at_admission():
     kv.mark_computed(0, [1] * 5)
     kv.fork(0, 1)
     kv.fork(0, 2)
-    assert kv.num_tokens(2) == 5
+    assert kv.num_slots(2) == 5
     tables = [set(kv.block_table(s)) for s in range(3)]
     assert not (tables[0] & tables[1] or tables[0] & tables[2] or tables[1] & tables[2])
     with pytest.raises(NoFreeBlocksError):
@@ -295,10 +295,12 @@ def test_bad_use_is_refused_with_a_clear_error():
         kv.can_allocate(0, [1, 2])
     kv.expect(0, prompt_len=2, output_len=2)  # 2 + 2 = 4 slots: one block
     kv.allocate(0, [1, 2])
-    kv.append_slots(0, 2)
+    kv.append_slots(0, num_tokens=4)
     with pytest.raises(ReservationExceededError, match="outgrow"):
-        kv.append_slots(0, 1)
-    assert kv.num_tokens(0) == 4  # untouched
+        kv.append_slots(0, num_tokens=5)
+    assert kv.num_slots(0) == 4  # untouched
+    with pytest.raises(KVCacheError, match="length to cover"):
+        kv.append_slots(0, num_tokens=3)  # a length, never a number of new tokens
     with pytest.raises(KVCacheError, match="swapped"):
         kv.swap_out([0])
 
@@ -314,7 +316,7 @@ def test_static_batch_holds_rows_until_the_whole_batch_finishes() -> None:
     assert kv.allocator.num_free_chunks(128) == 3
     reserve(kv, "a", 10, 5)
     reserve(kv, "b", 20, 30)
-    kv.append_slots("a", 5)
+    kv.append_slots("a", num_tokens=15)
     kv.free("a")  # finished, but its row stays allocated
     usage = kv.memory_usage()
     assert usage.token_slots == 20

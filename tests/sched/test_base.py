@@ -4,7 +4,7 @@ the engine, admission (refusing only what no schedule can serve) and the long-pr
 from __future__ import annotations
 
 import pytest
-from fake_sampling import sample_made_up_tokens
+from fake_sampling import assert_queues_follow_status, sample_made_up_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import tiny_llama_parts
@@ -51,6 +51,7 @@ def run_step(scheduler: FCFSScheduler, now: float = 0.0) -> SchedulerOutput:
     scheduler.mark_computed(out)
     sample_made_up_tokens(scheduler, out)
     scheduler.finish_step()
+    assert_queues_follow_status(scheduler)
     return out
 
 

@@ -203,6 +203,6 @@ def test_the_registry_hands_mlfq_its_settings_and_cost_model_at_construction():
     assert isinstance(scheduler, SkipJoinMLFQScheduler)
     assert scheduler.mlfq == mlfq and scheduler.cost_model is cost
     default = build_scheduler("mlfq-fixed", config, num_gpu_blocks=16, block_size=4)
-    assert default.mlfq == MLFQ_VARIANTS["mlfq-fixed"] and default.cost_model is None
+    assert default.mlfq == MLFQ_VARIANTS["mlfq-fixed"].mlfq and default.cost_model is None
     with pytest.raises(ValueError, match="MLFQ scheduler"):
         build_scheduler("fcfs", config, num_gpu_blocks=16, block_size=4, mlfq=mlfq)

@@ -9,7 +9,7 @@ come in through the engine's public `model` parameter. What every scheduler must
 * abort a request wherever it is with the status it is given, returning its blocks;
 * end the requests of a failing step with "error" while the others go on;
 * preempt and re-admit a request without changing its tokens;
-* drain: every request ends, every device and host block is free, the KV invariants hold,
+* drain: every request ends, every GPU and CPU block is free, the KV invariants hold,
   after every step of random request streams (a `hypothesis.stateful` machine).
 """
 
@@ -38,6 +38,7 @@ from minipaged.sampling.params import SamplingParams
 from minipaged.sampling.sequence import SequenceStatus
 from minipaged.sched.base import Scheduler
 from minipaged.sched.cost_model import CostModel
+from minipaged.sched.mlfq import MLFQ_VARIANTS
 from minipaged.sched.output import (
     PreemptionMode,
     RequestRejectedError,
@@ -50,7 +51,14 @@ VOCAB = 96
 POISON = VOCAB - 1  # a prompt holding this token makes the model fail (FailingModel)
 MAX_LEN = 64
 MAX_STEPS = 600  # far more than any run here needs: reaching it means no progress
-CASES = [(name, mode) for name in sorted(SCHEDULERS) for mode in ("recompute", "swap")]
+# Every scheduler under both preemption modes, but a variant that stands for one mode
+# ("mlfq-recompute") only under that one: the other is refused (test_config.py).
+CASES = [
+    (name, mode)
+    for name in sorted(SCHEDULERS)
+    for mode in ("recompute", "swap")
+    if name not in MLFQ_VARIANTS or MLFQ_VARIANTS[name].preemption_mode in (None, mode)
+]
 # Step costs for the MLFQ schedulers' skip-join (they would profile the model otherwise).
 COST = CostModel(base=1e-3, per_prefill_token=2e-5, per_decode_seq=1e-4, per_context_token=0.0)
 
@@ -102,8 +110,8 @@ def assert_drained(engine: LLMEngine) -> None:
     kv.check_invariants()
     assert not engine.has_unfinished_requests()
     assert kv.num_free_blocks == kv.num_gpu_blocks
-    if kv.num_cpu_blocks:  # the reservation baselines have no host pool
-        assert kv.num_free_host_blocks == kv.num_cpu_blocks
+    if kv.num_cpu_blocks:  # the reservation baselines have no CPU pool
+        assert kv.num_free_cpu_blocks == kv.num_cpu_blocks
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -179,8 +187,7 @@ def test_abort_ends_a_request_anywhere_with_its_status_and_returns_its_blocks(ti
     scheduler = engine.scheduler
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, greedy(12))
-    # The reservation baselines have no host pool; mlfq-recompute never swaps.
-    swaps = mode == "swap" and name not in RESERVATIONS and name != "mlfq-recompute"
+    swaps = mode == "swap" and name not in RESERVATIONS  # the baselines have no CPU pool
     wanted = ["waiting", "running"] + ["swapped"] * swaps
     for _ in range(40):  # until a request sits in every queue it can
         engine.step()
@@ -204,7 +211,7 @@ def test_abort_ends_a_request_anywhere_with_its_status_and_returns_its_blocks(ti
     kv.check_invariants()
     assert kv.num_free_blocks == kv.num_gpu_blocks
     if kv.num_cpu_blocks:
-        assert kv.num_free_host_blocks == kv.num_cpu_blocks
+        assert kv.num_free_cpu_blocks == kv.num_cpu_blocks
 
 
 # -- a failing step -------------------------------------------------------------------------------

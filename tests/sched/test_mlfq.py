@@ -4,10 +4,11 @@ engine's greedy outputs under every MLFQ variant equal to FCFS's."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
-from fake_sampling import sample_made_up_tokens
+from fake_sampling import assert_queues_follow_status, sample_made_up_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import assert_engine_drained, tiny_engine, tiny_llama_parts
@@ -16,13 +17,12 @@ from minipaged.engine import engine as engine_module
 from minipaged.kv.manager import KVCacheManager
 from minipaged.sampling.params import SamplingParams
 from minipaged.sampling.sequence import Sequence, SequenceGroup, SequenceStatus
-from minipaged.sched.base import SchedulerConfig, SchedulerOutput
+from minipaged.sched.base import PreemptionMode, SchedulerConfig, SchedulerOutput
 from minipaged.sched.cost_model import CostModel, step_shape
 from minipaged.sched.mlfq import (
     MLFQ_VARIANTS,
     MLFQConfig,
     SkipJoinMLFQScheduler,
-    SwapPolicy,
 )
 from minipaged.sched.registry import needs_cost_model
 
@@ -58,8 +58,8 @@ class Driver:
         self.cost = cost
         self.now = 0.0
         self.steps: list[tuple[float, float, SchedulerOutput]] = []  # (start, end, output)
-        self.device: dict[int, list[int | None]] = {}  # block -> the token in each slot
-        self.host: dict[int, list[int | None]] = {}
+        self.gpu: dict[int, list[int | None]] = {}  # block -> the token in each slot
+        self.cpu: dict[int, list[int | None]] = {}
 
     def step(self) -> SchedulerOutput:
         scheduler = self.scheduler
@@ -75,6 +75,7 @@ class Driver:
         self.now += max(self.cost.step_time(step_shape(out.scheduled)), 1 * MS)
         sample_made_up_tokens(scheduler, out)
         scheduler.finish_step()
+        assert_queues_follow_status(scheduler)
         self.steps.append((start, self.now, out))
         return out
 
@@ -83,23 +84,23 @@ class Driver:
         on a shadow of which token each slot holds; every scheduled sequence must then find its
         context in its blocks, whatever was swapped, shared or recomputed on the way."""
         empty = [None] * BLOCK
-        for device, host in out.swap_out:
-            self.host[host] = list(self.device.get(device, empty))
-        for host, device in out.swap_in:
-            self.device[device] = list(self.host.get(host, empty))
+        for gpu, cpu in out.swap_out:
+            self.cpu[cpu] = list(self.gpu.get(gpu, empty))
+        for cpu, gpu in out.swap_in:
+            self.gpu[gpu] = list(self.cpu.get(cpu, empty))
         for src, dst in out.copy:
-            self.device[dst] = list(self.device.get(src, empty))
+            self.gpu[dst] = list(self.gpu.get(src, empty))
         writes = []
         resolved = self.scheduler.resolve(out.scheduled)
         for item, (_, seq) in zip(out.scheduled, resolved, strict=True):
             tokens = seq.get_token_ids()
             table = item.block_table
             for pos in range(item.start):
-                assert self.device.get(table[pos // BLOCK], empty)[pos % BLOCK] == tokens[pos]
+                assert self.gpu.get(table[pos // BLOCK], empty)[pos % BLOCK] == tokens[pos]
             for pos in range(item.start, item.start + item.num_new_tokens):
                 writes.append((table[pos // BLOCK], pos % BLOCK, tokens[pos]))
         for block, offset, token in writes:
-            self.device.setdefault(block, [None] * BLOCK)[offset] = token
+            self.gpu.setdefault(block, [None] * BLOCK)[offset] = token
 
     def run(self, max_steps: int = 20_000) -> None:
         while self.scheduler.has_unfinished():
@@ -146,8 +147,23 @@ def test_skip_join_needs_a_cost_model():
 def test_bad_mlfq_config_is_rejected():
     with pytest.raises(ValueError, match="base_quantum"):
         MLFQConfig(base_quantum=0)
-    with pytest.raises(ValueError, match="swap_policy|proactive|valid"):
-        MLFQConfig(swap_policy="sometimes")
+    # A variant standing for recomputation cannot run with a config that asks for swapping.
+    recompute = MLFQ_VARIANTS["mlfq-recompute"].factory(COST)
+    kv = KVCacheManager(16, BLOCK)
+    with pytest.raises(ValueError, match="preempts by recompute"):
+        recompute(SchedulerConfig(max_model_len=64, preemption_mode="swap"), kv)
+    scheduler = recompute(SchedulerConfig(max_model_len=64), kv)
+    assert scheduler.config.preemption_mode is PreemptionMode.RECOMPUTE
+
+
+def test_mlfq_preempts_by_the_config_s_mode_and_swaps_by_default():
+    """Every scheduler reads the one preemption mode of its config; MLFQ's default is
+    FastServe's: swap, even a single sequence (vLLM's FCFS would recompute it)."""
+    group = make_group(4, 10)
+    for mode, expected in [(None, PreemptionMode.SWAP), ("recompute", PreemptionMode.RECOMPUTE),
+                           ("swap", PreemptionMode.SWAP)]:
+        scheduler = make_scheduler(preemption_mode=mode)
+        assert scheduler.preemption_mode(group) is expected
 
 
 def test_a_job_is_demoted_after_its_quantum_and_a_newcomer_overtakes_it():
@@ -168,7 +184,7 @@ def test_a_job_is_demoted_after_its_quantum_and_a_newcomer_overtakes_it():
     scheduler.add(short)
     out = driver.step()
     assert scheduled_requests(out) == [short.request_id]  # Q1 beats Q2
-    # The preempted job kept its blocks on the device.
+    # The preempted job kept its blocks in the GPU pool.
     assert (
         long.seqs[0].status is SequenceStatus.RUNNING and long.seqs[0].seq_id in
         scheduler.kv_manager
@@ -262,7 +278,7 @@ def test_a_starving_job_is_promoted_to_the_front_of_q1():
 
 
 def test_fixed_priority_never_changes_levels():
-    scheduler = make_scheduler(MLFQ_VARIANTS["mlfq-fixed"], max_num_seqs=2)
+    scheduler = make_scheduler(MLFQ_VARIANTS["mlfq-fixed"].mlfq, max_num_seqs=2)
     driver = Driver(scheduler)
     groups = [make_group(p, 30) for p in (2, 15, 30)]
     for g in groups:
@@ -298,10 +314,24 @@ def test_proactive_swapping_keeps_the_reserve_and_swaps_in_ahead():
     assert scheduler.kv_manager.num_free_blocks == 12
 
 
-@pytest.mark.parametrize("policy", list(SwapPolicy))
-def test_swap_policies_differ_in_how_they_make_room(policy):
-    mlfq = MLFQConfig(base_quantum=2 * MS, swap_policy=policy, reserve_blocks=2)
-    scheduler = make_scheduler(mlfq, num_gpu_blocks=10, num_cpu_blocks=40, max_num_seqs=2)
+# FastServe's three ways of making room (§4.2, §6.3), as the variants that stand for them.
+MAKING_ROOM = ["mlfq", "mlfq-reactive", "mlfq-recompute"]
+
+
+def variant_settings(name: str, **overrides) -> tuple[MLFQConfig, dict]:
+    """A variant's MLFQ settings (with `overrides`) and the scheduler config it runs under."""
+    variant = MLFQ_VARIANTS[name]
+    return dataclasses.replace(variant.mlfq, **overrides), {
+        "preemption_mode": variant.preemption_mode
+    }
+
+
+@pytest.mark.parametrize("variant", MAKING_ROOM)
+def test_swap_policies_differ_in_how_they_make_room(variant):
+    mlfq, config = variant_settings(variant, base_quantum=2 * MS, reserve_blocks=2)
+    scheduler = make_scheduler(
+        mlfq, num_gpu_blocks=10, num_cpu_blocks=40, max_num_seqs=2, **config
+    )
     driver = Driver(scheduler)
     for _ in range(4):
         scheduler.add(make_group(6, 14))
@@ -312,11 +342,11 @@ def test_swap_policies_differ_in_how_they_make_room(policy):
         ahead += out.num_swap_blocks_ahead
         waiting = {g.request_id for g in scheduler.waiting}
         recomputed += sum(1 for request_id in out.preempted if request_id in waiting)
-    if policy is SwapPolicy.RECOMPUTE:
+    if variant == "mlfq-recompute":
         assert swapped_out == 0 and recomputed > 0
     else:
         assert swapped_out > 0 and recomputed == 0
-    assert (ahead > 0) == (policy is SwapPolicy.PROACTIVE)
+    assert (ahead > 0) == (variant == "mlfq")
 
 
 def test_without_chunked_prefill_a_whole_prefill_must_fit_the_remaining_budget():
@@ -343,19 +373,19 @@ def test_without_chunked_prefill_a_whole_prefill_must_fit_the_remaining_budget()
     assert [s.num_new_tokens for s in first.scheduled] == [30]
 
 
-def _memory_held_by_a_demoted_job(policy: SwapPolicy):
+def _memory_held_by_a_demoted_job(variant: str):
     """A cache of 12 blocks of 4 tokens; job `old` has sunk to Q3 and holds some of them.
     Returns (scheduler, driver, old, free blocks)."""
-    mlfq = MLFQConfig(
+    mlfq, config = variant_settings(
+        variant,
         base_quantum=2 * MS,
         skip_join=False,  # a new job enters Q1 whatever its prompt
-        swap_policy=policy,
         reserve_blocks=0,
         num_levels=4,
         starvation_bound=None,
     )
     scheduler = make_scheduler(
-        mlfq, num_gpu_blocks=12, num_cpu_blocks=32, max_num_seqs=4, max_model_len=48
+        mlfq, num_gpu_blocks=12, num_cpu_blocks=32, max_num_seqs=4, max_model_len=48, **config
     )
     driver = Driver(scheduler)
     old = make_group(3, 30)
@@ -371,15 +401,15 @@ def _bigger_than(free_blocks: int, arrival: float) -> SequenceGroup:
     return make_group(prompt, min(10, 47 - prompt), arrival=arrival)
 
 
-@pytest.mark.parametrize("policy", [SwapPolicy.REACTIVE, SwapPolicy.RECOMPUTE])
-def test_a_new_job_evicts_only_jobs_of_strictly_lower_queues(policy):
-    scheduler, driver, old, free = _memory_held_by_a_demoted_job(policy)
+@pytest.mark.parametrize("variant", ["mlfq-reactive", "mlfq-recompute"])
+def test_a_new_job_evicts_only_jobs_of_strictly_lower_queues(variant):
+    scheduler, driver, old, free = _memory_held_by_a_demoted_job(variant)
     new = _bigger_than(free, driver.now)
     scheduler.add(new)  # Q1, above `old` in Q3: `old` makes room
     out = driver.step()
     assert scheduled_requests(out) == [new.request_id] and out.preempted == [old.request_id]
     # The same job entering Q3 itself, even ahead of `old` in that queue, may not evict it.
-    scheduler, driver, old, free = _memory_held_by_a_demoted_job(policy)
+    scheduler, driver, old, free = _memory_held_by_a_demoted_job(variant)
     peer = _bigger_than(free, driver.now)
     scheduler.add(peer)
     scheduler.jobs[peer.request_id].level = level_of(scheduler, old)
@@ -388,9 +418,9 @@ def test_a_new_job_evicts_only_jobs_of_strictly_lower_queues(policy):
     assert not out.preempted and scheduled_requests(out) == [old.request_id]
 
 
-@pytest.mark.parametrize("policy", [SwapPolicy.REACTIVE, SwapPolicy.RECOMPUTE])
-def test_a_preempted_job_returns_when_its_blocks_fit_without_evicting_others(policy):
-    scheduler, driver, old, free = _memory_held_by_a_demoted_job(policy)
+@pytest.mark.parametrize("variant", ["mlfq-reactive", "mlfq-recompute"])
+def test_a_preempted_job_returns_when_its_blocks_fit_without_evicting_others(variant):
+    scheduler, driver, old, free = _memory_held_by_a_demoted_job(variant)
     new = _bigger_than(free, driver.now)
     scheduler.add(new)
     driver.step()
@@ -430,24 +460,24 @@ jobs_strategy = st.lists(
     jobs=jobs_strategy,
     variant=st.sampled_from(sorted(MLFQ_VARIANTS)),
     num_gpu_blocks=st.integers(10, 24),
-    host_blocks=st.sampled_from([0, 6, 40]),
+    num_cpu_blocks=st.sampled_from([0, 6, 40]),
     token_budget=st.integers(4, 32),
     chunked=st.booleans(),
 )
 @settings(max_examples=60)
 def test_random_traces_finish_within_budgets_and_invariants(
-    jobs, variant, num_gpu_blocks, host_blocks, token_budget, chunked
+    jobs, variant, num_gpu_blocks, num_cpu_blocks, token_budget, chunked
 ):
     if not chunked:  # a whole prefill must fit one step
         token_budget = max(token_budget, 64)
-    mlfq = MLFQ_VARIANTS[variant]
-    mlfq = MLFQConfig(**{**mlfq.__dict__, "base_quantum": 2 * MS, "reserve_blocks": 2})
+    mlfq, config = variant_settings(variant, base_quantum=2 * MS, reserve_blocks=2)
     if mlfq.starvation_bound is not None:
         mlfq.starvation_bound = 40 * MS
     scheduler = make_scheduler(
         mlfq,
+        **config,
         num_gpu_blocks=num_gpu_blocks,
-        num_cpu_blocks=host_blocks,
+        num_cpu_blocks=num_cpu_blocks,
         max_num_seqs=3,
         max_num_batched_tokens=token_budget,
         max_model_len=64,

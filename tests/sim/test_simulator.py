@@ -81,7 +81,7 @@ def test_every_request_is_served_with_its_output_length(lengths, rate, scheduler
     cost = CostModel(0.01, 1e-4, 1e-3, 1e-6, per_swap_block=1e-3)
     arrivals = poisson_arrival_times(len(lengths), rate, np.random.default_rng(seed))
     trace = [TraceRequest(float(t), p, o) for t, (p, o) in zip(arrivals, lengths, strict=True)]
-    factory = FCFSScheduler if scheduler == "fcfs" else mlfq_factory(MLFQ_VARIANTS[scheduler])
+    factory = FCFSScheduler if scheduler == "fcfs" else MLFQ_VARIANTS[scheduler].factory()
     result = simulate(
         trace,
         cost,
@@ -257,7 +257,7 @@ def test_the_simulator_makes_the_real_engines_decisions(tiny, policy):
     """Same trace, same scheduler settings, and the engine's clock running on the cost model's
     time: the simulator predicts every request's preemptions and its first and last token to
     the float, and the engine's steps batch exactly the work the simulator's did. (How well a
-    profiled cost model predicts wall time is measured in benchmarks/fastserve.py, not here.)
+    profiled cost model predicts wall time is measured in benchmarks/papers/fastserve.py, not here.)
     The cache is small enough that requests are preempted and swapped."""
     engine_config = dict(
         num_gpu_blocks=24,
