@@ -2,7 +2,7 @@
 
 * `LAYERS` below is the package's layer order: each subpackage of `minipaged/` (and `kernels/`,
   imported as `minipaged.kernels`) is one layer, or two where a nested subpackage is a layer of its
-  own below or above its parent (`models.checkpoint`, `runner.parallel`, `kernels.cpu`); a module
+  own below or above its parent (`models.checkpoint`, `runner.parallel`); a module
   imports only its own layer or the ones listed before it; the module import graph has no cycle.
   Imports inside functions and under `TYPE_CHECKING` count: a lazy import is still an import.
   `docs/architecture.md`'s table lists the same layers in the same order.
@@ -23,8 +23,6 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 MAX_MODULE_LINES = 500
@@ -32,22 +30,22 @@ MAX_FOLDER_ENTRIES = 12
 
 # The layers, bottom-up: a unit imports only units at or before its own position.
 LAYERS = (
-    "kernels.cpu",  # 0: the CPU's C kernels (built on first use), in `kernels/cpu/`
     "tokenizer",  # 1
     "models.checkpoint",  # 2
-    "models",  # 3
+    "models",  # 3: written once, in plain PyTorch
     "kv",  # 4
-    "attention",  # 5
-    "kernels",  # 6: the Triton kernels
-    "sampling",  # 7
-    "sched",  # 8
-    "runner",  # 9
-    "runner.parallel",  # 10
-    "engine",  # 11
-    "sim",  # 12
-    "server",  # 13
-    "__main__",  # 14: the command line (with the package's own `__init__`)
-    "testing",  # 15: the oracles tests and notebooks compare against
+    "attention",  # 5: the contract and the reference
+    "kernels",  # 6: the platforms' kernels, in `kernels/` (Triton's and the CPU's C)
+    "platforms",  # 7: each device's speed behind one seam
+    "sampling",  # 8
+    "sched",  # 9
+    "runner",  # 10
+    "runner.parallel",  # 11
+    "engine",  # 12
+    "sim",  # 13
+    "server",  # 14
+    "__main__",  # 15: the command line (with the package's own `__init__`)
+    "testing",  # 16: the oracles tests and notebooks compare against
 )
 
 # Names an object outside the engine must never be given by assignment.
@@ -181,7 +179,7 @@ def test_nothing_in_the_package_imports_the_test_oracles() -> None:
 
 
 def test_the_architecture_page_lists_the_layers_in_order() -> None:
-    """One row per layer in docs/architecture.md, numbered from 0 in `LAYERS`' order."""
+    """One row per layer in docs/architecture.md, numbered from 1 in `LAYERS`' order."""
     text = ARCHITECTURE.read_text().split("## Layers", 1)
     assert len(text) == 2, "docs/architecture.md has no '## Layers' section"
     rows = []
@@ -190,7 +188,7 @@ def test_the_architecture_page_lists_the_layers_in_order() -> None:
         if row:
             path = row.group(2).removeprefix("minipaged/").removesuffix("/").removesuffix(".py")
             rows.append((int(row.group(1)), path.replace("/", ".")))
-    assert rows == list(enumerate(LAYERS))
+    assert rows == list(enumerate(LAYERS, start=1))
 
 
 def test_every_subpackage_names_its_public_face() -> None:
@@ -239,8 +237,8 @@ def test_folders_are_small_and_their_modules_have_distinct_prefixes() -> None:
     assert not problems, "\n".join(sorted(set(problems)))
 
 
-def test_the_import_graph_has_no_cycle() -> None:
-    graph = import_graph()
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of `graph`, or None."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
 
@@ -258,7 +256,41 @@ def test_the_import_graph_has_no_cycle() -> None:
 
     for node in sorted(graph):
         if node not in state and (cycle := visit(node)):
-            pytest.fail("import cycle: " + " -> ".join(cycle))
+            return cycle
+    return None
+
+
+def package_of(module: str, graph: dict[str, set[str]]) -> str:
+    """The package a module lies in (a package's `__init__` is the package itself)."""
+    is_package = any(other.startswith(module + ".") for other in graph)
+    return module if is_package else module.rpartition(".")[0]
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_package_imports_a_package_that_imports_it() -> None:
+    """Collapsed to packages (a package's modules outside its subpackages, as one node), the
+    import graph has no cycle either: a subpackage and its parent never import each other."""
+    graph = import_graph()
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        own = package_of(module, graph)
+        packages.setdefault(own, set()).update(
+            package_of(t, graph) for t in targets if package_of(t, graph) != own)
+    cycle = find_cycle(packages)
+    assert cycle is None, "package import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_model_knows_no_platform() -> None:
+    """The model is written once, in plain PyTorch: nothing under `minipaged/models/` imports
+    the kernels or the platforms (a platform swaps its modules in at load)."""
+    found = [f"{a} imports {b}" for a, targets in import_graph().items()
+             if unit_of(a) in ("models", "models.checkpoint") for b in targets
+             if unit_of(b) in ("kernels", "platforms")]
+    assert not found, "\n".join(found)
 
 
 # -- private names and engine parts ---------------------------------------------------------------

@@ -75,3 +75,17 @@ class Platform:
         """Each row's argmax token of float32 logits `[B, V]` and its log-probability, where
         the platform has a faster way than the sampler's PyTorch; None: the sampler's way."""
         return None
+
+
+def swap_modules(model: nn.Module, swaps: dict[type, type]) -> int:
+    """Give every module of `model` whose type is a key of `swaps` (exactly: subclasses such as
+    tensor-parallel layers keep theirs) the class its value names, in place: the same object,
+    parameters and buffers (a tied weight stays tied, a module shared by several layers stays
+    one). Returns how many modules changed class. A swap class adds behaviour, never state."""
+    count = 0
+    for module in model.modules():
+        new = swaps.get(type(module))
+        if new is not None:
+            module.__class__ = new
+            count += 1
+    return count

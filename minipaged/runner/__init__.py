@@ -4,7 +4,7 @@ flat batch), runs a step's plan through the model and returns logits; it decides
 
 from __future__ import annotations
 
-from minipaged.platforms import get_attention_ops
+from minipaged.runner.backends import get_attention_ops
 from minipaged.runner.model_runner import ModelRunner
 from minipaged.runner.profiler import profile_runner
 

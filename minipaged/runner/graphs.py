@@ -85,17 +85,31 @@ class StaticBatch:
         c["slot_mapping"][:n] = batch.slot_mapping
         c["seq_lens"][:n] = batch.seq_lens
         tables = c["block_tables"]
-        for row, table in enumerate(batch.block_tables):
-            tables[row * width:row * width + len(table)] = table
-        if rows > n:
-            pad = rows - n
-            c["input_ids"][n:rows] = [0] * pad
-            c["positions"][n:rows] = [0] * pad
-            c["slot_mapping"][n:rows] = [-1] * pad
-            c["seq_lens"][n:rows] = [1] * pad
-            for row in range(n, rows):
-                tables[row * width] = 0
+        for row, table in enumerate(batch.block_tables):  # a table may run past the context
+            used = min(len(table), width)
+            tables[row * width:row * width + used] = table[:used]
+        self._pad(n, rows)
         self._sync()
+
+    def pad(self, rows: int) -> None:
+        """The first `rows` rows all padding, then one copy to the device: what a capture runs
+        over. Its forward runs for real (a CUDA graph's warm-up, the CPU's recording), and the
+        rows still hold the last step's inputs, whose slots may be another sequence's by now."""
+        self._pad(0, rows)
+        self._sync()
+
+    def _pad(self, start: int, rows: int) -> None:
+        """Rows `start` to `rows` padded (module docstring): token 0 at position 0 of a
+        one-token context in block 0, writing no K/V (slot -1)."""
+        if rows <= start:
+            return
+        c, pad, width = self.c, rows - start, self.max_blocks
+        c["input_ids"][start:rows] = [0] * pad
+        c["positions"][start:rows] = [0] * pad
+        c["slot_mapping"][start:rows] = [-1] * pad
+        c["seq_lens"][start:rows] = [1] * pad
+        for row in range(start, rows):
+            c["block_tables"][row * width] = 0
 
     def _sync(self) -> None:
         if self.device_memory is not self.host_memory:
@@ -142,6 +156,7 @@ class StepGraphs:
         return captured.logits[:rows]
 
     def _capture(self, size: int) -> Captured | None:
+        self.inputs.pad(size)  # the capture's forward must write no K/V of a past step
         device = self.inputs.views
         metadata = AttentionMetadata(
             slot_mapping=device["slot_mapping"][:size],

@@ -23,8 +23,13 @@ from torch import Tensor
 from minipaged.attention.contract import AttentionMetadata
 from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.layers import check_input_ranges
-from minipaged.platforms import Platform, get_platform, logger
-from minipaged.runner.backends import PagedAttentionBackend, ProfileAttention, allocate_kv_caches
+from minipaged.platforms import Platform, logger
+from minipaged.runner.backends import (
+    PagedAttentionBackend,
+    ProfileAttention,
+    allocate_kv_caches,
+    get_platform,
+)
 from minipaged.runner.flat_batch import FlatBatch, batch_tensors, flat_batch
 from minipaged.runner.graphs import StepGraphs
 from minipaged.sched.output import ScheduledSequence, SchedulerOutput

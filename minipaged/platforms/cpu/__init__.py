@@ -22,7 +22,7 @@ from minipaged.kernels.cpu.calls import kernel_calls_available
 from minipaged.kernels.cpu.gemv import MAX_ROWS, fetch_ahead
 from minipaged.kernels.cpu.greedy import greedy_tokens, greedy_tokens_available
 from minipaged.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
-from minipaged.platforms.base import CaptureUnsupported, Platform, Replay, logger
+from minipaged.platforms.base import CaptureUnsupported, Platform, Replay, logger, swap_modules
 from minipaged.platforms.cpu.attention import CPU_OPS
 from minipaged.platforms.cpu.linear import (
     CPULinear,
@@ -35,13 +35,12 @@ from minipaged.platforms.cpu.modules import (
     CPURMSNorm,
     CPURotaryEmbedding,
     CPUSiluAndMul,
-    swap_modules,
 )
 from minipaged.platforms.cpu.quantization import QUANTIZATIONS, quantize_model
 from minipaged.platforms.cpu.replay import CaptureError, capture
 from minipaged.platforms.cpu.weight_layout import lay_out_weights
 
-__all__ = ["QUANTIZATIONS", "CPUPlatform"]
+__all__ = ["GEMV_ROWS_VARIABLE", "QUANTIZATIONS", "CPUPlatform"]
 
 SWAPS = {nn.Linear: CPULinear, RMSNorm: CPURMSNorm, RotaryEmbedding: CPURotaryEmbedding,
          SiluAndMul: CPUSiluAndMul, nn.Embedding: CPUEmbedding}

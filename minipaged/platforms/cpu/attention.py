@@ -149,7 +149,12 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
         raise CaptureError("a capture replays the native decode kernel only; this step gathers")
     out = q.new_empty(q.shape)
     if plan.decodes is not None:
-        d, q = plan.decodes, q.contiguous()
+        d = plan.decodes
+        if not q.is_contiguous():
+            if recording() is not None:  # the copy is made now, and a replay would not redo it
+                raise CaptureError("strided queries are copied: a replay would read the copy "
+                                   "made while capturing")
+            q = q.contiguous()
         call = bind_paged_decode(out, q, k_cache, v_cache, d.block_tables, d.seq_lens, d.rows,
                                  d.seqs, scale, validate=validate)
         launch(call, PROFILER_NAME, out, q, k_cache, v_cache, d.block_tables, d.seq_lens,

@@ -40,7 +40,7 @@ from minipaged.platforms.cpu.onednn import (
     packed_weight,
     uses_onednn,
 )
-from minipaged.platforms.cpu.replay import launch, platform_code
+from minipaged.platforms.cpu.replay import CaptureError, launch, platform_code, recording
 
 # Rows up to which int8 weights take the GEMV kernel (8 rows at a time, the weight re-read from
 # cache): dequantising a 1536 x 576 weight for PyTorch's GEMM costs 2.4 ms, the kernel 0.43 ms
@@ -100,14 +100,18 @@ class Int8Linear(nn.Linear):
 
 
 def few_rows_product(path: FewRows | None, x: Tensor, logits: bool = False) -> Tensor | None:
-    """The kernel's product for `x` where `path` takes it (2-D x of the plan's dtype, at most
+    """The kernel's product for `x` where `path` takes it (2-D x of the plan's dtype, 1 to
     `max_rows` rows, nothing to differentiate), in float32 for `logits`; else None."""
-    if (path is None or x.dim() != 2 or x.shape[0] > path.max_rows
+    if (path is None or x.dim() != 2 or not 0 < x.shape[0] <= path.max_rows
             or x.dtype != path.plan.dtype or (torch.is_grad_enabled() and x.requires_grad)):
         return None
     plan = path.plan
     with platform_code():
-        x = x.contiguous()
+        if not x.is_contiguous():
+            if recording() is not None:  # the copy is made now, and a replay would not redo it
+                raise CaptureError("a strided input to a projection is copied: a replay would "
+                                   "read the copy made while capturing")
+            x = x.contiguous()
         out = torch.empty(x.shape[0], plan.width, dtype=plan.dtype)
         launch(plan.bind(x, out), PROFILER_NAME, x, out)
         if logits and out.dtype != torch.float32:

@@ -137,17 +137,3 @@ class Int8Embedding(nn.Module):
 
         launch_python(look_up, input_ids, out)
         return out
-
-
-def swap_modules(model: nn.Module, swaps: dict[type, type]) -> int:
-    """Give every module of `model` whose type is a key of `swaps` (exactly: subclasses such as
-    tensor-parallel layers keep theirs) the class its value names, in place: the same object,
-    parameters and buffers (a tied weight stays tied, a module shared by several layers stays
-    one). Returns how many modules changed class. A swap class adds behaviour, never state."""
-    count = 0
-    for module in model.modules():
-        new = swaps.get(type(module))
-        if new is not None:
-            module.__class__ = new
-            count += 1
-    return count

@@ -18,9 +18,10 @@ cover replays.
 
 The recording refuses what it cannot replay: the `Recorder` watches every PyTorch operator the
 forward runs outside the platform's code and raises `CaptureError` for one that computes
-(whose output is not a view of its inputs, or a 0-dim check such as a batch's range), which a
-replay would silently skip; so does a module whose kernel does not take its input (a GEMM past
-the few-row kernel's rows). The runner then runs such steps through the modules.
+(whose output is not a view of its inputs, or a 0-dim check such as a batch's range; or that
+writes into a tensor it was handed, in place), which a replay would silently skip; so does a
+module whose kernel does not take its input (a GEMM past the few-row kernel's rows). The runner
+then runs such steps through the modules.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class Recorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.depth == 0 and not _views_only(out, (args, kwargs)):
+        if self.depth == 0 and (_writes_in_place(func, kwargs)
+                                or not _views_only(out, (args, kwargs))):
             name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
             raise CaptureError(f"{name} computes outside the platform's modules: a replay "
                                "would not repeat it")
@@ -164,6 +166,20 @@ def _tensors(value: object) -> Iterator[Tensor]:
     elif isinstance(value, dict):
         for item in value.values():
             yield from _tensors(item)
+
+
+# Augmented assignments (`x += y`): in place, though their names do not end in "_".
+_IN_PLACE_DUNDERS = frozenset(
+    f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow",
+                            "and", "or", "xor", "lshift", "rshift"))
+
+
+def _writes_in_place(func: Callable[..., object], kwargs: dict[str, object]) -> bool:
+    """Whether `func` writes into a tensor it was handed (`mul_`, `x += y`, `x[i] = y`,
+    `out=`): it computes, though what it returns is its input, which `_views_only` accepts."""
+    name = getattr(func, "__name__", "")
+    return (kwargs.get("out") is not None or name == "__setitem__" or name in _IN_PLACE_DUNDERS
+            or (name.endswith("_") and not name.startswith("__")))
 
 
 def _views_only(out: object, inputs: object) -> bool:

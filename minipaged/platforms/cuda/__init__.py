@@ -3,7 +3,8 @@ from CUDA graphs captured from the model's own forward, and the KV cache sized f
 left after the weights and a profile step.
 
 * **Attention**: `triton_ops` (`minipaged.kernels`: the KV write, split-K decode, varlen
-  prefill and block copy), imported on first use.
+  prefill and block copy), imported on first use; with it, the model's RMSNorm (and the
+  residual add before it) and SwiGLU activation swapped for one Triton launch each (`modules`).
 * **Capture** (`CUDAPlatform.capture`): the forward run once to warm up (Triton compiles, the
   caching allocator settles), then again under `torch.cuda.graph` into one memory pool shared
   by every size; the runner replays it over its static buffers (`minipaged.runner.graphs`),
@@ -26,7 +27,9 @@ from torch import Tensor, nn
 
 from minipaged.attention.contract import AttentionOps
 from minipaged.attention.reference import swap_blocks
-from minipaged.platforms.base import CaptureUnsupported, Platform, Replay
+from minipaged.models.layers import RMSNorm, SiluAndMul
+from minipaged.platforms.base import CaptureUnsupported, Platform, Replay, swap_modules
+from minipaged.platforms.cuda.modules import CUDARMSNorm, CUDASiluAndMul
 
 __all__ = ["CUDAPlatform", "graph_ladder", "triton_ops"]
 
@@ -66,9 +69,11 @@ class CUDAPlatform(Platform):
         self._pool = None
 
     def load(self, model: nn.Module, quantization: str | None = None) -> nn.Module:
-        """The model on the card, as written (its small operators are few beside a step's
-        launches once the step is a graph)."""
+        """The model on the card, its norms and SwiGLU activations swapped for one-launch
+        Triton modules (`modules`) where the attention is Triton's too."""
         super().load(model, quantization)
+        if self.attention.name == "triton":
+            swap_modules(model, {RMSNorm: CUDARMSNorm, SiluAndMul: CUDASiluAndMul})
         return model.to(self.device)
 
     def capture(self, forward: Callable[[], Tensor]) -> tuple[Replay, Tensor]:
