@@ -17,6 +17,7 @@ engine with a runner that advances a cost model's clock instead of running a mod
 from __future__ import annotations
 
 import collections.abc
+import gc
 import itertools
 import logging
 import time
@@ -176,6 +177,10 @@ class LLMEngine:
         self._observers: list[StepObserver] = []
         self._request_ids = itertools.count()
         self._num_steps = 0
+        # What start-up made (the model's modules, the tokenizer's tables, captured steps) lives
+        # as long as the engine: frozen out of the collector's generations, so that a collection
+        # during serving scans only what steps make (vLLM does the same after start-up).
+        gc.freeze()
 
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, **kwargs: Any) -> LLMEngine:

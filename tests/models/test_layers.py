@@ -1,184 +1,237 @@
-"""The models' linear layers on the CPU's few-row kernel, and weight-only int8 models.
+"""The models' building blocks in plain PyTorch (`minipaged.models.layers`) and the shape of a
+layer that lets a platform capture it.
 
-`Linear` and `LinearGroup` take the GEMV kernel at the rows `choose_gemms` measured it faster
-for (forced here to its whole range, so the test does not depend on this machine's timings) and
-PyTorch's GEMM above; both must give `F.linear`'s results. A model's forward pass over a few
-rows equals the one without the kernel. `quantize_model`
-leaves no float copy of a quantised weight, and the int8 model equals the float model holding
-the dequantised weights (the kernel and the dequantise-then-GEMM path agree, and the tied
-embedding looks its rows up from the same int8 values).
+* `RMSNorm` is Hugging Face's `LlamaRMSNorm`; given the residual stream, it returns the norm of
+  the sum and the sum itself (the stream after the sublayer), leaving its inputs alone.
+* `RotaryEmbedding` turns q and k as Hugging Face's rotary does, keeps each head's length, and
+  makes a rotated query's dot product with a rotated key depend only on their distance; linear
+  rope scaling stretches positions by its factor.
+* `SiluAndMul` is SwiGLU's `silu(gate) * up`.
+* `check_flat_batch` refuses a batch of the wrong shape or dtype on any device, and reads the
+  values (token ids, positions) only of CPU tensors: on another device that would be a sync.
+* Between a LLaMA-family layer's modules there are only views (what lets a platform capture a
+  step from the model's own forward): with every module's work marked as the platform's, a
+  capture of the forward finds nothing else that computes; GPT-2 computes between its modules.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
+from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import dense_last_logits, force_kernel, tiny_engine, tiny_llama_parts
+from tiny_models import SMALL_LLAMA, minipaged_parts, random_hf
+from torch import Tensor, nn
 
-from minipaged.engine.config import EngineConfig
-from minipaged.kernels.cpu.gemv import gemv_available
-from minipaged.models.layers import Linear, LinearGroup, RMSNorm, VersionedWeights
-from minipaged.models.quantization import Int8Embedding, quantize_model
-from minipaged.sampling.params import SamplingParams
+from minipaged.models.checkpoint.model_config import ModelConfig
+from minipaged.models.layers import (
+    ModelInputError,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    check_flat_batch,
+    check_input_ranges,
+)
+from minipaged.models.registry import FAMILIES
+from minipaged.platforms.cpu.replay import CaptureError, capture, platform_code
 
-pytestmark = pytest.mark.skipif(not gemv_available(), reason="needs a C compiler")
+transformers = pytest.importorskip("transformers")
+from transformers.models.llama import modeling_llama as hf_llama  # noqa: E402
+
+DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
+
+
+def config_of(head_dim: int = 8, theta: float = 10000.0,
+              scaling: dict[str, Any] | None = None) -> ModelConfig:
+    return ModelConfig(family=FAMILIES["llama"], vocab_size=64, hidden_size=32, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=head_dim, intermediate_size=64,
+                       max_position_embeddings=512, rope_theta=theta, rope_scaling=scaling)
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.integers(1, 12), st.sampled_from([torch.float32, torch.bfloat16]), st.booleans(),
-       st.integers(0, 2**16))
-def test_a_group_equals_its_layers_on_f_linear(rows, dtype, bias, seed):
-    torch.manual_seed(seed)
-    layers = [Linear(48, n, bias=bias).to(dtype) for n in (48, 16, 16)]
-    group = LinearGroup(*layers)
-    owner = torch.nn.Module()
-    owner.group = group
-    for i, layer in enumerate(layers):
-        owner.add_module(f"l{i}", layer)
-    assert force_kernel(owner, max_rows=8) == 4
-    x = torch.randn(rows, 48).to(dtype)
-    with torch.inference_mode():
-        outs = group(x)
-        singles = [layer(x) for layer in layers]
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
-    for out, single, layer in zip(outs, singles, layers, strict=True):
-        expected = F.linear(x.float(), layer.weight.float(),
-                            None if layer.bias is None else layer.bias.float())
-        torch.testing.assert_close(out.float(), expected, **tol)
-        torch.testing.assert_close(single.float(), expected, **tol)
-
-
-def test_autograd_takes_f_linear():
-    layer = Linear(16, 8)
-    force_kernel(layer)
-    x = torch.randn(2, 16, requires_grad=True)
-    layer(x).sum().backward()  # the kernel has no backward: this must be F.linear's
-    assert x.grad is not None and layer.weight.grad is not None
-
-
-def test_a_replaced_weight_is_multiplied_not_the_planned_one():
-    layer = Linear(16, 8, bias=False)
-    force_kernel(layer)
-    layer.weight = torch.nn.Parameter(torch.randn(8, 16))
-    x = torch.randn(1, 16)
-    with torch.inference_mode():
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
-
-
-def test_choose_gemms_measures_fetching_ahead_at_start_up_not_in_a_step(monkeypatch):
-    import minipaged.models.layers as layers
-    from minipaged.kernels.cpu.gemv import quantize_int8
-
-    asked = []
-    monkeypatch.setattr(layers, "fetch_ahead", lambda dtype, rows: asked.append((dtype, rows)))
-    model = torch.nn.Sequential(Linear(64, 32, bias=False))
-    model[0].int8 = quantize_int8(model[0].weight.detach(), 64)  # int8: always a few-row path
-    layers.choose_gemms(model)
-    assert model[0].few_rows is not None
-    assert sorted(asked) == [(torch.int8, rows) for rows in layers.FETCH_AHEAD_ROWS]
-
-
-def test_the_weight_generation_counts_weights_and_plans_given_not_weights_written():
-    linear, norm = Linear(4, 3, bias=True), RMSNorm(4, 1e-6)
-    group = LinearGroup(linear, Linear(4, 2))
-    before = VersionedWeights.generation
+@given(dtype=DTYPES, rows=st.integers(1, 6), width=st.sampled_from([4, 32, 96]),
+       eps=st.sampled_from([1e-6, 1e-5]), scale=st.sampled_from([1e-2, 1.0, 100.0]),
+       seed=st.integers(0, 2**16))
+def test_rms_norm_is_hugging_faces_and_adds_the_residual_first(dtype, rows, width, eps, scale,
+                                                               seed):
+    gen = torch.Generator().manual_seed(seed)
+    ours, theirs = RMSNorm(width, eps), hf_llama.LlamaRMSNorm(width, eps)
+    weight = torch.rand(width, generator=gen) + 0.5
     with torch.no_grad():
-        linear.weight.add_(1.0)  # in place: a bound call reads it already
-        norm.weight.mul_(2.0)
-    linear.in_features = 4  # not a weight or a plan
-    assert VersionedWeights.generation == before
-    linear.weight = torch.nn.Parameter(torch.zeros(3, 4))
-    linear.bias = None
-    linear.int8 = None
-    norm.weight = torch.nn.Parameter(torch.ones(4))
-    linear.few_rows = None  # a plan: `choose_gemms` planned again
-    group.path = None
-    assert VersionedWeights.generation == before + 6
-
-
-def test_the_kernel_leaves_the_models_logits_alone():
-    model, config = tiny_llama_parts()
-    tokens = [5, 17, 3, 59, 42, 7]
-    without = dense_last_logits(model, tokens)
-    force_kernel(model)
-    torch.testing.assert_close(dense_last_logits(model, tokens), without, atol=1e-4, rtol=1e-4)
-
-
-def test_int8_model_equals_the_float_model_of_its_dequantised_weights():
-    model, config = tiny_llama_parts(tie_word_embeddings=True)
-    quantized = copy.deepcopy(model)
-    quantize_model(quantized, "int8", group_size=16)
-    assert isinstance(quantized.input_embedding(), Int8Embedding)
-    for name, module in quantized.named_modules():
-        if isinstance(module, Linear):
-            assert module.weight is None and module.int8 is not None, name  # no float copy
-    # The float model holding exactly the int8 values' weights.
-    reference = copy.deepcopy(model)
+        ours.weight.copy_(weight)
+        theirs.weight.copy_(weight)
+    ours, theirs = ours.to(dtype), theirs.to(dtype)
+    x = (torch.randn(rows, width, generator=gen) * scale).to(dtype)
+    residual = (torch.randn(rows, width, generator=gen) * scale).to(dtype)
+    kept = (x.clone(), residual.clone())
     with torch.no_grad():
-        for (_, module), (_, q) in zip(reference.named_modules(), quantized.named_modules(),
-                                          strict=True):
-            if isinstance(module, Linear):
-                module.weight.copy_(q.int8.dequantize())
-    tokens = [5, 17, 3, 59, 42, 7, 1, 8, 9, 11, 12]
-    expected = dense_last_logits(reference, tokens)
-    torch.testing.assert_close(dense_last_logits(quantized, tokens), expected,
-                               atol=1e-4, rtol=1e-4)  # dequantise-then-GEMM, before the choice
-    force_kernel(quantized, max_rows=8)
-    torch.testing.assert_close(dense_last_logits(quantized, tokens), expected,
-                               atol=1e-4, rtol=1e-4)  # the kernel, 8 rows at a time
+        assert torch.equal(ours(x), theirs(x))
+        normed, stream = ours(x, residual)
+        assert torch.equal(stream, x + residual)  # the stream after the sublayer
+        assert torch.equal(normed, theirs(x + residual))
+    assert torch.equal(x, kept[0]) and torch.equal(residual, kept[1])  # inputs left alone
 
 
-def test_an_int8_engine_generates_and_drains():
-    parts = tiny_llama_parts()
-    quantize_model(parts[0], "int8")
-    engine = tiny_engine(parts, device="cpu", num_gpu_blocks=64)
-    engine.add_request(None, [1, 2, 3, 4], SamplingParams(max_tokens=5, ignore_eos=True))
-    engine.add_request(None, [9, 8], SamplingParams(max_tokens=3, ignore_eos=True))
-    finals = engine.run_until_done(use_tqdm=False)
-    assert sorted(len(f.outputs[0].token_ids) for f in finals.values()) == [3, 5]
-    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_gpu_blocks
+def hf_rotary(config: ModelConfig, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, ...]:
+    hf_config = transformers.LlamaConfig(
+        hidden_size=config.hidden_size, num_attention_heads=config.num_heads,
+        head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
+        rope_theta=config.rope_theta)
+    cos, sin = hf_llama.LlamaRotaryEmbedding(hf_config)(q, positions)
+    return hf_llama.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
 
 
-def test_quantization_refusals_name_the_field():
-    with pytest.raises(ValueError, match="quantization"):
-        EngineConfig(quantization="int4")
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(quantization="int8", tensor_parallel_size=2, device="cpu")
-    model, _ = tiny_llama_parts()
-    with pytest.raises(ValueError, match="quantization must be one of"):
-        quantize_model(model, "fp8")
-    with pytest.raises(ValueError, match="dtype must be float32"):
-        quantize_model(model.to(torch.bfloat16), "int8")
+@settings(max_examples=30, deadline=None)
+@given(dtype=DTYPES, tokens=st.integers(1, 6), head_dim=st.sampled_from([2, 8, 16, 64]),
+       theta=st.sampled_from([10000.0, 500000.0]), seed=st.integers(0, 2**16))
+def test_the_rotary_is_hugging_faces(dtype, tokens, head_dim, theta, seed):
+    config = config_of(head_dim, theta)
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 512, (tokens,), generator=gen)
+    q = torch.randn(tokens, 4, head_dim, generator=gen).to(dtype)
+    k = torch.randn(tokens, 2, head_dim, generator=gen).to(dtype)
+    ours = RotaryEmbedding(config)(positions, q, k)
+    theirs = hf_rotary(config, positions, q, k)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {}
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.dtype == dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, **tolerance)
 
 
-@pytest.mark.parametrize("groups_win", [True, False])
-def test_a_layer_whose_group_takes_few_rows_is_given_none_of_its_own(monkeypatch, groups_win):
-    """`choose_gemms` probes a group's weights together; its layers' few rows are the group's
-    call, so they are probed alone (and given a path) only where the group has none."""
-    import minipaged.models.layers as layers_module
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(0, 200), n=st.integers(0, 200), shift=st.integers(0, 300),
+       head_dim=st.sampled_from([2, 8, 64]), seed=st.integers(0, 2**16))
+def test_a_rotated_dot_product_depends_only_on_the_distance(m, n, shift, head_dim, seed):
+    rotary = RotaryEmbedding(config_of(head_dim))
+    gen = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(2, 1, 1, head_dim, generator=gen)
 
-    probed: list[tuple] = []
+    def score(at_q: int, at_k: int) -> Tensor:
+        rq, _ = rotary(torch.tensor([at_q]), q, q)
+        _, rk = rotary(torch.tensor([at_k]), k, k)
+        return (rq * rk).sum()
 
-    def limit(shapes, dtype, rival, prepare=None):  # the kernel wins 4 rows, groups as asked
-        probed.append(shapes)
-        return 4 if groups_win or len(shapes) == 1 else 0
+    torch.testing.assert_close(score(m + shift, n + shift), score(m, n), atol=1e-4, rtol=1e-4)
+    rq, _ = rotary(torch.tensor([m]), q, q)
+    torch.testing.assert_close(rq.norm(), q.norm())  # a rotation keeps each head's length
 
-    monkeypatch.setattr(layers_module, "gemv_row_limit", limit)
-    model, _ = tiny_llama_parts()
-    layers_module.choose_gemms(model)
-    groups = [v for m in model.modules() for v in vars(m).values() if isinstance(v, LinearGroup)]
-    assert groups
-    for group in groups:
-        assert (group.path is not None) == groups_win
-        for layer in group.layers:
-            assert (layer.few_rows is None) == groups_win
-    alone = [m for m in model.modules() if isinstance(m, Linear)
-             and not any(m in g.layers for g in groups)]
-    assert alone and all(m.few_rows is not None and m.few_rows.max_rows == 4 for m in alone)
-    assert len(probed) == len(groups) + len(alone) + (0 if groups_win else sum(
-        len(group.layers) for group in groups))
+
+@given(position=st.integers(0, 127), factor=st.sampled_from([2, 4]))
+def test_linear_rope_scaling_stretches_positions_by_its_factor(position, factor):
+    plain = RotaryEmbedding(config_of())
+    scaled = RotaryEmbedding(config_of(scaling={"rope_type": "linear", "factor": float(factor)}))
+    q = torch.randn(1, 1, 8)
+    torch.testing.assert_close(scaled(torch.tensor([position * factor]), q, q)[0],
+                               plain(torch.tensor([position]), q, q)[0], atol=1e-5, rtol=1e-4)
+
+
+def test_one_rotary_module_serves_every_layer_of_a_llama():
+    model, _ = minipaged_parts(random_hf("llama", **SMALL_LLAMA))
+    rotaries = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    assert len(rotaries) == 1
+    assert all(layer.self_attn.rotary is rotaries[0] for layer in model.layers)
+
+
+@settings(max_examples=20, deadline=None)
+@given(dtype=DTYPES, rows=st.integers(1, 5), width=st.sampled_from([1, 8, 64]),
+       seed=st.integers(0, 2**16))
+def test_silu_and_mul_is_swiglus_activation(dtype, rows, width, seed):
+    gen = torch.Generator().manual_seed(seed)
+    gate, up = (torch.randn(rows, width, generator=gen).to(dtype) for _ in "gu")
+    expected = (gate.double() * torch.sigmoid(gate.double()) * up.double())
+    tolerance = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2,
+                                                                               rtol=1.6e-2)
+    torch.testing.assert_close(SiluAndMul()(gate, up).double(), expected, **tolerance)
+
+
+def test_a_flat_batch_of_the_wrong_shape_or_dtype_is_refused_on_any_device():
+    config = config_of()
+    ids = torch.tensor([1, 2, 3])
+    for device in ("cpu", "meta"):
+        good = ids.to(device)
+        check_flat_batch(config, good, good)
+        with pytest.raises(ModelInputError, match="must both be"):
+            check_flat_batch(config, good[None], good[None])
+        with pytest.raises(ModelInputError, match="must both be"):
+            check_flat_batch(config, good, good[:2])
+        with pytest.raises(ModelInputError, match="int64"):
+            check_flat_batch(config, good.int(), good)
+        with pytest.raises(ModelInputError, match="empty"):
+            check_flat_batch(config, good[:0], good[:0])
+
+
+def test_values_are_read_only_on_the_cpu():
+    """On the CPU a batch's ranges are checked; elsewhere reading them would be a sync (the
+    runner checks them on the host first): a meta batch, whose values cannot be read, passes."""
+    config = config_of()
+    for ids, positions, message in (([0, 64], [0, 1], "token id"), ([-1], [0], "token id"),
+                                    ([3, 4], [0, 512], "position"), ([3], [-1], "position")):
+        ids, positions = torch.tensor(ids), torch.tensor(positions)
+        with pytest.raises(ModelInputError, match=f"{message} out of range"):
+            check_flat_batch(config, ids, positions)
+        with pytest.raises(ModelInputError, match=f"{message} out of range"):
+            check_input_ranges(config, (int(ids.min()), int(ids.max())),
+                               (int(positions.min()), int(positions.max())))
+        check_flat_batch(config, ids.to("meta"), positions.to("meta"))
+    check_input_ranges(config, (0, 63), (0, 511))
+
+
+class MarkedAttention:
+    """Attention as a platform's: its work is the platform's code (here: zeros)."""
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        with platform_code():
+            return torch.zeros_like(q)
+
+
+def mark_modules_as_platform_code(model: nn.Module) -> None:
+    """Every module of the kinds a platform swaps runs as platform code: a capture then sees
+    only what the model does between them."""
+    stack: list[contextlib.AbstractContextManager] = []
+
+    def enter(module: nn.Module, args: Any) -> None:
+        stack.append(platform_code())
+        stack[-1].__enter__()
+
+    def leave(module: nn.Module, args: Any, out: Any) -> None:
+        stack.pop().__exit__(None, None, None)
+
+    for module in model.modules():
+        if isinstance(module, nn.Linear | nn.Embedding | RMSNorm | RotaryEmbedding | SiluAndMul):
+            module.register_forward_pre_hook(enter)
+            module.register_forward_hook(leave)
+
+
+@pytest.mark.parametrize(("family", "extra"), [
+    ("llama", {}), ("qwen2", {}), ("qwen3", {"head_dim": 16}), ("mistral", {}),
+    ("llama", {"tie_word_embeddings": True}),
+])
+def test_between_a_llama_layers_modules_there_are_only_views(family, extra):
+    model, _ = minipaged_parts(random_hf(family, **(SMALL_LLAMA | extra)))
+    mark_modules_as_platform_code(model)
+    ids, positions = torch.tensor([1, 7, 3]), torch.tensor([0, 4, 9])
+    _, logits = capture(lambda: model.compute_logits(model(ids, positions, MarkedAttention())))
+    assert logits.shape == (3, 64)
+
+
+def test_gpt2_computes_between_its_modules():
+    model, _ = minipaged_parts(random_hf("gpt2", vocab_size=64, n_embd=32, n_layer=1, n_head=4,
+                                         bos_token_id=0, eos_token_id=0))
+    mark_modules_as_platform_code(model)
+    ids = torch.tensor([1, 2])
+    with pytest.raises(CaptureError, match="computes outside the platform's modules"):
+        capture(lambda: model(ids, torch.tensor([0, 1]), MarkedAttention()))
+
+
+def test_a_norm_over_each_head_keeps_the_heads_apart():
+    """Qwen3's q/k norms normalise each head of `[T, H, D]` on its own (over D)."""
+    norm = RMSNorm(8, 1e-6)
+    q = torch.randn(3, 4, 8)
+    with torch.no_grad():
+        per_head = norm(q)
+        torch.testing.assert_close(per_head[:, 2], norm(q[:, 2].contiguous()))
+        torch.testing.assert_close(per_head, q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True)
+                                                             + 1e-6))

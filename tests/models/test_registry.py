@@ -34,7 +34,6 @@ from minipaged.models.checkpoint.model_config import ModelConfig  # noqa: E402
 from minipaged.models.checkpoint.weight_names import expected_shapes, is_transposed, to_module_name  # noqa: E402
 from minipaged.models.layers import (  # noqa: E402
     ModelInputError,
-    linear,
     rope_inverse_frequencies,
 )
 from minipaged.models.registry import (  # noqa: E402
@@ -398,34 +397,6 @@ def test_half_precision_is_close_to_float32(tmp_root, dtype, tol):
     assert (_flat_forward(model, seqs) - _flat_forward(model32, seqs)).abs().max() < tol
 
 
-@settings(max_examples=30, deadline=None)
-@given(
-    lead=st.sampled_from([(), (2,)]),
-    rows=st.integers(0, 9),
-    # (out, in): small weights take F.linear, large ones oneDNN (where the build has it).
-    sizes=st.sampled_from([(5, 8), (33, 48), (256, 256), (260, 300), (192, 576)]),
-    bias=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
-def test_linear_equals_f_linear(lead, rows, sizes, bias, seed):
-    g = torch.Generator().manual_seed(seed)
-    out_features, in_features = sizes
-    x = torch.randn(*lead, rows, in_features, generator=g)
-    w = torch.randn(out_features, in_features, generator=g) * in_features**-0.5
-    b = torch.randn(out_features, generator=g) if bias else None
-    with torch.inference_mode():
-        ours = linear(x, w, b)
-    assert ours.shape == (*lead, rows, out_features)
-    torch.testing.assert_close(ours, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
-
-
-def test_linear_keeps_gradients():
-    x = torch.randn(5, 256)
-    w = torch.randn(256, 256, requires_grad=True)
-    linear(x, w).sum().backward()
-    torch.testing.assert_close(w.grad, x.sum(0).expand(256, 256))
-
-
 def test_tied_head_shares_the_embedding(tmp_root):
     _, tied = _pair("mha-tied", tmp_root)
     _, untied = _pair("gqa3-untied-theta", tmp_root)
@@ -607,29 +578,3 @@ def test_smollm2_greedy_tokens_equal_transformers(
         assert got == row[:len(got)]
         assert len(got) == 32 or got[-1] in config.eos_token_ids
     assert tok.decode(ours[0], skip_special_tokens=True) == "The capital of France is Paris."
-
-
-def test_every_weight_starts_on_a_cache_line_whatever_the_checkpoint_gave():
-    """Tensors made from NumPy arrays (the GGUF reader's) start on 16 bytes; `build_model`
-    lays every weight out on a cache line (`lay_out_weights`), values alike."""
-    import numpy as np
-
-    from minipaged.models.weight_layout import ALIGNMENT
-
-    hf = random_llama(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2)
-    config = ModelConfig.from_hf_dict(hf.config.to_dict(), FAMILIES)
-    state = {}
-    for i, (name, tensor) in enumerate(hf.state_dict().items()):
-        buffer = np.empty(tensor.numel() + 16, dtype=np.float32)  # start 4 + 4i bytes later
-        array = buffer[1 + i % 15:1 + i % 15 + tensor.numel()].reshape(tuple(tensor.shape))
-        array[...] = tensor.numpy()
-        state[name] = torch.from_numpy(array)
-    assert any(t.data_ptr() % ALIGNMENT for t in state.values())
-    model = build_model(config, state)
-    for name, param in model.named_parameters():
-        assert param.data_ptr() % ALIGNMENT == 0, name
-    reference = build_model(config, hf.state_dict())
-    for (name, ours), theirs in zip(model.state_dict().items(), reference.state_dict().values(),
-                                    strict=True):
-        assert torch.equal(ours, theirs), name

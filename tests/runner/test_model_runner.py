@@ -4,7 +4,11 @@
 * `apply_cache_ops` must move exactly the named blocks, in every layer, keys and values alike;
 * `execute` over several steps of mixed chunked prefills and decodes, with shuffled physical
   blocks, a swap out and in, and a copy-on-write fork, must give the logits of a dense forward
-  pass over each sequence's whole context.
+  pass over each sequence's whole context: on the CPU platform (decode steps replayed), on it
+  eagerly, and on the reference platform (the plain model);
+* a token or position outside the model is refused before any kernel writes the cache;
+* without `num_gpu_blocks` the cache takes what the platform's `kv_cache_bytes` grants after the
+  profile run of the largest step: a stand-in platform grants a chosen budget.
 """
 
 from __future__ import annotations
@@ -21,10 +25,13 @@ from tiny_models import dense_last_logits, plan_of, scheduled
 from minipaged.attention.reference import paged_attention, plan_attention
 from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.gpt2 import GPT2ForCausalLM
+from minipaged.models.layers import ModelInputError
 from minipaged.models.llama import LlamaForCausalLM
 from minipaged.models.registry import FAMILIES
-from minipaged.runner.backends import PagedAttentionBackend
-from minipaged.runner.model_runner import ModelRunner
+from minipaged.platforms.base import GiB, Platform
+from minipaged.platforms.cpu import CPUPlatform
+from minipaged.runner.backends import PagedAttentionBackend, ProfileAttention
+from minipaged.runner.model_runner import ModelRunner, kv_bytes_per_block
 from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 
 VOCAB = 64
@@ -55,14 +62,25 @@ def tiny_model(architecture: str = "llama", seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def make_runner(model, num_gpu_blocks=32, num_cpu_blocks=16, block_size=4) -> ModelRunner:
+def make_runner(model, num_gpu_blocks=32, num_cpu_blocks=16, block_size=4,
+                **kwargs) -> ModelRunner:
     return ModelRunner(
         model,
         model.config,
         block_size=block_size,
         num_gpu_blocks=num_gpu_blocks,
         num_cpu_blocks=num_cpu_blocks,
+        **kwargs,
     )
+
+
+# How a runner runs its steps: the CPU platform replaying decode steps (the default on a CPU),
+# the same platform through its modules, the reference platform (the plain model).
+PLATFORMS = {
+    "cpu": dict(),
+    "cpu-eager": dict(enforce_eager=True),
+    "reference": dict(attention_backend="torch", enforce_eager=True),
+}
 
 
 def test_the_step_plan_groups_decodes_and_attends_as_one_call_per_sequence():
@@ -183,11 +201,14 @@ class PagedSequences:
         )
 
 
+@pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("architecture", ["llama", "gpt2"])
-def test_execute_over_steps_equals_dense_logits(architecture):
-    model = tiny_model(architecture)
+def test_execute_over_steps_equals_dense_logits(architecture, platform):
+    model = tiny_model(architecture)  # the oracle: the plain model, no platform's modules
     block_size = 4
-    runner = make_runner(model, num_gpu_blocks=40, num_cpu_blocks=8, block_size=block_size)
+    runner = make_runner(copy.deepcopy(model), num_gpu_blocks=40, num_cpu_blocks=8,
+                         block_size=block_size, **PLATFORMS[platform])
+    assert (runner.graphs is not None) == (platform == "cpu")
     for cache in runner.host_caches:  # the host pool is not zeroed: nothing may read a block
         cache.fill_(float("nan"))  # before the swap-out that writes it
     rng = random.Random(0)
@@ -273,15 +294,109 @@ def test_bfloat16_runner_follows_the_float32_oracle_up_to_near_ties(bundled_mode
 
 @pytest.mark.parametrize("architecture", ["llama", "gpt2"])
 def test_the_gemm_choice_is_made_when_the_runner_starts_not_in_a_step(architecture):
-    from minipaged.models.layers import Linear
-    from minipaged.models.onednn import onednn_is_faster
+    from minipaged.platforms.cpu.linear import CPULinear
+    from minipaged.platforms.cpu.onednn import onednn_is_faster
 
     onednn_is_faster.cache_clear()  # earlier tests' choices must not stand in for this one's
     model = tiny_model(architecture, seed=5)
     runner = make_runner(model)
     measured = onednn_is_faster.cache_info().misses
-    for module in model.modules():  # every weight shape's choice is already made
-        if isinstance(module, Linear):
-            onednn_is_faster(*module.weight.shape, module.weight.dtype)
+    linears = [m for m in runner.model.modules() if isinstance(m, CPULinear)]
+    assert linears
+    for module in linears:  # every weight shape's choice is already made
+        onednn_is_faster(*module.weight.shape, module.weight.dtype)
+    assert onednn_is_faster.cache_info().misses == measured
     runner.execute(plan_of([scheduled([1, 2, 3], 0, [0])]))
+    runner.execute(plan_of([scheduled([4], 3, [0])]))  # a decode (replayed for LLaMA)
     assert onednn_is_faster.cache_info().misses == measured  # no step measured anything
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_a_token_or_position_outside_the_model_is_refused_before_any_kernel_runs(platform):
+    longest = tiny_config().max_position_embeddings
+    runner = make_runner(tiny_model(), num_gpu_blocks=longest // 4 + 1, **PLATFORMS[platform])
+    runner.execute(plan_of([scheduled([1, 2, 3, 4], 0, [7, 3])]))
+    before = [cache.clone() for cache in runner.kv_caches]
+    refused = [
+        ("token id out of range", [scheduled([VOCAB], 4, [7, 3])]),
+        ("token id out of range", [scheduled([-1], 4, [7, 3]), scheduled([5], 0, [9], seq_id=1)]),
+        ("position out of range", [scheduled([3], longest, list(range(longest // 4 + 1)))]),
+    ]
+    for message, entries in refused:
+        with pytest.raises(ModelInputError, match=message):
+            runner.execute(plan_of(entries))
+    for cache, kept in zip(runner.kv_caches, before, strict=True):
+        assert torch.equal(cache, kept)
+
+
+# -- the KV cache's size --------------------------------------------------------------------------
+
+
+class BudgetPlatform(Platform):
+    """The reference platform granting the KV cache `budget` bytes once the profile has run;
+    it records the profile's forward (the tokens of the batch, the rows of its logits)."""
+
+    def __init__(self, budget: float) -> None:
+        super().__init__(torch.device("cpu"))
+        self.budget = budget
+        self.forwards: list[tuple[int, bool]] = []  # (tokens, attended through no cache)
+        self.logit_rows: list[int] = []
+
+    def kv_cache_bytes(self, profile, gpu_memory_utilization: float,
+                       kv_cache_memory: float) -> float:
+        assert (gpu_memory_utilization, kv_cache_memory) == (0.5, 2.0)  # handed through
+        profile()
+        return self.budget
+
+    def load(self, model: torch.nn.Module, quantization: str | None = None) -> torch.nn.Module:
+        model = super().load(model, quantization)
+        model.register_forward_hook(lambda module, args, out: self.forwards.append(
+            (args[0].shape[0], isinstance(args[2], ProfileAttention))))
+        model.lm_head.register_forward_hook(
+            lambda module, args, out: self.logit_rows.append(args[0].shape[0]))
+        return model
+
+
+@settings(max_examples=20, deadline=None)
+@given(blocks=st.floats(0, 300), block_size=st.sampled_from([1, 4, 16]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       max_num_batched_tokens=st.integers(1, 600), max_num_seqs=st.integers(1, 300))
+def test_the_cache_takes_the_platforms_budget_after_a_profile_of_the_largest_step(
+        blocks, block_size, dtype, max_num_batched_tokens, max_num_seqs):
+    config = tiny_config()
+    per_block = kv_bytes_per_block(config, block_size, dtype)
+    platform = BudgetPlatform(blocks * per_block)
+    model = tiny_model().to(dtype)
+
+    def build() -> ModelRunner:
+        return ModelRunner(model, config, block_size=block_size, dtype=dtype, platform=platform,
+                           max_num_batched_tokens=max_num_batched_tokens,
+                           max_num_seqs=max_num_seqs, gpu_memory_utilization=0.5,
+                           kv_cache_memory=2.0)
+
+    if int(blocks) < 1:
+        with pytest.raises(ValueError, match="no memory left for even one KV block"):
+            build()
+    else:
+        runner = build()
+        assert runner.num_gpu_blocks == int(platform.budget // per_block)
+        assert all(c.shape[1] == runner.num_gpu_blocks for c in runner.kv_caches)
+        assert runner.kv_caches[0].dtype == dtype
+    tokens = min(max_num_batched_tokens, config.max_position_embeddings)
+    assert platform.forwards == [(tokens, True)]  # the profile ran the largest step, no cache
+    assert platform.logit_rows == [min(max_num_seqs, tokens)]
+
+
+def test_a_given_number_of_blocks_runs_no_profile():
+    platform = BudgetPlatform(0)
+    runner = make_runner(tiny_model(), num_gpu_blocks=7, platform=platform)
+    assert runner.num_gpu_blocks == 7 and platform.forwards == []
+
+
+def test_the_cpu_and_reference_platforms_grant_kv_cache_memory_gib():
+    config = tiny_config()
+    per_block = kv_bytes_per_block(config, 4, torch.float32)
+    for platform in (Platform(torch.device("cpu")), CPUPlatform(torch.device("cpu"))):
+        runner = ModelRunner(tiny_model(), config, block_size=4, platform=platform,
+                             kv_cache_memory=0.001)
+        assert runner.num_gpu_blocks == int(0.001 * GiB // per_block)

@@ -1,7 +1,9 @@
-"""The C RMSNorm, rotary and SiLU-and-multiply kernels against the PyTorch code they replace.
+"""The C RMSNorm, rotary and SiLU-and-multiply kernels against the modules they stand in for.
 
-`minipaged.models.layers` computes both in PyTorch (`RMSNorm`, `apply_rotary`, whose rotary is
-Hugging Face's `rotate_half` form) and calls these kernels where they apply. The rotary must equal
+`minipaged.models.layers` computes each in plain PyTorch (`RMSNorm`, `RotaryEmbedding`, whose
+rotary is Hugging Face's `rotate_half` form, `SiluAndMul`), and those modules are the reference
+here; the CPU platform's subclasses of them call these kernels (`minipaged.platforms.cpu.modules`,
+tested in `tests/platforms/cpu/test_modules.py`). The rotary must equal
 PyTorch's bit for bit in float32 and bfloat16 (each product and the sum rounded to the dtype, no
 fused multiply-add); the norm adds its squares in another order, so it is within a few units in
 the last place in float32 and within two bfloat16 steps (its normalised value and then its
@@ -19,6 +21,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 from minipaged.kernels.cpu.norm_rotary import (
     NORM_PROFILER_NAME,
@@ -34,21 +37,27 @@ from minipaged.kernels.cpu.norm_rotary import (
     silu_mul,
     silu_mul_supports,
 )
+from minipaged.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`minipaged.models.layers.RMSNorm`'s PyTorch path."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """`minipaged.models.layers.RMSNorm` holding `weight`, over `x`."""
+    norm = RMSNorm(weight.shape[0], eps).to(weight.dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+        return norm(x)
 
 
 def torch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`minipaged.models.layers.apply_rotary`'s PyTorch path."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    """`minipaged.models.layers.RotaryEmbedding` turning `x [T, H, D]` by each token's row of
+    `cos`, `sin` (`[T, 1, D]`): the module with those rows as its tables, at positions 0..T-1."""
+    rotary = RotaryEmbedding.__new__(RotaryEmbedding)
+    nn.Module.__init__(rotary)
+    rotary.register_buffer("cos", cos.reshape(x.shape[0], -1))
+    rotary.register_buffer("sin", sin.reshape(x.shape[0], -1))
+    return rotary(torch.arange(x.shape[0]), x, x)[0]
 
 
 def test_the_kernels_are_built_on_this_machine():
@@ -132,7 +141,7 @@ def test_silu_mul_equals_pytorch(dtype, rows, width, fused, scale, seed):
     assert silu_mul_supports(gate, up)
     got = silu_mul(gate, up)
     assert got.is_contiguous() and got.dtype == dtype
-    assert_close_to(got, torch.nn.functional.silu(gate) * up, dtype)
+    assert_close_to(got, SiluAndMul()(gate, up), dtype)
     out = torch.empty_like(got)
     bind_silu_mul(gate, up, out)()
     assert torch.equal(out, got)
@@ -194,34 +203,6 @@ def test_what_the_kernels_do_not_take_is_left_to_pytorch():
     assert not silu_mul_supports(gate[:, ::2], torch.randn(3, 4))  # a row strided
     assert not silu_mul_supports(gate, torch.randn(3, 16)[:, :8])  # rows apart differently
     assert not silu_mul_supports(gate.half(), gate.half())  # float16
-
-
-def test_models_take_the_kernels_and_agree_with_their_pytorch_code():
-    """`RMSNorm`, `apply_rotary` and `silu_and_mul` call the kernels on a CPU, and give what
-    their own PyTorch code gives (the kernels off: a tensor that wants gradients)."""
-    from minipaged.models.layers import RMSNorm, apply_rotary, silu_and_mul
-
-    norm = RMSNorm(16, 1e-6)
-    with torch.no_grad():
-        norm.weight.uniform_(0.5, 1.5)
-    x = torch.randn(3, 16)
-    with torch.inference_mode():
-        fast = norm(x)
-    with torch.enable_grad():
-        slow = norm(x.clone().requires_grad_())
-    torch.testing.assert_close(fast, slow.detach(), rtol=1e-5, atol=1e-6)
-    q, cos, sin = torch.randn(3, 2, 16), torch.randn(3, 1, 16), torch.randn(3, 1, 16)
-    with torch.inference_mode():
-        fast = apply_rotary(q, cos, sin)
-    with torch.enable_grad():
-        slow = apply_rotary(q.clone().requires_grad_(), cos, sin)
-    assert torch.equal(fast, slow.detach())
-    gate, up = torch.randn(3, 24), torch.randn(3, 24)
-    with torch.inference_mode():
-        fast = silu_and_mul(gate, up)
-    with torch.enable_grad():
-        slow = silu_and_mul(gate.clone().requires_grad_(), up)
-    torch.testing.assert_close(fast, slow.detach(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("profiling", [False, True])

@@ -8,6 +8,10 @@ every GQA ratio, decode-only batches and mixed ones, garbage in every slot no se
 chunk budgets that cut a batch into many chunks. float32 matches the oracle within 1e-5; bfloat16
 and float16 within the tolerances of `minipaged.testing.paged_examples.TOLERANCES` (about two units
 in the last place of the output).
+
+Under a capture (`minipaged.platforms.cpu.replay`) the KV write and the native decode are
+recorded, and their replay over new queries, keys and values equals the eager call; a step the
+replay cannot repeat (one that gathers, a KV write the native kernel does not take) is refused.
 """
 
 from __future__ import annotations
@@ -21,13 +25,15 @@ from hypothesis import strategies as st
 from paged_utils import seq_and_query_lens
 
 from minipaged.attention import reference as attention
-from minipaged.attention.cpu import (
+from minipaged.attention.reference import paged_attention
+from minipaged.kernels.cpu.native import native_decode_available
+from minipaged.platforms.cpu.attention import (
     CPU_OPS,
     cpu_paged_attention,
     cpu_reshape_and_cache,
     plan_cpu_attention,
 )
-from minipaged.attention.reference import paged_attention
+from minipaged.platforms.cpu.replay import CaptureError, capture
 from minipaged.runner.backends import get_attention_ops
 from minipaged.testing.paged_examples import dense_reference, make_attention_case, tolerance
 
@@ -180,3 +186,56 @@ def test_kv_writes_check_their_arguments_unless_told_not_to():
     with pytest.raises(ValueError, match="slot_mapping"):
         cpu_reshape_and_cache(key, key, k_cache, k_cache.clone(),
                               torch.tensor([0, 1, 99], dtype=torch.int64))
+
+
+NATIVE = pytest.mark.skipif(not native_decode_available(), reason="needs a C compiler")
+
+
+def decode_step(dtype: torch.dtype = torch.float32):
+    """A decode step of three sequences over a cache of garbage, with its new keys and values
+    and the slots they go to."""
+    case = make_attention_case([5, 9, 2], [1, 1, 1], num_heads=4, num_kv_heads=2, head_dim=32,
+                               block_size=4, dtype=dtype, seed=0)
+    q, k_cache, v_cache, tables, seq_lens, starts, scale = case.args()
+    gen = torch.Generator().manual_seed(1)
+    key, value = (torch.randn(3, 2, 32, generator=gen).to(dtype) for _ in "kv")
+    last = (seq_lens - 1).long()
+    slots = tables[torch.arange(3), last // 4].long() * 4 + last % 4
+    return case, key, value, slots
+
+
+@NATIVE
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_captured_decode_replays_over_new_queries_keys_and_values(dtype):
+    case, key, value, slots = decode_step(dtype)
+    q, k_cache, v_cache, tables, seq_lens, starts, scale = case.args()
+    plan = plan_cpu_attention(tables, seq_lens, starts, k_cache)
+    eager_caches = (k_cache.clone(), v_cache.clone())
+
+    def step() -> torch.Tensor:
+        cpu_reshape_and_cache(key, value, k_cache, v_cache, slots, validate=False)
+        return cpu_paged_attention(q, k_cache, v_cache, tables, seq_lens, starts, scale,
+                                   validate=False, plan=plan)
+
+    replay, out = capture(step)
+    gen = torch.Generator().manual_seed(2)
+    for tensor in (q, key, value):
+        tensor.copy_(torch.randn(tensor.shape, generator=gen).to(dtype))
+    with torch.inference_mode():
+        replay.run()
+        cpu_reshape_and_cache(key, value, *eager_caches, slots)
+        expected = cpu_paged_attention(q, *eager_caches, tables, seq_lens, starts, scale)
+    assert torch.equal(out, expected)
+    for ours, theirs in zip((k_cache, v_cache), eager_caches, strict=True):  # garbage: NaN
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_capture_refuses_what_its_replay_would_not_repeat():
+    mixed = make_attention_case([5, 9], [1, 3], num_heads=4, num_kv_heads=2, head_dim=32,
+                                block_size=4, seed=0)
+    with pytest.raises(CaptureError, match="this step gathers"):
+        capture(lambda: cpu_paged_attention(*mixed.args()))
+    case, key, value, slots = decode_step(torch.float16)  # no native KV write for float16
+    _, k_cache, v_cache, *_ = case.args()
+    with pytest.raises(CaptureError, match="native KV write does not take"):
+        capture(lambda: cpu_reshape_and_cache(key, value, k_cache, v_cache, slots))

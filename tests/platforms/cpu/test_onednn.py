@@ -1,4 +1,4 @@
-"""oneDNN's linear over packed weights (`minipaged.models.onednn`): the same product as
+"""oneDNN's linear over packed weights (`minipaged.platforms.cpu.onednn`): the same product as
 `F.linear`, chosen where it measured faster and autograd does not need `F.linear`, and a
 packed copy never stale."""
 
@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.models.layers import Linear, linear
-from minipaged.models.onednn import (
+from minipaged.platforms.cpu.linear import CPULinear, linear
+from minipaged.platforms.cpu.onednn import (
     ONEDNN_AVAILABLE,
     onednn_is_faster,
     onednn_linear,
@@ -61,7 +61,8 @@ def test_onednn_over_a_packed_weight_equals_f_linear(rows, sizes, dtype, bias, s
 def test_a_weight_is_packed_once_and_again_when_it_changes():
     """A stale packed copy would serve the old weights silently: writing the weight in place
     (`copy_`, `load_state_dict`) or giving it new storage packs it again; nothing else does."""
-    layer = Linear(256, 256, bias=False)
+    layer = torch.nn.Linear(256, 256, bias=False)
+    layer.__class__ = CPULinear  # no few-row path: its product is `linear`'s
     x = torch.randn(3, 256)
     with torch.inference_mode():
         first = packed_weight(layer.weight)
