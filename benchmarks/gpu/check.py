@@ -56,7 +56,8 @@ from minipaged.kernels.triton.decode import decode_launches
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
-KERNEL_TESTS = ["tests/kernels/triton/test_attention.py", "tests/kernels/triton/test_cache.py"]
+KERNEL_TESTS = ["tests/kernels/triton/test_attention.py", "tests/kernels/triton/test_cache.py",
+                "tests/kernels/triton/test_fused.py"]
 
 # Targets of issue #5 for the headline decode case.
 MIN_FRACTION_OF_COPY_BANDWIDTH = 0.70

@@ -143,8 +143,12 @@ def tile_text(kernel: str, constexprs: dict[str, str]) -> str:
         return f"{c['QUERY_TILE'] * c['GROUP_PAD']} rows x {c['KEY_TILE']} keys"
     if kernel == "decode_merge":
         return f"{c['SPLITS_PAD']} splits"
-    if kernel == "reshape_and_cache":
+    if kernel in ("reshape_and_cache", "rotary_and_cache"):
         return f"{c['TOKEN_TILE']} tokens"
+    if kernel in ("rms_norm", "add_rms_norm"):
+        return f"{c['ROW_TILE']} rows"
+    if kernel == "silu_and_mul":
+        return f"{c['ROW_TILE'] * c['COL_TILE']} elements"
     return f"{c['CHUNK']} elements"
 
 
@@ -180,7 +184,8 @@ def span(values: list) -> str:
     return f"{lo}" if lo == hi else f"{lo}-{hi}"
 
 
-KERNELS = ["decode_partition", "decode_merge", "prefill", "reshape_and_cache", "copy_blocks"]
+KERNELS = ["decode_partition", "decode_merge", "prefill", "reshape_and_cache", "copy_blocks",
+           "rms_norm", "add_rms_norm", "rotary_and_cache", "silu_and_mul"]
 
 
 def summary_order(item: tuple) -> tuple:

@@ -10,6 +10,10 @@ narrowest operands that keep that promise (registers are what the kernels run sh
   2^-22 (float16) or 2^-16 (bfloat16) of each probability, far below one rounding of the output.
 * float32 caches: both products in "tf32x3" (three TF32 products that recover float32).
 
+The prefill kernel, bound by its products rather than by memory, takes Q.K^T and the float32
+path from here but rounds P to the 16-bit cache dtype for one P.V product, as FlashAttention
+does (`prefill.py`).
+
 Triton's interpreter cannot multiply bfloat16, so there (`UPCAST`) the same
 16-bit values are widened to float32 just before each product: same values, same products, so
 the CPU tests check the arithmetic a GPU runs.

@@ -41,15 +41,20 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from .copy_blocks import copy_blocks_launches
 from .decode import decode_launches
+from .fused import rms_norm_launches, silu_mul_launches
 from .launch import KernelLaunch, interpreting
 from .prefill import prefill_launches
 from .reshape_and_cache import reshape_and_cache_launches
+from .rotary import rotary_and_cache_launches
 
 # Compute capabilities compiled for: the A100 (Ampere) and the H100 / H200 (Hopper).
 ARCHS = {"sm_80": 80, "sm_90": 90}
 # The runner's index dtypes (`minipaged.runner.model_runner`): what the kernels are launched with.
 SLOT_DTYPE = torch.int64
 TABLE_DTYPE = torch.int32
+POSITION_DTYPE = torch.int64
+# Positions the example rotary tables cover.
+EXAMPLE_POSITIONS = 4096
 # Any split count above 1: the kernels do not specialise on it, so one program serves all.
 EXAMPLE_SPLITS = 4
 # Kernels whose every `tl.dot` must become tensor-core instructions.
@@ -127,7 +132,8 @@ COVERING = [Configuration(HEAD_SHAPES[group, d], bs, dtype) for group, d, bs, dt
 
 def configuration_launches(config: Configuration, device: str = "meta") -> list[KernelLaunch]:
     """Every launch the public launchers make for `config`: a decode step (partitions and
-    merge), a prefill, the K/V write of a decode step and a copy-on-write block copy.
+    merge), a prefill, the K/V write of a decode step, a copy-on-write block copy and the fused
+    small operators of a layer (`layer_launches`).
 
     The inputs are zeros and one-token contexts (block 0, slot 0), so on a real device the
     launches can run as they are; on "meta" they only carry shapes, strides and dtypes.
@@ -155,7 +161,34 @@ def configuration_launches(config: Configuration, device: str = "meta") -> list[
                                        zeros(num_seqs, dtype=SLOT_DTYPE))
     layer = zeros(2, num_blocks, bs, heads.num_kv_heads, heads.head_dim, dtype=dtype)
     copy = copy_blocks_launches([layer], zeros(1, 2, dtype=SLOT_DTYPE))
-    return [*decode, *prefill, *write, *copy]
+    return [*decode, *prefill, *write, *copy, *layer_launches(config, device)]
+
+
+def layer_launches(config: Configuration, device: str = "meta") -> list[KernelLaunch]:
+    """The fused small operators of a layer of `config`'s shape: the two RMSNorms, SwiGLU's
+    activation and the rotary with its cache write. The hidden size is the query heads' width
+    and the MLP's 8/3 of it (rounded up to 256, Llama's rule: SmolLM2's 1536, Llama-2-7B's
+    11008)."""
+    heads, dtype = config.heads, getattr(torch, config.dtype)
+    num_tokens, num_blocks = 4, 64
+    hidden = heads.num_heads * heads.head_dim
+    intermediate = -(-hidden * 8 // 3 // 256) * 256
+    zeros = partial(torch.zeros, device=device)
+    x = zeros(num_tokens, hidden, dtype=dtype)
+    weight = zeros(hidden, dtype=dtype)
+    norm = rms_norm_launches(x, None, weight, 1e-6, x, None)
+    add_norm = rms_norm_launches(x, x, weight, 1e-6, x, x)
+    gate_up = zeros(num_tokens, 2 * intermediate, dtype=dtype)
+    silu = silu_mul_launches(gate_up[:, :intermediate], gate_up[:, intermediate:],
+                             zeros(num_tokens, intermediate, dtype=dtype))
+    q = zeros(num_tokens, heads.num_heads, heads.head_dim, dtype=dtype)
+    kv = zeros(num_tokens, heads.num_kv_heads, heads.head_dim, dtype=dtype)
+    cache = zeros(num_blocks, config.block_size, heads.num_kv_heads, heads.head_dim, dtype=dtype)
+    table = zeros(EXAMPLE_POSITIONS, heads.head_dim, dtype=torch.float32)
+    rotary = rotary_and_cache_launches(q, kv, kv, table, table,
+                                       zeros(num_tokens, dtype=POSITION_DTYPE), cache, cache,
+                                       zeros(num_tokens, dtype=SLOT_DTYPE), q, None)
+    return [*norm, *add_norm, *silu, *rotary]
 
 
 # --- compiling a launch ----------------------------------------------------------------------
@@ -186,17 +219,21 @@ def specialise(launch: KernelLaunch, capability: int) -> tuple[dict, dict, dict]
 def compile_launch(launch: KernelLaunch, capability: int) -> Any:
     """`launch`'s program compiled for compute capability `capability`, down to a cubin."""
     signature, constexprs, attrs = specialise(launch, capability)
+    options = {"num_warps": launch.num_warps}
+    if launch.num_stages is not None:
+        options["num_stages"] = launch.num_stages
     return triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs),
-                          target=GPUTarget("cuda", capability, 32),
-                          options={"num_warps": launch.num_warps})
+                          target=GPUTarget("cuda", capability, 32), options=options)
 
 
 def program_key(launch: KernelLaunch, arch: str) -> str:
     """What makes a compiled program distinct, hashed: the kernel's source, the architecture,
-    the argument types and specialisations, the constants and the warps."""
+    the argument types and specialisations, the constants, the warps and the pipeline stages."""
     signature, constexprs, attrs = specialise(launch, ARCHS[arch])
+    # Launches that leave the stages to Triton keep the keys they had before stages were set.
+    stages = () if launch.num_stages is None else (launch.num_stages,)
     spec = repr((source_hash(launch.kernel), launch.name, arch, sorted(signature.items()),
-                 sorted(constexprs.items()), sorted(attrs.items()), launch.num_warps))
+                 sorted(constexprs.items()), sorted(attrs.items()), launch.num_warps, *stages))
     return hashlib.sha256(spec.encode()).hexdigest()[:16]
 
 
@@ -299,7 +336,7 @@ def _compile_first_launch(program: Program) -> dict[str, Any]:
 def compile_programs(programs: list[Program], workers: int = 1) -> list[Program]:
     """Compile every program (in `workers` processes) and fill in its resources."""
     if workers > 1:
-        # Spawned, not forked: the caller may have initialised CUDA (benchmarks/gpu_check.py).
+        # Spawned, not forked: the caller may have initialised CUDA (benchmarks/gpu/check.py).
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             results = list(pool.map(_compile_first_launch, programs))
     else:

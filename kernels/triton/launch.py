@@ -30,7 +30,8 @@ class KernelLaunch:
     `args` are the runtime arguments in the kernel's order (tensors, ints, floats) and
     `constexprs` its compile-time constants by name. Triton's JIT compiles one program per
     distinct set of constants, argument dtypes and integer specialisations (values of 1,
-    multiples of 16), so a plan fixes which program runs.
+    multiples of 16), so a plan fixes which program runs. `num_warps` and `num_stages` are
+    compile options too.
     """
 
     name: str
@@ -39,10 +40,14 @@ class KernelLaunch:
     args: tuple
     constexprs: dict[str, Any] = field(default_factory=dict)
     num_warps: int = 4
+    num_stages: int | None = None  # software-pipelining depth of the loops; None: Triton's own
 
     def __call__(self) -> Any:
         """Launch; returns what Triton returns (on a GPU, the compiled kernel)."""
-        return self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps)
+        options: dict[str, int] = {"num_warps": self.num_warps}
+        if self.num_stages is not None:
+            options["num_stages"] = self.num_stages
+        return self.kernel[self.grid](*self.args, **self.constexprs, **options)
 
 
 def interpreting() -> bool:

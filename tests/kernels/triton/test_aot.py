@@ -11,7 +11,7 @@ functions, so one subprocess with `TRITON_INTERPRET` unset compiles everything o
 run, into a Triton cache in the run's temporary folder. It compiles the covering subset
 `aot.COVERING` (every cache dtype at each head dim, every GQA group and block size, for both
 architectures); the whole matrix, `aot.CONFIGURATIONS`, is compiled by
-`benchmarks/kernel_resources.py` into `benchmarks/results/kernel_resources.json`, and the last
+`benchmarks/gpu/kernel_resources.py` into `benchmarks/results/kernel_resources.json`, and the last
 test checks that file still describes the programs the launchers choose now.
 """
 
@@ -29,7 +29,8 @@ from minipaged.kernels.triton import aot
 
 ROOT = Path(__file__).resolve().parents[3]
 COMMITTED = ROOT / "benchmarks" / "results" / "kernel_resources.json"
-KERNELS = {"decode_partition", "decode_merge", "prefill", "reshape_and_cache", "copy_blocks"}
+KERNELS = {"decode_partition", "decode_merge", "prefill", "reshape_and_cache", "copy_blocks",
+           "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_and_cache"}
 
 # One xdist worker runs every test here, so the programs are compiled once per run.
 pytestmark = pytest.mark.xdist_group("aot")
@@ -85,9 +86,15 @@ def test_every_attention_dot_runs_on_tensor_cores(compiled: dict) -> None:
         if p["kernel"] not in aot.ATTENTION_KERNELS:
             continue
         r = p["resources"]
-        # Q.K^T and P.V; P.V is two products (hi.V + lo.V) for 16-bit caches (_tiles.py).
         float32 = p["configurations"][0].endswith("/float32")
-        assert r["dots"] == (2 if float32 else 3), describe(p)
+        if p["kernel"] == "prefill":
+            # Q.K^T and P.V in each of its two loops (whole tiles below the diagonal, then the
+            # diagonal), or in one (MASK_EVERY_TILE).
+            loops = 1 if p["constexprs"]["MASK_EVERY_TILE"] == "True" else 2
+            assert r["dots"] == 2 * loops, describe(p)
+        else:
+            # Q.K^T and P.V; P.V is two products (hi.V + lo.V) for 16-bit caches (_tiles.py).
+            assert r["dots"] == (2 if float32 else 3), describe(p)
         assert r["gpu_dots"] >= r["dots"], describe(p)  # tf32x3 splits a dot in three
         assert r["tensor_core_dots"] == r["gpu_dots"], describe(p)
         assert r["mma_instructions"] + r["wgmma_instructions"] > 0, describe(p)
@@ -104,7 +111,7 @@ def test_committed_resource_table_describes_the_current_programs(compiled: dict)
     gone = sorted(f"{r['kernel']} {r['arch']}" for key, r in rows.items() if key not in planned)
     assert not stale and not gone, (
         "benchmarks/results/kernel_resources.json is out of date; rerun "
-        f"`python benchmarks/kernel_resources.py`.\nnew: {stale[:5]}\nremoved: {gone[:5]}")
+        f"`python benchmarks/gpu/kernel_resources.py`.\nnew: {stale[:5]}\nremoved: {gone[:5]}")
     for row in rows.values():
         assert row["stack_bytes"] == row["local_bytes"] == 0, row
         if row["kernel"] in aot.ATTENTION_KERNELS:

@@ -1,7 +1,7 @@
 """The Triton paged-attention kernels equal dense attention, for any block table.
 
 Run on CPU through Triton's interpreter (`TRITON_INTERPRET=1`, set by conftest.py) and on CUDA
-by `benchmarks/gpu_check.py`. Every case scatters contiguous K/V into a shuffled paged cache with
+by `benchmarks/gpu/check.py`. Every case scatters contiguous K/V into a shuffled paged cache with
 garbage (NaN, inf or huge values) in every slot no sequence owns, so a kernel that reads one slot
 too many fails. Oracle: `minipaged.attention.reference.dense_attention` per sequence; the PyTorch
 reference `minipaged.attention.reference.paged_attention` must agree as well. Tolerances per dtype
@@ -16,6 +16,7 @@ the split-K partitions hold several tiles each.
 from __future__ import annotations
 
 import os
+from dataclasses import astuple
 from unittest import mock
 
 import pytest
@@ -29,7 +30,12 @@ from minipaged import kernels
 from minipaged.attention.contract import dense_attention
 from minipaged.kernels.triton import attention as dispatch  # the dispatcher's module, to patch
 from minipaged.kernels.triton.decode import paged_decode_attention
-from minipaged.kernels.triton.prefill import paged_prefill_attention
+from minipaged.kernels.triton.prefill import (
+    PREFILL_CANDIDATES,
+    PREFILL_TILES,
+    paged_prefill_attention,
+    prefill_launches,
+)
 from minipaged.testing.paged_examples import dense_reference, make_attention_case, tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" \
@@ -135,19 +141,59 @@ def test_boundary_lengths_and_odd_head_shapes(dtype: torch.dtype) -> None:
 def test_head_dim_256_with_the_gpu_tiles(dtype: torch.dtype) -> None:
     """Head dim 256 (Gemma's) through the dispatcher and through both kernels with the tiles a
     GPU takes there (`minipaged.kernels.triton.aot` shows them spill-free): 16-key tiles, half of
-    each 32-key block for float32, and 16 query rows; 64-key tiles for 16-bit caches."""
+    each 32-key block for float32, and 16 query rows; for 16-bit caches 32-key tiles in the
+    prefill, 64-key ones in the decode."""
     bs = 32
     seq_lens, query_lens = [1, bs + 1, 2 * bs + 6], [1, bs + 1, 5]
     case = make_attention_case(seq_lens, query_lens, num_heads=4, num_kv_heads=2,
                                head_dim=256, block_size=bs, dtype=dtype, device=DEVICE)
     assert_matches_oracles(case, kernels.paged_attention(*case.args()))
-    key_tile = 16 if dtype == torch.float32 else 64
+    key_tile = 16 if dtype == torch.float32 else 32
     assert_matches_oracles(case, paged_prefill_attention(*case.args(), query_tile=8,
                                                          key_tile=key_tile))
+    key_tile = 16 if dtype == torch.float32 else 64
     decode = make_attention_case(seq_lens, [1] * len(seq_lens), num_heads=4, num_kv_heads=2,
                                  head_dim=256, block_size=bs, dtype=dtype, device=DEVICE)
     assert_matches_oracles(decode, paged_decode_attention(*decode.args(), num_splits=2,
                                                           key_tile=key_tile))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tiles", sorted({t for t in PREFILL_TILES.values() if t.rows >= 64}
+                                         | set(PREFILL_CANDIDATES), key=astuple),
+                         ids=lambda t: "x".join(map(str, astuple(t))))
+def test_prefill_with_the_gpu_tiles(dtype: torch.dtype, tiles) -> None:
+    """The prefill kernel with each large tile shape a GPU takes (`PREFILL_TILES`, and the
+    `PREFILL_CANDIDATES` a timing sweep tries), on contexts that need both of its loops: whole
+    key tiles below the diagonal (a prefix-cache hit puts the first query at 2-4 key tiles) and
+    the masked diagonal, with a last query tile that is partly padding."""
+    num_heads, num_kv_heads = 8, 2
+    group_pad = 4
+    # The last sequence's first query sits at position 2 * keys - 2: one key short of a third
+    # whole tile, the edge between the two loops.
+    seq_lens = [2 * tiles.keys + 37, 4 * tiles.keys + 5, 9, 2 * tiles.keys + 3]
+    query_lens = [tiles.rows // group_pad + 3, 2 * tiles.keys, 9, 5]
+    case = make_attention_case(seq_lens, query_lens, num_heads=num_heads,
+                               num_kv_heads=num_kv_heads, head_dim=64, block_size=16,
+                               dtype=dtype, device=DEVICE)
+    out = paged_prefill_attention(*case.args(), query_tile=tiles.rows // group_pad,
+                                  key_tile=tiles.keys, num_warps=tiles.num_warps,
+                                  num_stages=tiles.num_stages)
+    assert_matches_oracles(case, out)
+
+
+def test_prefill_grid_runs_the_longest_query_tiles_first_and_comes_from_shapes() -> None:
+    """Grid (KV heads, sequences, query tiles of the longest query) from shapes and
+    `max_query_len` alone; on meta tensors too (no device memory is read to plan it)."""
+    q = torch.empty(300, 8, 64, dtype=torch.float16, device="meta")
+    cache = torch.empty(40, 16, 2, 64, dtype=torch.float16, device="meta")
+    tables = torch.empty(3, 40, dtype=torch.int32, device="meta")
+    lens = torch.empty(3, dtype=torch.int32, device="meta")
+    starts = torch.empty(4, dtype=torch.int32, device="meta")
+    _, [launch] = prefill_launches(q, cache, cache, tables, lens, starts, 0.125,
+                                   max_query_len=200, query_tile=32, key_tile=64)
+    assert launch.grid == (2, 3, 7)
+    assert launch.constexprs["QUERY_TILE"] == 32 and launch.constexprs["GROUP_PAD"] == 4
 
 
 @pytest.mark.parametrize("query_lens", [[1, 1], [4, 30]], ids=["decode", "prefill"])

@@ -1,5 +1,5 @@
 """`minipaged.kernels.triton.launch`: launches as data and the tile-size rules every launcher
-uses."""
+uses, and the prefill kernel's tile table."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from minipaged.kernels.triton.launch import (
     default_key_tile,
     pow2_at_least,
 )
+from minipaged.kernels.triton.prefill import INTERPRETER_TILES, prefill_tiles
 
 
 def is_power_of_two(n: int) -> bool:
@@ -69,3 +70,28 @@ def test_a_launch_runs_its_kernel_on_its_grid_with_its_arguments():
     plan = KernelLaunch("k", FakeKernel(), (3, 2), (1, 2.0), {"BLOCK": 16}, num_warps=8)
     assert plan() == "compiled"
     assert calls == [((3, 2), (1, 2.0), {"BLOCK": 16, "num_warps": 8})]
+    # Pipeline stages are passed only when the plan sets them (else Triton's default).
+    KernelLaunch("k", FakeKernel(), (1,), (), {}, num_warps=4, num_stages=3)()
+    assert calls[-1] == ((1,), (), {"num_warps": 4, "num_stages": 3})
+
+
+@pytest.mark.parametrize("interpret", ["1", "0"])
+@given(head_dim_pad=st.sampled_from([16, 32, 64, 128, 256, 512]),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+def test_prefill_tiles_fit_a_dot_and_shrink_for_float32_and_wide_heads(
+    interpret, head_dim_pad, dtype
+):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", interpret)
+        tiles = prefill_tiles(dtype, head_dim_pad)
+    for size in (tiles.rows, tiles.keys, tiles.num_warps):
+        assert is_power_of_two(size)
+    assert tiles.rows >= MIN_DOT_SIZE and tiles.keys >= MIN_DOT_SIZE and tiles.num_stages >= 1
+    if interpret == "1":
+        assert tiles == INTERPRETER_TILES
+    elif dtype == torch.float32:  # "tf32x3" keeps two parts of every operand: smaller tiles
+        assert tiles.rows * tiles.keys <= prefill_tiles(torch.float16, head_dim_pad).rows * \
+            prefill_tiles(torch.float16, head_dim_pad).keys
+    else:  # FlashAttention-2's tiles up to head dim 128, smaller beyond
+        assert (tiles.rows, tiles.keys) == ((128, 64) if head_dim_pad <= 128 else
+                                            (64 * 256 // head_dim_pad, 32))
