@@ -1,5 +1,5 @@
 """Draw docs/images/layers.svg, the home page's picture of the stack: one row per layer of
-docs/architecture.md (bottom-up), its subpackage and its notebooks.
+docs/architecture.md (the first at the bottom), its subpackage and its notebooks.
 
 Run `python docs/images/layers.py` after the layers change; the SVG uses no external fonts.
 """
@@ -11,22 +11,22 @@ from xml.sax.saxutils import escape
 
 # (number, title, subpackage, notebooks, group): the table of docs/architecture.md.
 LAYERS = [
-    (0, "CPU kernels", "kernels/cpu/", ["04"], "paged"),
     (1, "Tokenizer", "minipaged/tokenizer/", ["01"], "model"),
     (2, "Checkpoints", "minipaged/models/checkpoint/", ["02"], "model"),
     (3, "Models", "minipaged/models/", ["02"], "model"),
     (4, "KV cache manager", "minipaged/kv/", ["03"], "paged"),
     (5, "Paged attention", "minipaged/attention/", ["04"], "paged"),
-    (6, "Triton kernels", "kernels/", ["05"], "paged"),
-    (7, "Sampling", "minipaged/sampling/", ["06"], "serving"),
-    (8, "Scheduling", "minipaged/sched/", ["07"], "mlfq"),
-    (9, "Model runner", "minipaged/runner/", ["06"], "serving"),
-    (10, "Tensor parallelism", "minipaged/runner/parallel/", ["10"], "serving"),
-    (11, "Engine", "minipaged/engine/", ["06"], "serving"),
-    (12, "Simulator", "minipaged/sim/", ["07", "08"], "mlfq"),
-    (13, "Serving", "minipaged/server/", ["09"], "serving"),
-    (14, "Command line", "minipaged/__main__.py", ["06"], "serving"),
-    (15, "Test oracles", "minipaged/testing/", ["04"], "oracle"),
+    (6, "Kernels", "kernels/", ["05"], "paged"),
+    (7, "Platforms", "minipaged/platforms/", ["05"], "paged"),
+    (8, "Sampling", "minipaged/sampling/", ["06"], "serving"),
+    (9, "Scheduling", "minipaged/sched/", ["07"], "mlfq"),
+    (10, "Model runner", "minipaged/runner/", ["06"], "serving"),
+    (11, "Tensor parallelism", "minipaged/runner/parallel/", ["10"], "serving"),
+    (12, "Engine", "minipaged/engine/", ["06"], "serving"),
+    (13, "Simulator", "minipaged/sim/", ["07", "08"], "mlfq"),
+    (14, "Serving", "minipaged/server/", ["09"], "serving"),
+    (15, "Command line", "minipaged/__main__.py", ["06"], "serving"),
+    (16, "Test oracles", "minipaged/testing/", ["04"], "oracle"),
 ]
 # group: (fill, stroke, legend)
 GROUPS = {
@@ -49,16 +49,16 @@ def svg() -> str:
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 690 {height}" width="690" '
         f'height="{height}" font-family="{SANS}" role="img" aria-labelledby="title">',
-        '<title id="title">The sixteen layers of minipaged, bottom-up, each a subpackage, with '
-        "its notebooks</title>",
+        '<title id="title">The sixteen layers of minipaged, in reading order from the bottom, '
+        "each a subpackage, with its notebooks</title>",
         '<defs><marker id="head" viewBox="0 0 10 10" refX="5" refY="5" markerWidth="7" '
         'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" '
         f'fill="{AXIS}"/></marker></defs>',
         f'<line x1="22" y1="{bottom}" x2="22" y2="{TOP - 4}" stroke="{AXIS}" stroke-width="2" '
         'marker-end="url(#head)"/>',
         f'<text x="14" y="{(TOP + bottom) / 2}" transform="rotate(-90 14 {(TOP + bottom) / 2})" '
-        f'text-anchor="middle" font-size="13" fill="{AXIS}">read bottom-up, one layer at a '
-        "time</text>",
+        f'text-anchor="middle" font-size="13" fill="{AXIS}">the order of the ideas, from the '
+        "bottom</text>",
         f'<text x="572" y="14" text-anchor="middle" font-size="12" fill="{AXIS}">notebook</text>',
     ]
     for row, (number, title, package, notebooks, group) in enumerate(reversed(LAYERS)):

@@ -1,0 +1,26 @@
+"""KV bytes per token and the batch memory allows, against the vLLM paper's own figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from minipaged.testing.kv_sizes import OPT_13B, kv_bytes_per_token, requests_that_fit
+
+
+def test_opt_13b_keeps_800_kb_per_token_as_the_paper_says():
+    per_token = kv_bytes_per_token(OPT_13B.num_layers, OPT_13B.num_kv_heads, OPT_13B.head_dim, 2)
+    assert per_token == 2 * 40 * 5120 * 2 == 819_200  # "800 KB" (§3)
+
+
+def test_the_bundled_models_shape():
+    assert kv_bytes_per_token(30, 3, 64, 4) == 46_080  # SmolLM2-135M in float32
+
+
+def test_requests_that_fit():
+    assert requests_that_fit(15_000, 2048) == 7
+    assert requests_that_fit(15_000, 500) == 30
+    assert requests_that_fit(-5, 10) == 0
+    with pytest.raises(ValueError, match="tokens_per_request"):
+        requests_that_fit(10, 0)
+    with pytest.raises(ValueError, match="head_dim"):
+        kv_bytes_per_token(1, 1, 0, 2)
