@@ -250,8 +250,8 @@ def checkpoint_state_dict(config: ModelConfig, model: nn.Module) -> dict[str, Te
     """A whole model's parameters under Hugging Face's names and in its layout (the inverse of
     `build_model`'s loading), ready for `shard_state_dict` and to be pickled to the ranks: a
     parameter that is a view into a larger buffer (a CPU model's weights share one,
-    `minipaged.platforms.cpu.weight_layout`) is copied out of it, since pickling a view sends its
-    whole storage."""
+    `runner.platforms.cpu.weight_layout`) is copied out of it, since pickling a view sends
+    its whole storage."""
     expected = expected_shapes(config)
     state = {}
     for stored, tensor in model.state_dict().items():

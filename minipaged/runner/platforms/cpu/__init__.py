@@ -1,4 +1,4 @@
-"""The CPU platform: the plain model made fast on a CPU, behind `minipaged.platforms.Platform`.
+"""The CPU platform: the plain model made fast on a CPU, behind the platform seam (`Platform`).
 
 At load (`CPUPlatform.load`) the model's modules become the CPU's subclasses (`linear`:
 few-row GEMV kernel, oneDNN or MKL GEMM, int8 weights; `modules`: RMSNorm, rotary, SwiGLU and
@@ -22,23 +22,29 @@ from minipaged.kernels.cpu.calls import kernel_calls_available
 from minipaged.kernels.cpu.gemv import MAX_ROWS, fetch_ahead
 from minipaged.kernels.cpu.greedy import greedy_tokens, greedy_tokens_available
 from minipaged.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
-from minipaged.platforms.base import CaptureUnsupported, Platform, Replay, logger, swap_modules
-from minipaged.platforms.cpu.attention import CPU_OPS
-from minipaged.platforms.cpu.linear import (
+from minipaged.runner.platforms.base import (
+    CaptureUnsupported,
+    Platform,
+    Replay,
+    logger,
+    swap_modules,
+)
+from minipaged.runner.platforms.cpu.attention import CPU_OPS
+from minipaged.runner.platforms.cpu.linear import (
     CPULinear,
     Int8Linear,
     choose_few_rows,
     pack_for_onednn,
 )
-from minipaged.platforms.cpu.modules import (
+from minipaged.runner.platforms.cpu.modules import (
     CPUEmbedding,
     CPURMSNorm,
     CPURotaryEmbedding,
     CPUSiluAndMul,
 )
-from minipaged.platforms.cpu.quantization import QUANTIZATIONS, quantize_model
-from minipaged.platforms.cpu.replay import CaptureError, capture
-from minipaged.platforms.cpu.weight_layout import lay_out_weights
+from minipaged.runner.platforms.cpu.quantization import QUANTIZATIONS, quantize_model
+from minipaged.runner.platforms.cpu.replay import CaptureError, capture
+from minipaged.runner.platforms.cpu.weight_layout import lay_out_weights
 
 __all__ = ["GEMV_ROWS_VARIABLE", "QUANTIZATIONS", "CPUPlatform"]
 

@@ -56,7 +56,7 @@ from minipaged.kernels.cpu.native import (
     native_decode_supports,
     write_kv_supports,
 )
-from minipaged.platforms.cpu.replay import CaptureError, launch, platform_code, recording
+from minipaged.runner.platforms.cpu.replay import CaptureError, launch, platform_code, recording
 
 
 @dataclass(frozen=True)
