@@ -318,15 +318,15 @@ def test_png_size_reads_width_and_dpi():
 MAX_CODE_CELL_LINES = 25  # a cell a reader takes in at once; longer harness is a helper module
 # Words of a lab notebook, not of a page that states what is: a machine the reader does not have,
 # an issue tracker the reader does not see, a working session. `docs/benchmarks.md` records the
-# machines its measurements were made on, and the history behind them, by design: it is held to
-# none of them.
+# machines its measurements were made on: its prose names a machine by its CPU ("on the AMD
+# EPYC"), never as "this machine" or "here", and only its result tables are left unread.
 ISSUE_REFERENCE = re.compile(r"(?i)\bissue #\d+")
 SESSION_WORDS = re.compile(r"(?i)\b(?:this session|last session|throwaway)\b")
 MACHINE_WORDS = re.compile(
-    r"(?i)\bthis machine\b|\bon this (?:\d+-core )?CPU\b|\bthis \d+-core\b"
-    r"|\b(?:Xeon|EPYC|machine|CPU|VM|GPU) here\b|\bload average\b"
+    r"(?i)\bthis (?:shared |run's )?machine\b|\bon this (?:\d+-core )?CPU\b|\bthis \d+-core\b"
+    r"|\bthis (?:CPU|core)\b|\b(?:Xeon|EPYC|machine|CPU|VM|GPU) here\b|\bload average\b"
 )
-MEASUREMENT_PAGES = {"docs/benchmarks.md"}
+MEASUREMENT_PAGES = {"docs/benchmarks.md"}  # their result tables may name what ran them
 
 
 def reader_texts() -> list[tuple[str, str]]:
@@ -341,10 +341,16 @@ def reader_texts() -> list[tuple[str, str]]:
     return texts
 
 
+def prose_of(text: str) -> str:
+    """`text` without its Markdown table rows (lines that start with `|`)."""
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("|"))
+
+
 def lab_words(where: str, text: str) -> list[str]:
-    """What in `text` reads as a lab notebook (see the patterns above)."""
+    """What in `text` reads as a lab notebook (see the patterns above); on a measurement page,
+    what its prose says outside the result tables."""
     if where in MEASUREMENT_PAGES:
-        return []
+        text = prose_of(text)
     patterns = [ISSUE_REFERENCE, SESSION_WORDS, MACHINE_WORDS]
     return [m.group() for pattern in patterns for m in pattern.finditer(text)]
 
@@ -405,5 +411,10 @@ def test_the_prose_checks_catch_what_they_claim():
     text = "As issue #21 found, on this 2-core CPU (load average 9) the Xeon here, this session"
     assert lab_words("docs/x.md", text) == ["issue #21", "this session", "on this 2-core CPU",
                                             "load average", "Xeon here"]
-    assert lab_words("docs/benchmarks.md", "the Xeon here") == []
+    assert lab_words("docs/x.md", "on this shared machine, this CPU's rate") == [
+        "this shared machine", "this CPU"]
+    table = "| system | CPU |\n|---|---|\n| paged | the Xeon here, load average 1 |\n"
+    assert lab_words("docs/benchmarks.md", table) == []
+    assert lab_words("docs/benchmarks.md", table + "On this machine, as issue #21 said") == [
+        "issue #21", "this machine"]
     assert lab_words("docs/x.md", "built from scratch; here is the interface") == []

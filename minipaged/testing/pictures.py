@@ -16,6 +16,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch, Patch, Rectangle
 
+from minipaged.testing.steps import slot_lanes
 from minipaged.testing.toy_blocks import ToyEngine
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "draw_key_tiles",
     "draw_kv_state",
     "draw_paged_layout",
+    "draw_slot_use",
     "draw_slots",
     "draw_weight_splits",
     "gantt",
@@ -310,6 +312,41 @@ def draw_engine_trace(records: Sequence[object], free_blocks: Sequence[int],
     fig.legend(handles=[Patch(color=colour[r], label=r) for r in requests] + [in_use],
                loc="outside lower center", ncol=len(requests) + 1,
                fontsize=FONT, frameon=False)
+    return fig
+
+
+IDLE = "#f0f0f0"  # a batch slot that computed nothing
+
+
+def draw_slot_use(runs: Mapping[str, Sequence[object]], num_slots: int) -> Figure:
+    """Each run's steps (`StepRecord`s) as its batch's slots over time, one panel per run on
+    one step axis: a cell per (step, slot), coloured by the request the slot computed for, grey
+    and hatched where it computed nothing (`minipaged.testing.steps.slot_lanes`). Each panel's
+    title gives its steps and idle slot-steps."""
+    grids = {name: slot_lanes(records, num_slots) for name, records in runs.items()}
+    requests = sorted({r for grid in grids.values() for row in grid for r in row if r})
+    colour = owner_colours(requests)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(8.8, 1.1 + 1.1 * len(runs) * num_slots / 3),
+                             sharex=True, layout="constrained", squeeze=False)
+    for ax, (name, grid) in zip(axes[:, 0], grids.items(), strict=True):
+        for step, row in enumerate(grid):
+            for slot, request in enumerate(row):
+                ax.add_patch(Rectangle((step - 0.45, slot + 0.05), 0.9, 0.9,
+                                       facecolor=colour[request] if request else IDLE,
+                                       hatch=None if request else "///", edgecolor="#bbbbbb",
+                                       linewidth=0.3))
+        idle = sum(row.count(None) for row in grid)
+        ax.set_title(f"{name}: {len(grid)} steps, {idle} idle slot-steps", fontsize=FONT + 1)
+        ax.set_yticks([s + 0.5 for s in range(num_slots)], [str(s + 1) for s in range(num_slots)])
+        ax.set_ylim(0, num_slots)
+        ax.set_ylabel("batch slot", fontsize=FONT)
+        ax.tick_params(labelsize=FONT)
+    longest = max(len(grid) for grid in grids.values())
+    axes[-1, 0].set(xlim=(-0.7, longest - 0.3), xlabel="engine step")
+    handles = [Patch(color=colour[r], label=r) for r in requests]
+    handles.append(Patch(facecolor=IDLE, hatch="///", edgecolor="#bbbbbb", label="idle slot"))
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=FONT,
+               frameon=False)
     return fig
 
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from unittest import mock
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.sampling import sampler as sampler_module
+from minipaged.runner.platforms.cpu import CPUPlatform
 from minipaged.sampling.beam_scoring import (
     BeamCandidate,
     beam_search_candidates,
@@ -234,10 +233,10 @@ def test_greedy_rows_take_the_argmax_whatever_their_neighbours(data):
 @given(st.data())
 @settings(deadline=None)
 def test_an_all_greedy_batch_takes_the_kernel_and_agrees_with_the_pytorch_path(data):
-    """Greedy rows with nothing to ban, penalise or list take one C call
-    (`minipaged.kernels.cpu.greedy`); its tokens equal the PyTorch path's and its
-    log-probabilities agree with them up to a sum's order. Rows with a NaN or an infinity, or a
-    row that asks for top logprobs, go the PyTorch way whole."""
+    """Greedy rows with nothing to ban, penalise or list take one call of the platform's
+    `greedy_tokens` (the CPU's C kernel, `minipaged.kernels.cpu.greedy`); its tokens equal the
+    PyTorch path's and its log-probabilities agree with them up to a sum's order. Rows with a
+    NaN or an infinity, or a row that asks for top logprobs, go the PyTorch way whole."""
     batch = data.draw(st.integers(1, 6))
     logits = data.draw(logits_rows(batch))
     if data.draw(st.booleans()):
@@ -246,12 +245,10 @@ def test_an_all_greedy_batch_takes_the_kernel_and_agrees_with_the_pytorch_path(d
     logprobs = data.draw(st.sampled_from([None, 0, 2]))
     rows = [SamplingRow(SamplingParams(temperature=0, logprobs=logprobs)) for _ in range(batch)]
     calls = []
-    real = sampler_module.greedy_tokens
-    with mock.patch.object(sampler_module, "greedy_tokens",
-                           lambda x: calls.append(x) or real(x)):
-        fast = Sampler()(logits, rows)
-    with mock.patch.object(sampler_module, "greedy_tokens_available", lambda: False):
-        slow = Sampler()(logits, rows)
+    platform = CPUPlatform(torch.device("cpu"))
+    fast = Sampler(greedy_tokens=lambda x: calls.append(x) or platform.greedy_tokens(x))(
+        logits, rows)
+    slow = Sampler()(logits, rows)
     assert (len(calls) == 1) == (logprobs != 2)
     assert torch.equal(fast.token_ids, slow.token_ids)
     torch.testing.assert_close(fast.logprobs, slow.logprobs, rtol=1e-5, atol=1e-6)
