@@ -13,7 +13,7 @@ occupancy calculator does, from the published per-SM limits of an A100 (for sm_8
 allow. The decode roofline (`decode_roofline`) puts the bytes and FLOPs of a decode step next
 to each card's HBM bandwidth and tensor-core rate. Writes
 `benchmarks/results/kernel_resources.json`; prints the summary table of
-docs/layers/06-triton-kernels.md.
+docs/performance-gpu.md.
 """
 
 from __future__ import annotations

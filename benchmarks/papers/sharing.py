@@ -12,7 +12,7 @@ managers and baselines, timed by the A100-like `OPT_13B_A100` cost model, 15.7K 
 * `prefix` (§6.4, Fig. 16): a shared few-shot prefix (1-shot: 80 tokens, 5-shot: 341 tokens, as
   the paper's WMT16 prompts) before each request's own sentence; paged with prefix caching vs
   Orca-Oracle. Paper: 1.67x and 3.58x the throughput of Orca-Oracle.
-* `blocksize` (§7.2, Fig. 18a): paged attention with blocks of 1 to 256 tokens, normalized latency
+* `blocksize` (§7.2, Fig. 18b): paged attention with blocks of 1 to 256 tokens, normalized latency
   at fixed rates on both traces.
 * `swap` (§7.3, Fig. 19): recomputation vs swapping by block size: (a) the cost per token of
   each recovery mechanism, (b) normalized latency on ShareGPT under memory pressure.

@@ -5,8 +5,9 @@ attention operations, and on a GPU its CUDA graphs and memory accounting.
   batch up to `max_num_seqs` with less than 16 rows of padding past 8.
 * `triton_ops` are the Triton kernels of `minipaged.kernels`; swaps are the reference's copy.
 * On a GPU (`benchmarks/gpu/check.py` runs them; a CPU-only run skips them): a runner
-  replaying its decode steps from CUDA graphs gives the eager runner's logits and K/V, over several steps and batch sizes padded up the ladder; the
-  KV cache's budget falls by what the profile step holds at its peak.
+  replaying its decode steps from CUDA graphs gives the eager runner's logits and K/V, over
+  several steps and batch sizes padded up the ladder; the KV cache's budget falls by what the
+  profile step holds at its peak.
 """
 
 from __future__ import annotations
