@@ -1,4 +1,4 @@
-"""A request's way in and out of the engine (docs/layers/11-engine.md, "The request contract").
+"""A request's way in and out of the engine (docs/layers/12-engine.md, "The request contract").
 
 In: what `LLMEngine.add_request` checks before a request is queued. Everything a client
 sends that can be checked without running the model is checked here: the prompt's type and

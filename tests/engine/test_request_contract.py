@@ -1,4 +1,4 @@
-"""The request contract (docs/layers/11-engine.md), hunted through the public API.
+"""The request contract (docs/layers/12-engine.md), hunted through the public API.
 
 Every request handed to `add_request` is either rejected at once -- `ValueError` / `TypeError`
 naming the field, the engine exactly as before -- or it finishes with a finish reason within a
