@@ -1,7 +1,7 @@
-"""llama.cpp's side of `llama_cpp.py`: one GGUF model served greedily through its C API.
+"""llama.cpp's side of `llamacpp.py`: one GGUF model served greedily through its C API.
 
-Run by `llama_cpp.py` as a child process, with a Python that has `llama-cpp-python` (an
-optional benchmark dependency, not minipaged's; see `llama_cpp.py` for the install), so it
+Run by `llamacpp.py` as a child process, with a Python that has `llama-cpp-python` (an
+optional benchmark dependency, not minipaged's; see `llamacpp.py` for the install), so it
 imports neither torch nor minipaged. It speaks JSON lines:
 
 * started as `python worker.py MODEL.gguf --format f32|native --threads N`, it loads

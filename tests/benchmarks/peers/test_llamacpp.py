@@ -4,7 +4,7 @@
   C API): replayed with a fake `llama_batch` and fake logits, every request must get its whole
   prompt at positions 0, 1, ... in order, its logits row exactly once per new token, exactly its
   `output_len` tokens, and no call more than `N_BATCH` tokens (hypothesis over request sets).
-* `peers.llama_cpp.agreement`: identical requests and the tokens before the first difference.
+* `peers.llamacpp.agreement`: identical requests and the tokens before the first difference.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).parents[3] / "benchmarks"))
 
 from peers import worker  # noqa: E402
-from peers.llama_cpp import agreement  # noqa: E402
+from peers.llamacpp import agreement  # noqa: E402
 from peers.worker import N_BATCH, Peer, Sequence  # noqa: E402
 
 
@@ -82,6 +82,8 @@ def test_the_worker_imports_neither_torch_nor_minipaged():
                 for alias in (node.names if isinstance(node, ast.Import)
                               else [SimpleNamespace(name=node.module or "")])}
     assert "llama_cpp" in imported and not imported & {"torch", "minipaged"}
+    # its folder is first on its path: a module there named like the package would shadow it
+    assert not (Path(worker.__file__).parent / "llama_cpp.py").exists()
 
 
 def test_agreement_counts_identical_requests_and_tokens_before_the_first_difference():

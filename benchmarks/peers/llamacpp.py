@@ -27,7 +27,7 @@ Install the peer (an optional benchmark dependency, not one of minipaged's: it b
 from source, ~15-20 minutes on 2 cores) into its own environment:
     python3 -m venv /work/llama-venv && /work/llama-venv/bin/pip install llama-cpp-python==0.3.36
 (or into minipaged's .venv, then `--llama-python` may be left out).
-Run: .venv/bin/python benchmarks/peers/llama_cpp.py --llama-python /work/llama-venv/bin/python
+Run: .venv/bin/python benchmarks/peers/llamacpp.py --llama-python /work/llama-venv/bin/python
      (~25 minutes on a busy 2-core CPU; `--quick`: 12 small requests, a few minutes)
 Writes benchmarks/results/llama_cpp_peer.json (--quick: llama_cpp_peer_quick.json).
 """
