@@ -46,12 +46,22 @@ from minipaged.runner.platforms.cpu.quantization import QUANTIZATIONS, quantize_
 from minipaged.runner.platforms.cpu.replay import CaptureError, capture
 from minipaged.runner.platforms.cpu.weight_layout import lay_out_weights
 
-__all__ = ["GEMV_ROWS_VARIABLE", "QUANTIZATIONS", "CPUPlatform"]
+__all__ = ["GEMV_ROWS_VARIABLE", "QUANTIZATIONS", "CPUPlatform", "replay_ladder"]
 
 SWAPS = {nn.Linear: CPULinear, RMSNorm: CPURMSNorm, RotaryEmbedding: CPURotaryEmbedding,
          SiluAndMul: CPUSiluAndMul, nn.Embedding: CPUEmbedding}
 FETCH_AHEAD_ROWS = (1, 4, 8)  # a row count of each of the GEMV kernel's tile shapes
 GEMV_ROWS_VARIABLE = "MINIPAGED_GEMV_ROWS"  # fixes the few-row choice (0: no GEMV kernel)
+
+
+def replay_ladder(max_rows: int) -> tuple[int, ...]:
+    """The decode sizes replayed when every projection takes the kernel up to `max_rows` rows:
+    each up to the kernel's tile of `MAX_ROWS` rows, then whole tiles (a step is padded to the
+    next: the kernel reads the weights once per tile, so the padding costs no pass over them)."""
+    sizes = [*range(1, min(max_rows, MAX_ROWS) + 1), *range(2 * MAX_ROWS, max_rows + 1, MAX_ROWS)]
+    if sizes and max_rows > sizes[-1]:
+        sizes.append(max_rows)
+    return tuple(sizes)
 
 
 class CPUPlatform(Platform):
@@ -89,9 +99,8 @@ class CPUPlatform(Platform):
                 for rows in FETCH_AHEAD_ROWS:  # measured now, not by a step's first call
                     fetch_ahead(path.plan.weight_dtype, rows)
         max_rows = min((p.max_rows if p is not None else 0 for p in paths), default=0)
-        max_rows = min(max_rows, MAX_ROWS)
         if self.captures and kernel_calls_available():
-            self.graph_sizes = tuple(range(1, max_rows + 1))
+            self.graph_sizes = replay_ladder(max_rows)
         logger.info("cpu platform: %d projections, the GEMV kernel up to %s rows; decode steps "
                     "of up to %d sequences replayed", len(layers),
                     sorted({p.max_rows for p in paths if p is not None}) or "no",
