@@ -32,6 +32,7 @@ from minipaged.kernels.cpu.gemv import (
     gemv_available,
     gemv_row_limit,
 )
+from minipaged.kernels.cpu.norm_rotary import bind_to_float32
 from minipaged.runner.platforms.cpu.onednn import (
     may_use_onednn,
     onednn_is_faster,
@@ -115,8 +116,6 @@ def few_rows_product(path: FewRows | None, x: Tensor, logits: bool = False) -> T
         out = torch.empty(x.shape[0], plan.width, dtype=plan.dtype)
         launch(plan.bind(x, out), PROFILER_NAME, x, out)
         if logits and out.dtype != torch.float32:
-            from minipaged.kernels.cpu.norm_rotary import bind_to_float32
-
             wide = torch.empty(out.shape, dtype=torch.float32)
             launch(bind_to_float32(out, wide), PROFILER_NAME, out, wide)
             return wide
