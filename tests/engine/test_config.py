@@ -9,10 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from minipaged.engine.config import DTYPE_CHOICES, EngineConfig, cpu_flags, native_bfloat16
+from minipaged.engine.config import (
+    DEVICE_DEFAULTS,
+    DTYPE_CHOICES,
+    EngineConfig,
+    cpu_flags,
+    native_bfloat16,
+)
 
 
 def test_the_default_is_exact_float32():
@@ -55,6 +61,8 @@ wrong_values = st.one_of(st.sampled_from(WRONG), st.integers(), st.floats(), st.
 
 @settings(max_examples=400, deadline=None)
 @given(name=st.sampled_from(FIELDS), value=wrong_values)
+@example(name="dtype", value=None)
+@example(name="max_num_seqs", value=None)
 def test_every_field_is_refused_by_name_or_holds_a_value_of_its_type(name, value) -> None:
     """`LLM(block_size="16")` raised "'<' not supported between 'str' and 'int'": now every
     field of the wrong type is a TypeError, every value out of range a ValueError, each
@@ -67,6 +75,10 @@ def test_every_field_is_refused_by_name_or_holds_a_value_of_its_type(name, value
             assert str(exc).startswith(f"{name} must be "), str(exc)
         return
     held = getattr(config, name)
+    device_default = DEVICE_DEFAULTS[config.torch_device.type].get(name)
+    if value is None and device_default is not None:
+        assert held == device_default  # None means "the device's own value"
+        return
     assert held is value
     default = next(f.default for f in fields(EngineConfig) if f.name == name)
     if isinstance(default, bool):
