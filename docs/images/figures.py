@@ -1,11 +1,12 @@
 """Draw the layer pages' figures into docs/images/ with the notebooks' own pictures
-(`minipaged.testing.pictures`), from the same toys and committed results the notebooks use.
+(`teaching.pictures`), from the same toys and committed results the notebooks use.
 
 Run `python docs/images/figures.py` after a picture or a toy changes; it takes a few seconds.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 warnings.filterwarnings("ignore", message="IProgress not found")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "notebooks"))  # teaching/
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
@@ -28,7 +30,9 @@ from minipaged.sched.fcfs import FCFSScheduler  # noqa: E402
 from minipaged.sched.mlfq import MLFQConfig, mlfq_factory  # noqa: E402
 from minipaged.sim.simulator import simulate  # noqa: E402
 from minipaged.sim.traces import TraceRequest  # noqa: E402
-from minipaged.testing.pictures import (  # noqa: E402
+from minipaged.tokenizer.gguf_file import read_gguf_file  # noqa: E402
+from minipaged.tokenizer.tokenizer import Tokenizer  # noqa: E402
+from teaching.pictures import (  # noqa: E402
     draw_decoder_block,
     draw_kv_state,
     draw_paged_layout,
@@ -38,9 +42,7 @@ from minipaged.testing.pictures import (  # noqa: E402
     show_tokens,
     slot_legend,
 )
-from minipaged.testing.toy_blocks import ToyEngine, slot_categories, token_ids  # noqa: E402
-from minipaged.tokenizer.gguf_file import read_gguf_file  # noqa: E402
-from minipaged.tokenizer.tokenizer import Tokenizer  # noqa: E402
+from teaching.toy_blocks import ToyEngine, slot_categories, token_ids  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DPI = 110

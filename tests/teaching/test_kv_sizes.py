@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from minipaged.testing.kv_sizes import OPT_13B, kv_bytes_per_token, requests_that_fit
+from teaching.kv_sizes import OPT_13B, kv_bytes_per_token, requests_that_fit
 
 
 def test_opt_13b_keeps_800_kb_per_token_as_the_paper_says():

@@ -16,8 +16,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch, Patch, Rectangle
 
-from minipaged.testing.steps import slot_lanes
-from minipaged.testing.toy_blocks import ToyEngine
+from teaching.steps import slot_lanes
+from teaching.toy_blocks import ToyEngine
 
 __all__ = [
     "FONT",
@@ -321,7 +321,7 @@ IDLE = "#f0f0f0"  # a batch slot that computed nothing
 def draw_slot_use(runs: Mapping[str, Sequence[object]], num_slots: int) -> Figure:
     """Each run's steps (`StepRecord`s) as its batch's slots over time, one panel per run on
     one step axis: a cell per (step, slot), coloured by the request the slot computed for, grey
-    and hatched where it computed nothing (`minipaged.testing.steps.slot_lanes`). Each panel's
+    and hatched where it computed nothing (`teaching.steps.slot_lanes`). Each panel's
     title gives its steps and idle slot-steps."""
     grids = {name: slot_lanes(records, num_slots) for name, records in runs.items()}
     requests = sorted({r for grid in grids.values() for row in grid for r in row if r})

@@ -9,7 +9,7 @@ from minipaged.sched.cost_model import CostModel
 from minipaged.sched.mlfq import MLFQConfig, mlfq_factory
 from minipaged.sim.simulator import simulate
 from minipaged.sim.traces import TraceRequest
-from minipaged.testing.baselines import one_level_factory
+from teaching.baselines import one_level_factory
 
 TOY = CostModel(base=1.0, per_prefill_token=0.25, per_decode_seq=0.0, per_context_token=0.0)
 JOBS = [TraceRequest(0.0, 40, 3), TraceRequest(0.0, 4, 6), TraceRequest(0.0, 4, 2),

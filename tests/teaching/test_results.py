@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from minipaged.testing.results import load_result, repository_root
+from teaching.results import load_result, repository_root
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,8 +10,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 from minipaged.kv import KVCacheManager  # noqa: E402
-from minipaged.testing import pictures  # noqa: E402
-from minipaged.testing.toy_blocks import ToyEngine, slot_categories  # noqa: E402
+from teaching import pictures  # noqa: E402
+from teaching.toy_blocks import ToyEngine, slot_categories  # noqa: E402
 
 
 def smallest_text(fig) -> float:

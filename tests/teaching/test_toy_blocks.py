@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged.kv import KVCacheManager, ReservationKVCacheManager
-from minipaged.testing.toy_blocks import ToyEngine, slot_categories, token_ids
+from teaching.toy_blocks import ToyEngine, slot_categories, token_ids
 
 
 def test_the_toy_reads_back_each_sequence_through_fork_prefix_hits_and_swaps():

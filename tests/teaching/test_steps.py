@@ -16,8 +16,8 @@ from minipaged.sched.fcfs import FCFSScheduler  # noqa: E402
 from minipaged.sched.output import SchedulerConfig  # noqa: E402
 from minipaged.sim.simulator import simulate  # noqa: E402
 from minipaged.sim.traces import TraceRequest  # noqa: E402
-from minipaged.testing import pictures  # noqa: E402
-from minipaged.testing.steps import (  # noqa: E402
+from teaching import pictures  # noqa: E402
+from teaching.steps import (  # noqa: E402
     first_step,
     idle_slot_steps,
     prefill_chunks,
