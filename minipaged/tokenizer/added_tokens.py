@@ -58,17 +58,13 @@ class AddedTokens:
         pattern = self._normalized if normalized else self._raw
         if pattern is None:
             return [(text, None)] if text else []
-        out: list[Segment] = []
-        last = 0
-        for match in pattern.finditer(text):
-            start, end = match.span()
-            if start > last:
-                out.append((text[last:start], None))
-            out.append((match.group(), self._by_content[match.group("c")]))
-            last = end
-        if last < len(text):
-            out.append((text[last:], None))
-        return out
+        # Every match's edges (and the text's) cut the text; a piece that starts where a match
+        # does is that match (no match is empty), any other is ordinary text.
+        matches = list(pattern.finditer(text))
+        tokens = {match.start(): self._by_content[match.group("c")] for match in matches}
+        cuts = sorted({0, len(text), *(i for match in matches for i in match.span())})
+        pieces = zip(cuts, cuts[1:], strict=False)
+        return [(text[start:end], tokens.get(start)) for start, end in pieces]
 
 
 def _alternation(tokens: Iterable[AddedToken]) -> regex.Pattern[str] | None:
@@ -76,17 +72,13 @@ def _alternation(tokens: Iterable[AddedToken]) -> regex.Pattern[str] | None:
 
     Group ``c`` captures the token itself (without the whitespace ``lstrip``/``rstrip`` take).
     """
-    alternatives = []
-    for t in sorted(tokens, key=lambda t: len(t.content), reverse=True):
-        if not t.content:
-            continue
-        alternatives.append(
-            (r"\s*" if t.lstrip else "")
-            + "(?P<c>"
-            + regex.escape(t.content)
-            + ")"
-            + (r"\s*" if t.rstrip else "")
-        )
+    alternatives = [
+        (r"\s*" if t.lstrip else "")
+        + f"(?P<c>{regex.escape(t.content)})"
+        + (r"\s*" if t.rstrip else "")
+        for t in sorted(tokens, key=lambda t: len(t.content), reverse=True)
+        if t.content
+    ]
     if not alternatives:
         return None
     return regex.compile("(?:" + "|".join(alternatives) + ")")

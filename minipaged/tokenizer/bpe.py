@@ -19,6 +19,7 @@ that holds no added token (those are cut out before, in :mod:`minipaged.tokenize
 from __future__ import annotations
 
 import functools
+import math
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,17 +42,13 @@ def bytes_to_unicode() -> dict[int, str]:
     Printable Latin-1 bytes stand for themselves; the other 68 (control characters, space, ...)
     are moved to U+0100 and up, in byte order. So a space is spelled "Ġ" and a newline "Ċ".
     """
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    mapping = {b: chr(b) for b in printable}
-    shifted = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + shifted)
-            shifted += 1
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    shifted = [b for b in range(256) if b not in printable]
+    mapping = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(shifted)}
     return dict(sorted(mapping.items()))
 
 
@@ -111,21 +108,12 @@ QWEN2_PATTERN = (
 # "  2" is "Ġ" "Ġ2" for GPT-2 but "ĠĠ" "2" after the digit cut. A tokenizer.json's `Digits`
 # step is honoured.)
 GGUF_PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
-    "default": (GPT2_PATTERN,),
-    "gpt2": (GPT2_PATTERN,),
-    "gpt-2": (GPT2_PATTERN,),
-    "smollm": (GPT2_PATTERN,),
-    "starcoder": (GPT2_PATTERN,),
-    "llama3": (LLAMA3_PATTERN,),
-    "llama-v3": (LLAMA3_PATTERN,),
-    "llama-bpe": (LLAMA3_PATTERN,),
-    "smaug-bpe": (LLAMA3_PATTERN,),
-    "falcon3": (LLAMA3_PATTERN,),
-    "falcon-h1": (LLAMA3_PATTERN,),
-    "pixtral": (LLAMA3_PATTERN,),
-    "dbrx": (LLAMA3_PATTERN,),
-    "qwen2": (QWEN2_PATTERN,),
-    "deepseek-r1-qwen": (QWEN2_PATTERN,),
+    **dict.fromkeys(("default", "gpt2", "gpt-2", "smollm", "starcoder"), (GPT2_PATTERN,)),
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "falcon-h1", "pixtral", "dbrx"),
+        (LLAMA3_PATTERN,),
+    ),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), (QWEN2_PATTERN,)),
 }
 
 
@@ -152,18 +140,9 @@ def split_isolated(pattern: regex.Pattern[str], text: str) -> list[str]:
         pieces = pattern.findall(text)
         if sum(map(len, pieces)) == len(text):  # the usual case: the pattern covers everything
             return pieces
-    pieces = []
-    last = 0
-    for match in pattern.finditer(text):
-        start, end = match.span()
-        if start > last:
-            pieces.append(text[last:start])
-        if end > start:
-            pieces.append(text[start:end])
-        last = end
-    if last < len(text):
-        pieces.append(text[last:])
-    return pieces
+    # Every match's edges (and the text's) cut it; the pieces lie between consecutive cuts.
+    cuts = sorted({0, len(text), *(i for match in pattern.finditer(text) for i in match.span())})
+    return [text[start:end] for start, end in zip(cuts, cuts[1:], strict=False)]
 
 
 class PreTokenizer:
@@ -296,22 +275,15 @@ class BPE:
         symbols = list(spelled)
         ranks = self.merge_ranks
         while len(symbols) > 1:
-            best_rank, best = None, None
-            for pair in zip(symbols, symbols[1:], strict=False):
-                rank = ranks.get(pair)
-                if rank is not None and (best_rank is None or rank < best_rank):
-                    best_rank, best = rank, pair
-            if best is None:
+            # The first of the adjacent pairs with the lowest rank; stop when none is ranked.
+            pairs = zip(symbols, symbols[1:], strict=False)
+            best = min(pairs, key=lambda pair: ranks.get(pair, math.inf))
+            if best not in ranks:
                 break
             first, second = best
-            merged: list[str] = []
             i = 0
-            while i < len(symbols):
-                if i < len(symbols) - 1 and symbols[i] == first and symbols[i + 1] == second:
-                    merged.append(first + second)
-                    i += 2
-                else:
-                    merged.append(symbols[i])
-                    i += 1
-            symbols = merged
+            while i < len(symbols) - 1:
+                if symbols[i] == first and symbols[i + 1] == second:
+                    symbols[i : i + 2] = [first + second]
+                i += 1
         return symbols

@@ -33,6 +33,7 @@ from minipaged.tokenizer.bpe import (
     to_byte_alphabet,
 )
 from minipaged.tokenizer.chat_template import template_from_config
+from minipaged.tokenizer.gguf_file import GGUFError, read_gguf_file
 
 
 @dataclass
@@ -182,11 +183,6 @@ def _read_gguf_tokenizer_fields(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such GGUF file: {path}")
-    from minipaged.tokenizer.gguf_file import (  # only this format needs gguf
-        GGUFError,
-        read_gguf_file,
-    )
-
     try:
         metadata = read_gguf_file(path).metadata
     except GGUFError as e:
@@ -375,12 +371,10 @@ def _normalizer_from_json(spec: dict[str, Any] | None, path: Any) -> Normalizer 
     if spec is None:
         return None
     steps = spec["normalizers"] if spec.get("type") == "Sequence" else [spec]
-    forms = []
     for step in steps:
         if step.get("type") not in _UNICODE_FORMS:
             raise TokenizerError(f"{path}: normalizer {step.get('type')!r} is not supported")
-        forms.append(step["type"])
-    return Normalizer(tuple(forms)) if forms else None
+    return Normalizer(tuple(step["type"] for step in steps)) if steps else None
 
 
 def _parse_merge(merge: str, path: Any) -> tuple[str, str]:

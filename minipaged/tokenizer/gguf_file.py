@@ -160,15 +160,20 @@ def read_gguf_file(path: str | Path) -> GGUFFile:
         data_start = -(-cursor.offset // alignment) * alignment
     file_data = np.memmap(path, mode="r")
     tensors, names = [], set()
-    for name, tensor_type, shape, offset in records:
+    for record in records:
+        name = record[0]
         if name in names:
             raise GGUFError(f"tensor {name} appears twice")
         names.add(name)
-        tensors.append(_tensor(file_data, name, tensor_type, shape, data_start + offset, size))
+        tensors.append(_tensor(file_data, record, data_start, size))
     return GGUFFile(path, version, metadata, tensors)
 
 
-def _tensor_record(cursor: _Cursor) -> tuple[str, GGMLQuantizationType, tuple[int, ...], int]:
+# A tensor's record in the header: name, type, shape (NumPy order), offset in the data section.
+_Record = tuple[str, GGMLQuantizationType, tuple[int, ...], int]
+
+
+def _tensor_record(cursor: _Cursor) -> _Record:
     """One tensor record of the header: name, type, shape (NumPy order), data offset."""
     name = cursor.string()
     dims = [cursor.scalar("<Q") for _ in range(cursor.scalar("<I"))]
@@ -180,15 +185,11 @@ def _tensor_record(cursor: _Cursor) -> tuple[str, GGMLQuantizationType, tuple[in
     return name, tensor_type, tuple(reversed(dims)), cursor.scalar("<Q")
 
 
-def _tensor(
-    file_data: np.ndarray,
-    name: str,
-    tensor_type: GGMLQuantizationType,
-    shape: tuple[int, ...],
-    offset: int,
-    size: int,
-) -> GGUFTensor:
-    """The tensor's view of the file, once its bytes are known to lie inside it."""
+def _tensor(file_data: np.ndarray, record: _Record, data_start: int, size: int) -> GGUFTensor:
+    """The tensor's view of the file (of `size` bytes, its data section at `data_start`), once
+    its bytes are known to lie inside it."""
+    name, tensor_type, shape, offset = record
+    offset += data_start
     block_size, type_size = GGML_QUANT_SIZES[tensor_type]
     row = shape[-1] if shape else 1
     if row % block_size:

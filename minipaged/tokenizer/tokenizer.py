@@ -30,7 +30,6 @@ from minipaged.tokenizer.bpe import BPE, GPT2_PATTERN, PreTokenizer, TokenizerEr
 from minipaged.tokenizer.chat_template import render_chat_template
 from minipaged.tokenizer.files import (
     Normalizer,
-    TokenizerSpec,
     read_gguf,
     read_pretrained,
     read_tokenizer_json,
@@ -88,10 +87,10 @@ class Tokenizer:
         self.normalizer = normalizer
         self.add_bos_token = add_bos_token
         self.add_eos_token = add_eos_token
-        self._bos_token_id = bos_token_id
-        self._eos_token_id = eos_token_id
-        self._pad_token_id = pad_token_id
-        self._chat_template = chat_template
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.chat_template = chat_template
 
         # id -> token string and id -> bytes, for decoding. Added tokens are raw text.
         size = max([*self.vocab.values(), *(t.id for t in self._added.tokens)]) + 1
@@ -112,12 +111,12 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Load from a ``.gguf`` file or a folder with ``tokenizer.json`` (+ its config)."""
-        return cls._from_spec(read_pretrained(path))
+        return cls(**vars(read_pretrained(path)))
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Load from a GGUF file's ``tokenizer.ggml.*`` metadata (llama.cpp's layout)."""
-        return cls._from_spec(read_gguf(path))
+        return cls(**vars(read_gguf(path)))
 
     @classmethod
     def from_tokenizer_json(
@@ -125,11 +124,7 @@ class Tokenizer:
     ) -> Tokenizer:
         """Load from a Hugging Face ``tokenizer.json``; ``tokenizer_config`` is the parsed
         ``tokenizer_config.json`` (optional: chat template, bos/eos/pad tokens)."""
-        return cls._from_spec(read_tokenizer_json(path, tokenizer_config))
-
-    @classmethod
-    def _from_spec(cls, spec: TokenizerSpec) -> Tokenizer:
-        return cls(**vars(spec))
+        return cls(**vars(read_tokenizer_json(path, tokenizer_config)))
 
     # -- the vocabulary -----------------------------------------------------------------------
 
@@ -149,32 +144,16 @@ class Tokenizer:
         return len(self._id_to_token)
 
     @property
-    def bos_token_id(self) -> int | None:
-        return self._bos_token_id
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self._eos_token_id
-
-    @property
-    def pad_token_id(self) -> int | None:
-        return self._pad_token_id
-
-    @property
     def unk_token_id(self) -> int | None:
         return self.model.unk_token_id
 
     @property
     def bos_token(self) -> str | None:
-        return self._token_or_none(self._bos_token_id)
+        return self._token_or_none(self.bos_token_id)
 
     @property
     def eos_token(self) -> str | None:
-        return self._token_or_none(self._eos_token_id)
-
-    @property
-    def chat_template(self) -> str | None:
-        return self._chat_template
+        return self._token_or_none(self.eos_token_id)
 
     @property
     def special_token_ids(self) -> frozenset[int]:
@@ -184,9 +163,7 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """The id of an added token's text or a vocabulary string; None if there is none."""
         added = self._added.get(token)
-        if added is not None:
-            return added.id
-        return self.vocab.get(token)
+        return self.vocab.get(token) if added is None else added.id
 
     def id_to_token(self, token_id: int) -> str:
         """The token string of an id (vocabulary spelling, or an added token's text)."""
@@ -220,8 +197,8 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, not {type(text).__name__}")
         ids: list[int] = []
-        if add_special_tokens and self.add_bos_token and self._bos_token_id is not None:
-            ids.append(self._bos_token_id)
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            ids.append(self.bos_token_id)
         for raw_piece, raw_token in self._added.split(text, normalized=False):
             if raw_token is not None:
                 ids.append(raw_token.id)
@@ -232,8 +209,8 @@ class Tokenizer:
                     ids.append(token.id)
                 else:
                     self._encode_ordinary(sub, ids)
-        if add_special_tokens and self.add_eos_token and self._eos_token_id is not None:
-            ids.append(self._eos_token_id)
+        if add_special_tokens and self.add_eos_token and self.eos_token_id is not None:
+            ids.append(self.eos_token_id)
         return ids
 
     def _encode_ordinary(self, text: str, out: list[int]) -> None:
@@ -278,13 +255,13 @@ class Tokenizer:
         keyword arguments become template variables (as in ``transformers``). Returns the text,
         or its ids (encoded without adding bos: templates write their own) when ``tokenize``.
         """
-        template = chat_template if chat_template is not None else self._chat_template
+        template = chat_template if chat_template is not None else self.chat_template
         if template is None:
             raise TokenizerError("this tokenizer has no chat template")
         specials = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
-            "pad_token": self._token_or_none(self._pad_token_id),
+            "pad_token": self._token_or_none(self.pad_token_id),
             "unk_token": self._token_or_none(self.unk_token_id),
         }
         variables = {name: token for name, token in specials.items() if token is not None}
@@ -328,15 +305,13 @@ class IncrementalDetokenizer:
         if self.skip_special_tokens and token_id in self.tokenizer.special_token_ids:
             return ""
         new = self._decoder.decode(data, final=False)
-        if new:
-            self._chunks.append(new)
+        self._chunks.append(new)
         return new
 
     def finish(self) -> str:
         """End of stream: return held-back bytes of an unfinished character as U+FFFD."""
         rest = self._decoder.decode(b"", final=True)
-        if rest:
-            self._chunks.append(rest)
+        self._chunks.append(rest)
         return rest
 
     @property

@@ -148,9 +148,8 @@ def gguf_checkpoint(
                 f"with this config has no such parameter"
             )
         name = names[tensor.name]
-        shape = tensor.shape  # (out, in)
-        if is_transposed(config, name):
-            shape = shape[::-1]
+        # GGUF stores (out, in); a family that keeps (in, out) gets it back that way.
+        shape = tensor.shape[::-1] if is_transposed(config, name) else tensor.shape
         read, read_part = _reader_fn(tensor, name, config, file)
         pending[name] = PendingTensor(shape, read, tensor.name, read_part)
     return config, pending
@@ -225,9 +224,8 @@ def dequantize_rows(data: np.ndarray, tensor_type: GGMLQuantizationType) -> np.n
     join = max(1, min(n_rows, JOINED_ROW_BYTES // row_bytes))
     while n_rows % join:
         join -= 1
-    return dequantize(data.reshape(n_rows // join, join * row_bytes), tensor_type).reshape(
-        n_rows, -1
-    )
+    joined = data.reshape(n_rows // join, join * row_bytes)
+    return dequantize(joined, tensor_type).reshape(n_rows, -1)
 
 
 def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:

@@ -162,12 +162,7 @@ def _checked_and_read(
 ) -> dict[str, torch.Tensor]:
     """Check every tensor against the family's table, then read each (in the file's order, with
     `read` when given) and cast it to `dtype`."""
-    check_tensors(
-        config,
-        {name: t.shape for name, t in pending.items()},
-        file,
-        {name: t.origin for name, t in pending.items()},
-    )
+    check_tensors(config, pending, file)
     bar = tqdm(
         pending.items(),
         total=len(pending),

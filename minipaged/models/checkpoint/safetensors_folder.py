@@ -82,8 +82,6 @@ def safetensors_tensors(file: Path, config: ModelConfig) -> dict[str, PendingTen
     expected = expected_shapes(config)
     pending: dict[str, PendingTensor] = {}
     for stored, info in header.items():
-        if stored == "__metadata__":
-            continue
         name = full_name(config, stored, expected)
         if is_ignored(config, name):
             continue
@@ -100,11 +98,12 @@ def safetensors_tensors(file: Path, config: ModelConfig) -> dict[str, PendingTen
 
 def count_safetensors_tensors(file: Path) -> int:
     """How many tensors `file`'s header lists (the header checked, no data read)."""
-    return sum(key != "__metadata__" for key in _safetensors_header(file))
+    return len(_safetensors_header(file))
 
 
 def _safetensors_header(file: Path) -> dict[str, Any]:
-    """Parse and check a safetensors header, so a cut-off or foreign file fails clearly."""
+    """Parse and check a safetensors header, so a cut-off or foreign file fails clearly: each
+    tensor's name -> its dtype, shape and data offsets (the free-form `__metadata__` left out)."""
     size = file.stat().st_size
     with open(file, "rb") as f:
         raw_len = f.read(8)
@@ -122,10 +121,8 @@ def _safetensors_header(file: Path) -> dict[str, Any]:
             raise CheckpointError(f"{file}: not a safetensors file (bad header: {exc})") from exc
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: not a safetensors file (header is not a JSON object)")
-    data_len = max(
-        (info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"),
-        default=0,
-    )
+    header.pop("__metadata__", None)
+    data_len = max((info["data_offsets"][1] for info in header.values()), default=0)
     if 8 + header_len + data_len > size:
         raise CheckpointError(
             f"{file}: truncated safetensors file (tensor data needs {data_len} bytes after the "

@@ -119,32 +119,30 @@ def check_layer_count(config: ModelConfig, num_tensors: int, where: str) -> None
         )
 
 
-def check_tensors(
-    config: ModelConfig, found: Mapping[str, tuple[int, ...]], file: Path, origin: Mapping[str, str]
-) -> None:
-    """Raise `CheckpointError` unless `found` is exactly the parameter set of `config`.
-
-    `found` maps Hugging Face names to shapes; `origin` maps them to the names used inside
-    `file`, so a message can point at the tensor the user would look for.
+def check_tensors(config: ModelConfig, pending: Mapping[str, PendingTensor], file: Path) -> None:
+    """Raise `CheckpointError` unless `pending` (`file`'s tensors under their Hugging Face
+    names) is exactly the parameter set of `config`. A message names a tensor as it is called
+    inside `file` too, so that it points at the tensor the user would look for.
     """
+    found = {name: tensor.shape for name, tensor in pending.items()}
     missing, wrong, unexpected = mismatches(config, found)
     if missing:
         raise CheckpointError(f"{missing[0]} missing in {file}")
     if wrong:
         name = wrong[0]
         raise CheckpointError(
-            f"{_describe(name, origin)} in {file} has shape {list(found[name])}, but the "
+            f"{_describe(name, pending)} in {file} has shape {list(found[name])}, but the "
             f"config ({config.architecture}, hidden {config.hidden_size}, heads "
             f"{config.num_heads}/{config.num_kv_heads} x {config.head_dim}, vocab "
             f"{config.vocab_size}) needs {list(expected_shapes(config)[name])}"
         )
     if unexpected:
         raise CheckpointError(
-            f"unexpected tensor {_describe(unexpected[0], origin)} in {file}: minipaged's "
+            f"unexpected tensor {_describe(unexpected[0], pending)} in {file}: minipaged's "
             f"{config.architecture} with this config has no such parameter"
         )
 
 
-def _describe(name: str, origin: Mapping[str, str]) -> str:
-    inner = origin.get(name, name)
+def _describe(name: str, pending: Mapping[str, PendingTensor]) -> str:
+    inner = pending[name].origin
     return name if inner == name else f"{name} ({inner} in the file)"
