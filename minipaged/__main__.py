@@ -19,6 +19,7 @@ interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -162,10 +163,8 @@ def sampling_params_from_args(args: argparse.Namespace, **defaults: Any):
     """The `SamplingParams` the flags ask for; unset flags take `defaults`, then vLLM's."""
     from minipaged.sampling.params import SamplingParams
 
-    values = dict(defaults)
-    for name in [*SAMPLING_FLAGS, "stop", "ignore_eos"]:
-        if getattr(args, name) is not None:
-            values[name] = getattr(args, name)
+    flags = {name: getattr(args, name) for name in [*SAMPLING_FLAGS, "stop", "ignore_eos"]}
+    values = {**defaults, **{name: value for name, value in flags.items() if value is not None}}
     if "beam_width" in values:
         values["use_beam_search"] = True
     return SamplingParams(**values)
@@ -178,12 +177,9 @@ def model_generation_settings(model: str | Path | None) -> dict[str, Any]:
     Only the settings it states are returned; `do_sample: false` means greedy (temperature 0), as
     in `transformers`. A file that is not a JSON object raises `ValueError` naming it.
     """
-    if model is None:
-        from minipaged.models.checkpoint.loader import default_model_path
+    from minipaged.models.checkpoint.loader import default_model_path
 
-        path = default_model_path()
-    else:
-        path = Path(model)
+    path = default_model_path() if model is None else Path(model)
     file = (path if path.is_dir() else path.parent) / "generation_config.json"
     if not file.is_file():
         return {}
@@ -208,24 +204,14 @@ def chat_sampling_params(args: argparse.Namespace):
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The `LLM(...)` keyword arguments the flags ask for."""
-    return dict(
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        num_gpu_blocks=args.num_gpu_blocks,
-        swap_space=args.swap_space,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        scheduler=args.scheduler,
-        preemption_mode=args.preemption_mode,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        attention_backend=args.attention_backend,
-        quantization=args.quantization,
-        enforce_eager=args.enforce_eager,
-        enable_prefix_caching=not args.no_prefix_caching,
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
+    """The `LLM(...)` keyword arguments the flags ask for: each flag named like an
+    `EngineConfig` field (but --seed, the request's), and --no-prefix-caching."""
+    from minipaged.engine.config import EngineConfig
+
+    names = {field.name for field in dataclasses.fields(EngineConfig)} - set(SAMPLING_FLAGS)
+    kwargs = {name: value for name, value in vars(args).items() if name in names}
+    kwargs["enable_prefix_caching"] = not args.no_prefix_caching
+    return kwargs
 
 
 def llm_from_args(args: argparse.Namespace):
@@ -247,9 +233,7 @@ def run_generate(args: argparse.Namespace) -> None:
     params = sampling_params_from_args(args, **GENERATE_DEFAULTS)  # bad values fail before loading
     llm = llm_from_args(args)
     for output in llm.generate(args.prompts, params, use_tqdm=False):
-        for completion in output.outputs:
-            tag = f"[{completion.index}] " if len(output.outputs) > 1 else ""
-            print(f"{tag}{output.prompt}{completion.text}")
+        print_completions(output.outputs, output.prompt)
 
 
 def run_chat(args: argparse.Namespace) -> None:
@@ -258,13 +242,17 @@ def run_chat(args: argparse.Namespace) -> None:
     system = [{"role": "system", "content": args.system}] if args.system else []
     if args.message is not None:
         messages = [*system, {"role": "user", "content": args.message}]
-        outputs = llm.chat(messages, params, use_tqdm=False)[0].outputs
-        for completion in outputs:
-            tag = f"[{completion.index}] " if len(outputs) > 1 else ""
-            print(f"{tag}{completion.text}")
+        print_completions(llm.chat(messages, params, use_tqdm=False)[0].outputs)
         return
     enable_line_editing()
     chat_session(llm, system, params)
+
+
+def print_completions(completions: Sequence[Any], prompt: str = "") -> None:
+    """Each completion after `prompt`, tagged with its index when there are several."""
+    for completion in completions:
+        tag = f"[{completion.index}] " if len(completions) > 1 else ""
+        print(f"{tag}{prompt}{completion.text}")
 
 
 def run_serve_command(args: argparse.Namespace) -> None:
@@ -281,10 +269,8 @@ def enable_line_editing() -> None:
     `input()` stays as it is.
     """
     if sys.stdin.isatty():
-        try:
+        with contextlib.suppress(ImportError):
             import readline  # noqa: F401
-        except ImportError:
-            pass
 
 
 def chat_session(llm: Any, system: list[dict[str, str]], params: Any) -> list[dict[str, str]]:

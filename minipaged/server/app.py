@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from http import HTTPStatus
 from typing import Any
 
@@ -38,15 +39,10 @@ from minipaged.server.preprocess import (
     Preprocessor,
     read_body,
 )
-from minipaged.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    RequestError,
-    service_unavailable,
-)
+from minipaged.server.protocol import RequestError, service_unavailable
 from minipaged.server.responses import (
     ChoiceStream,
-    chat_choice,
+    Delta,
     chat_chunk,
     chat_response,
     chat_role_chunk,
@@ -73,88 +69,38 @@ class OpenAIServing:
         self.max_model_len = loop.engine.max_model_len
         self.max_request_body_bytes = max_request_body_bytes
         vocab_size = loop.engine.model_config.vocab_size
-        self.preprocessor = Preprocessor(
-            model_name, self.tokenizer, self.max_model_len, vocab_size
-        )
+        self.preprocessor = Preprocessor(model_name, self.tokenizer, self.max_model_len, vocab_size)
         self.created = now()
 
-    # -- completions ------------------------------------------------------------------------------
+    # -- the two generating endpoints ------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        arrival = time.monotonic()
-        raw = await read_body(request, self.max_request_body_bytes)
-        prepared = await self.preprocessor.run(self.preprocessor.completion, raw)
-        body = prepared.body
-        request_id = new_id("cmpl")
-        submission = await self._submit(request_id, prepared, arrival, "prompt")
-        created = now()
+        body, submission, created = await self._accept(
+            request, self.preprocessor.completion, "cmpl", "prompt"
+        )
+        request_id, model = submission.request_id, self.model_name
         if body.stream:
-            return self._event_stream(
-                self._completion_events(submission, body, created), submission
-            )
+            chunk = partial(completion_chunk, request_id, created, model, self.tokenizer)
+            return self._event_stream(submission, body, created, "text_completion", chunk)
         outputs = await self._until_disconnected(request, self.loop.results(submission))
         return JSONResponse(
-            completion_response(request_id, created, self.model_name, self.tokenizer, outputs)
+            completion_response(request_id, created, model, self.tokenizer, outputs)
         )
-
-    async def _completion_events(
-        self, submission: Submission, body: CompletionRequest, created: int
-    ) -> AsyncIterator[str]:
-        choices = ChoiceStream(body.n)
-        finals = {}
-        async for index, output in self.loop.stream(submission):
-            if output.finished:
-                finals[index] = output
-            deltas = choices.deltas(index, output)
-            if deltas:
-                chunk = completion_chunk(
-                    submission.request_id, created, self.model_name, self.tokenizer, deltas
-                )
-                yield _event(chunk, body.include_usage)
-        if body.include_usage:
-            outputs = [finals[i] for i in range(len(finals))]
-            yield _event(
-                usage_chunk(
-                    submission.request_id, created, self.model_name, "text_completion", outputs
-                )
-            )
-
-    # -- chat -------------------------------------------------------------------------------------
 
     async def chat(self, request: Request) -> Response:
-        arrival = time.monotonic()
-        raw = await read_body(request, self.max_request_body_bytes)
-        prepared = await self.preprocessor.run(self.preprocessor.chat, raw)
-        body = prepared.body
-        request_id = new_id("chatcmpl")
-        submission = await self._submit(request_id, prepared, arrival, "messages")
-        created = now()
-        top_k = body.top_logprobs or 0
+        body, submission, created = await self._accept(
+            request, self.preprocessor.chat, "chatcmpl", "messages"
+        )
+        request_id, model, top_k = submission.request_id, self.model_name, body.top_logprobs or 0
         if body.stream:
-            return self._event_stream(
-                self._chat_events(submission, body, created, top_k), submission
-            )
+            chunk = partial(chat_chunk, request_id, created, model, self.tokenizer, top_k=top_k)
+            first = chat_role_chunk(request_id, created, model, body.n)
+            kind = "chat.completion.chunk"
+            return self._event_stream(submission, body, created, kind, chunk, first)
         (output,) = await self._until_disconnected(request, self.loop.results(submission))
         return JSONResponse(
-            chat_response(request_id, created, self.model_name, self.tokenizer, output, top_k)
+            chat_response(request_id, created, model, self.tokenizer, output, top_k)
         )
-
-    async def _chat_events(
-        self, submission: Submission, body: ChatCompletionRequest, created: int, top_k: int
-    ) -> AsyncIterator[str]:
-        request_id, model = submission.request_id, self.model_name
-        yield _event(chat_role_chunk(request_id, created, model, body.n), body.include_usage)
-        choices = ChoiceStream(body.n)
-        final = None
-        async for index, output in self.loop.stream(submission):
-            if output.finished:
-                final = output
-            deltas = choices.deltas(index, output)
-            if deltas:
-                parts = [chat_choice(self.tokenizer, d, top_k, stream=True) for d in deltas]
-                yield _event(chat_chunk(request_id, created, model, parts), body.include_usage)
-        if body.include_usage and final is not None:
-            yield _event(usage_chunk(request_id, created, model, "chat.completion.chunk", [final]))
 
     # -- the other endpoints ----------------------------------------------------------------------
 
@@ -180,30 +126,62 @@ class OpenAIServing:
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    async def _submit(
-        self, request_id: str, prepared: Prepared, arrival: float, prompt_field: str
-    ) -> Submission:
-        """Hand the prompts to the engine loop; the engine's refusal is the client's 400."""
+    async def _accept(
+        self, request: Request, prepare: Callable[[bytes], Prepared], prefix: str, prompt_field: str
+    ) -> tuple[Any, Submission, int]:
+        """Read the body, `prepare` it on the worker pool and hand its prompts to the engine
+        loop (the engine's refusal is the client's 400); return the body, the submission and
+        the response's creation time."""
+        arrival = time.monotonic()
+        raw = await read_body(request, self.max_request_body_bytes)
+        prepared = await self.preprocessor.run(prepare, raw)
         try:
-            return await self.loop.submit(
-                request_id, prepared.prompts, prepared.params, arrival, prepared.texts
+            submission = await self.loop.submit(
+                new_id(prefix), prepared.prompts, prepared.params, arrival, prepared.texts
             )
         except EngineLoopError as exc:
             raise service_unavailable(str(exc)) from None
         except (ValueError, TypeError) as exc:  # empty, outside the vocabulary, too wide, ...
             raise RequestError(str(exc), _engine_field(str(exc), prompt_field)) from None
+        return prepared.body, submission, now()
 
-    def _event_stream(self, events: AsyncIterator[str], submission: Submission) -> Response:
-        """SSE: the events, an error event if the engine loop stops, then `[DONE]`. The
-        background abort covers a client gone before the first event was even asked for.
+    def _event_stream(
+        self,
+        submission: Submission,
+        body: Any,
+        created: int,
+        kind: str,
+        chunk: Callable[[list[Delta]], dict[str, Any]],
+        first: dict[str, Any] | None = None,
+    ) -> Response:
+        """SSE: `first`, a `chunk` of each step's deltas, the usage chunk if the body asks for
+        it, an error event if the engine loop stops, then `[DONE]`. The background abort covers
+        a client gone before the first event was even asked for.
 
         Each event gives the event loop a turn before the next: events already queued would
         otherwise be written back to back, and once the client has hung up, asyncio logs every
         write after the fifth to a closed socket before the hang-up is seen."""
 
+        async def events() -> AsyncIterator[str]:
+            if first is not None:
+                yield _event(first, body.include_usage)
+            choices = ChoiceStream(body.n)
+            finals = {}
+            async for index, output in self.loop.stream(submission):
+                if output.finished:
+                    finals[index] = output
+                deltas = choices.deltas(index, output)
+                if deltas:
+                    yield _event(chunk(deltas), body.include_usage)
+            if body.include_usage:
+                outputs = [finals[i] for i in range(len(finals))]
+                yield _event(
+                    usage_chunk(submission.request_id, created, self.model_name, kind, outputs)
+                )
+
         async def framed() -> AsyncIterator[str]:
             try:
-                async for event in events:
+                async for event in events():
                     yield event
                     await asyncio.sleep(0)
             except EngineLoopError as exc:
@@ -288,7 +266,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     status = HTTPStatus(exc.status_code)
     kind = "NotFoundError" if status == HTTPStatus.NOT_FOUND else status.phrase.replace(" ", "")
     error = RequestError(f"{request.method} {request.url.path}: {exc.detail}", None, status, kind)
-    return JSONResponse(error.body(), status_code=status)
+    return await _request_error(request, error)
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
@@ -298,7 +276,7 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
 async def _internal_error(request: Request, exc: Exception) -> Response:
     status = HTTPStatus.INTERNAL_SERVER_ERROR
     error = RequestError(f"{type(exc).__name__}: {exc}", None, status, "InternalServerError")
-    return JSONResponse(error.body(), status_code=status)
+    return await _request_error(request, error)
 
 
 def _engine_field(message: str, prompt_field: str) -> str:

@@ -78,8 +78,7 @@ class EngineLoop:
         self.error: BaseException | None = None
         self.num_steps = 0
         self.num_wakeups = 0  # loop iterations, counted so a test can see it sleeps when idle
-        self._commands: deque[tuple[Callable[[], None], concurrent.futures.Future | None]]
-        self._commands = deque()
+        self._commands: deque[tuple[Callable[[], None], concurrent.futures.Future | None]] = deque()
         self._lock = threading.Lock()  # guards _commands and _closed
         self._closed = False
         self._stopping = False
@@ -234,7 +233,7 @@ class EngineLoop:
     def _step(self) -> None:
         outputs = self.engine.step()
         self.num_steps += 1
-        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        items: list[tuple[Submission, Any]] = []
         for output in outputs:
             route = self._routes.get(output.request_id)
             if route is None:
@@ -245,21 +244,23 @@ class EngineLoop:
             if output.finished:
                 del self._routes[output.request_id]
                 self.metrics.observe_finished(output)
-            submission = route.submission
-            item = (submission.queue, (route.prompt_index, output))
-            deliveries.setdefault(submission.event_loop, []).append(item)
+            items.append((route.submission, (route.prompt_index, output)))
         self._publish_stats()
-        for event_loop, items in deliveries.items():
-            self._deliver(event_loop, items)
+        self._deliver(items)
 
-    def _deliver(self, event_loop: asyncio.AbstractEventLoop, items: list) -> None:
-        try:
-            event_loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:  # that event loop is closed: nobody is listening any more
-            for engine_id, route in list(self._routes.items()):
-                if route.submission.event_loop is event_loop:
-                    del self._routes[engine_id]
-                    self.engine.abort_request(engine_id)
+    def _deliver(self, items: list[tuple[Submission, Any]]) -> None:
+        """Put each item on its submission's queue, in one callback per event loop."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for submission, item in items:
+            batches.setdefault(submission.event_loop, []).append((submission.queue, item))
+        for event_loop, batch in batches.items():
+            try:
+                event_loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                for engine_id, route in list(self._routes.items()):
+                    if route.submission.event_loop is event_loop:
+                        del self._routes[engine_id]
+                        self.engine.abort_request(engine_id)
 
     def _publish_stats(self) -> None:
         self.metrics.stats = read_engine_stats(self.engine)
@@ -274,20 +275,13 @@ class EngineLoop:
         for _, future in pending:
             if future is not None and future.set_running_or_notify_cancel():
                 future.set_exception(error)
-        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-        for engine_id, route in self._routes.items():
-            if self.error is None:
-                self.engine.abort_request(engine_id)
-            submission = route.submission
-            deliveries.setdefault(submission.event_loop, []).append((submission.queue, error))
-        self._routes.clear()
+        items = [(route.submission, error) for route in self._routes.values()]
         if self.error is None:
+            for engine_id in self._routes:
+                self.engine.abort_request(engine_id)
             self._publish_stats()
-        for event_loop, items in deliveries.items():
-            try:
-                event_loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:
-                pass
+        self._routes.clear()  # so that _deliver has nothing left to abort
+        self._deliver(items)
 
     def _why_closed(self) -> str:
         if self.error is not None:

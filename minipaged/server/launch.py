@@ -22,7 +22,7 @@ import socket
 import subprocess
 import threading
 import time
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any
 
 import httpx
@@ -125,12 +125,7 @@ class ServerThread:
     def __enter__(self) -> ServerThread:
         return self.start()
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
 

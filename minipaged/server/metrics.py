@@ -16,7 +16,6 @@ Each server has its own registry, so several can run in one process (tests, note
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import (
@@ -38,68 +37,62 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
-# -- data types -----------------------------------------------------------------------------------
+# The engine's gauges, by the names `read_engine_stats` gives them, and their help texts.
+ENGINE_GAUGES = {
+    "num_requests_running": "Requests with KV blocks on the device.",
+    "num_requests_waiting": "Requests waiting to be scheduled.",
+    "num_requests_swapped": "Requests swapped out to host memory.",
+    "num_blocks": "KV blocks on the device.",
+    "num_free_blocks": "Free KV blocks on the device.",
+    "kv_cache_usage_perc": "Fraction of device KV blocks in use.",
+    "prefix_cache_hit_rate": "Fraction of looked-up prompt blocks found in the prefix cache.",
+}
+
+# -- the engine's state ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's queues and KV cache."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_swapped: int = 0
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    prefix_cache_hit_rate: float = 0.0
-    num_preemptions: int = 0
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """The fraction of device KV blocks in use."""
-        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
-
-
-def read_engine_stats(engine: Any) -> EngineStats:
-    """The engine's state, through its public attributes (the loop thread calls this)."""
+def read_engine_stats(engine: Any) -> dict[str, float]:
+    """A snapshot of the engine's queues and KV cache by metric name (`ENGINE_GAUGES` and
+    "num_preemptions"), through its public attributes (the loop thread calls this)."""
     scheduler, kv_manager = engine.scheduler, engine.kv_manager
-    return EngineStats(
-        num_running=len(scheduler.running),
-        num_waiting=len(scheduler.waiting),
-        num_swapped=len(scheduler.swapped),
-        num_blocks=kv_manager.num_gpu_blocks,
-        num_free_blocks=kv_manager.num_free_blocks,
-        prefix_cache_hit_rate=kv_manager.prefix_cache_hit_rate,
-        num_preemptions=scheduler.num_preemptions,
-    )
+    blocks, free = kv_manager.num_gpu_blocks, kv_manager.num_free_blocks
+    return {
+        "num_requests_running": len(scheduler.running),
+        "num_requests_waiting": len(scheduler.waiting),
+        "num_requests_swapped": len(scheduler.swapped),
+        "num_blocks": blocks,
+        "num_free_blocks": free,
+        "kv_cache_usage_perc": 1.0 - free / blocks if blocks else 0.0,
+        "prefix_cache_hit_rate": kv_manager.prefix_cache_hit_rate,
+        "num_preemptions": scheduler.num_preemptions,
+    }
 
 
 # -- the metrics ----------------------------------------------------------------------------------
 
 
 class ServerMetrics:
-    """The registry of one server: the engine loop reports to it, `/metrics` renders it."""
+    """The registry of one server: the engine loop reports to it, `/metrics` renders it. It
+    collects the engine's gauges itself, from the latest `stats`."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.stats = EngineStats()
-        self.registry.register(_EngineCollector(self))
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
+        self.stats: dict[str, float] = dict.fromkeys([*ENGINE_GAUGES, "num_preemptions"], 0)
+        self.registry.register(self)
+        self.ttft = self._histogram(
+            "time_to_first_token_seconds",
             "Time from a request's arrival to its first output token.",
-            buckets=TTFT_BUCKETS,
-            registry=self.registry,
+            TTFT_BUCKETS,
         )
-        self.tpot = Histogram(
-            PREFIX + "time_per_output_token_seconds",
+        self.tpot = self._histogram(
+            "time_per_output_token_seconds",
             "Mean time between a request's output tokens after the first.",
-            buckets=TPOT_BUCKETS,
-            registry=self.registry,
+            TPOT_BUCKETS,
         )
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
+        self.e2e = self._histogram(
+            "e2e_request_latency_seconds",
             "Time from a request's arrival to its last output token.",
-            buckets=E2E_BUCKETS,
-            registry=self.registry,
+            E2E_BUCKETS,
         )
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=self.registry
@@ -114,9 +107,14 @@ class ServerMetrics:
             registry=self.registry,
         )
 
+    def _histogram(self, name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(PREFIX + name, text, buckets=buckets, registry=self.registry)
+
     def observe_finished(self, output: RequestOutput) -> None:
-        """A request finished (stopped or ran to its length): record its latencies."""
-        self.requests.labels(finished_reason=_finish_reason(output)).inc()
+        """A request finished (stopped or ran to its length): record its latencies. Its reason
+        is "length" if any of its choices ran to its length, else "stop"."""
+        length = any(c.finish_reason == "length" for c in output.outputs)
+        self.requests.labels(finished_reason="length" if length else "stop").inc()
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         metrics = output.metrics
         if metrics is None or metrics.first_token_time is None:
@@ -134,37 +132,13 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-
-class _EngineCollector:
-    """Turns the latest `EngineStats` into gauges (and the preemption counter) at scrape time."""
-
-    def __init__(self, metrics: ServerMetrics) -> None:
-        self.metrics = metrics
-
     def collect(self) -> Iterator[Metric]:
-        stats = self.metrics.stats
-        for name, text, value in (
-            ("num_requests_running", "Requests with KV blocks on the device.", stats.num_running),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
-            ("num_requests_swapped", "Requests swapped out to host memory.", stats.num_swapped),
-            ("num_blocks", "KV blocks on the device.", stats.num_blocks),
-            ("num_free_blocks", "Free KV blocks on the device.", stats.num_free_blocks),
-            ("kv_cache_usage_perc", "Fraction of device KV blocks in use.", stats.kv_cache_usage),
-            (
-                "prefix_cache_hit_rate",
-                "Fraction of looked-up prompt blocks found in the prefix cache.",
-                stats.prefix_cache_hit_rate,
-            ),
-        ):
-            yield GaugeMetricFamily(PREFIX + name, text, value=value)
+        """The latest `stats` as gauges (and the preemption counter), at scrape time."""
+        for name, text in ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(PREFIX + name, text, value=self.stats[name])
         yield CounterMetricFamily(
-            PREFIX + "num_preemptions", "Preemptions so far.", value=stats.num_preemptions
+            PREFIX + "num_preemptions", "Preemptions so far.", value=self.stats["num_preemptions"]
         )
-
-
-def _finish_reason(output: RequestOutput) -> str:
-    """A request's reason: "length" if any of its choices ran to its length, else "stop"."""
-    return "length" if any(c.finish_reason == "length" for c in output.outputs) else "stop"
 
 
 def parse_metrics(text: str) -> dict[str, float]:

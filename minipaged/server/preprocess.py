@@ -130,7 +130,6 @@ class Preprocessor:
 
     def completion(self, raw: bytes) -> Prepared:
         body = self._parse(CompletionRequest, raw)
-        body.check_model_limits(self.vocab_size)
         prompts, texts = [], []
         for prompt in body.prompts():
             if isinstance(prompt, str):
@@ -147,7 +146,6 @@ class Preprocessor:
 
     def chat(self, raw: bytes) -> Prepared:
         body = self._parse(ChatCompletionRequest, raw)
-        body.check_model_limits(self.vocab_size)
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer, so no chat template", "messages")
         try:
@@ -162,10 +160,12 @@ class Preprocessor:
         return Prepared(body, params, [prompt], [text])
 
     def _parse(self, model: type[T], raw: bytes) -> T:
+        """The body, checked for what needs neither the prompt's tokens nor the context."""
         body = parse_body(model, raw)
         if body.model is not None and body.model != self.model_name:
             raise not_found(f"The model `{body.model}` does not exist.", "model")
         body.check_supported()
+        body.check_model_limits(self.vocab_size)
         return body
 
     # -- lengths ----------------------------------------------------------------------------------
@@ -185,8 +185,7 @@ class Preprocessor:
         check_context(bound, None, self.max_model_len, prompt_field, "", "at least ")
 
     def _encode(self, text: str, add_special_tokens: bool, field: str) -> list[int]:
-        if self.tokenizer is None:
-            raise RequestError("text prompts need a tokenizer; pass token ids instead", field)
+        """`text`'s token ids (the callers have refused text without a tokenizer)."""
         try:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except UnicodeEncodeError as exc:  # JSON may spell lone surrogates, UTF-8 cannot

@@ -87,16 +87,19 @@ def service_unavailable(message: str) -> RequestError:
 # -- request bodies -------------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    """A JSON object of the body: its fields' types are checked strictly (no coercion), keys
+    this server does not read are ignored."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
 
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(_Strict):
     """The fields the two endpoints share: the model, streaming and sampling settings."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None  # None: the one model this server serves
     stream: bool = False
@@ -164,30 +167,13 @@ class _SamplingRequest(BaseModel):
                 "stop_token_ids",
             )
 
-    def max_tokens_field(self) -> str:
-        """The name of the field that gave `max_tokens` (chat has two spellings)."""
-        return "max_tokens"
-
     def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """`SamplingParams` of this body; its `ValueError` names the field, so does ours."""
-        values: dict[str, Any] = dict(
-            n=self.n,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            seed=self.seed,
-            max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-        )
-        if self.temperature is not None:
-            values["temperature"] = self.temperature
+        """`SamplingParams` of this body (every shared field that has the same name, and
+        `max_tokens` and `logprobs` as given); its `ValueError` names the field, so does ours."""
+        values = {name: getattr(self, name) for name in _SHARED_FIELDS}
+        values.update(max_tokens=max_tokens, logprobs=logprobs)
+        if self.temperature is None:  # SamplingParams' default
+            del values["temperature"]
         try:
             return SamplingParams(**values)
         except ValueError as exc:
@@ -228,21 +214,17 @@ class CompletionRequest(_SamplingRequest):
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts this body asks to complete (one for a single prompt)."""
-        if _is_prompt(self.prompt):
-            return [self.prompt]
-        return list(self.prompt)
+        return [self.prompt] if _is_prompt(self.prompt) else list(self.prompt)
 
     def sampling_params(self, prompt_lens: list[int], max_model_len: int) -> SamplingParams:
-        """Without `max_tokens` a completion has 16 tokens, or what the context leaves."""
-        self.check_supported()
+        """Without `max_tokens` a completion has 16 tokens, or what the context leaves. (The
+        caller has run `check_supported`.)"""
         if self.echo:
             raise RequestError("echo is not supported", "echo")
         if self.suffix is not None:
             raise RequestError("suffix is not supported", "suffix")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise RequestError(
-                f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}", "logprobs"
-            )
+        if self.logprobs is not None:
+            _check_logprobs(self.logprobs, "logprobs")
         for prompt_len in prompt_lens:
             check_context(prompt_len, self.max_tokens, max_model_len, "prompt", "max_tokens")
         max_tokens = self.max_tokens
@@ -252,16 +234,12 @@ class CompletionRequest(_SamplingRequest):
         return self._sampling_params(max_tokens, self.logprobs)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class ChatMessage(_Strict):
     role: Literal[ROLES]  # type: ignore[valid-type]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -291,20 +269,18 @@ class ChatCompletionRequest(_SamplingRequest):
     response_format: dict[str, Any] | None = None
 
     def aliases(self) -> dict[str, str]:
-        names = {"logprobs": "top_logprobs"}
-        if self.max_completion_tokens is not None:
-            names["max_tokens"] = "max_completion_tokens"
-        return names
+        return {"logprobs": "top_logprobs", "max_tokens": self.max_tokens_field()}
 
     def max_tokens_field(self) -> str:
+        """The name of the field that gave `max_tokens` (chat has two spellings)."""
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def conversation(self) -> list[dict[str, str]]:
         return [message.as_template_message() for message in self.messages]
 
     def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
-        """Without `max_tokens` a chat answer may run to the end of the context (as OpenAI)."""
-        self.check_supported()
+        """Without `max_tokens` a chat answer may run to the end of the context (as OpenAI).
+        (The caller has run `check_supported`.)"""
         if self.tools:
             raise RequestError("tools are not supported", "tools")
         if self.response_format is not None and self.response_format.get("type") != "text":
@@ -312,11 +288,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
-            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise RequestError(
-                    f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}",
-                    "top_logprobs",
-                )
+            _check_logprobs(self.top_logprobs, "top_logprobs")
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
@@ -383,6 +355,11 @@ def parse_body(model: type[_SamplingRequest], body: bytes) -> Any:
 _REQUIRED = frozenset({"prompt", "messages"})
 
 
+def _check_logprobs(count: int, param: str) -> None:
+    if not 0 <= count <= MAX_LOGPROBS:
+        raise RequestError(f"{param} must be between 0 and {MAX_LOGPROBS}, got {count}", param)
+
+
 def _is_prompt(value: Any) -> bool:
     """A single prompt: text, or a non-empty list of token ids."""
     if isinstance(value, str):
@@ -399,6 +376,8 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# The body fields passed to `SamplingParams` as they are.
+_SHARED_FIELDS = SAMPLING_FIELDS & _SamplingRequest.model_fields.keys()
 _FIELD_NAMES = frozenset(
     name
     for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from minipaged.sampling.sequence import CompletionOutput, RequestOutput
+from minipaged.sampling.sequence import RequestOutput
 
 # -- data types -----------------------------------------------------------------------------------
 
@@ -36,8 +36,7 @@ class ChoiceStream:
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self.sent_chars: dict[int, int] = {}
-        self.sent_tokens: dict[int, int] = {}
+        self.sent: dict[int, tuple[int, int]] = {}  # characters and tokens
         self.finished: set[int] = set()
 
     def deltas(self, prompt_index: int, output: RequestOutput) -> list[Delta]:
@@ -47,16 +46,14 @@ class ChoiceStream:
             index = prompt_index * self.n + completion.index
             if index in self.finished:
                 continue
-            chars = self.sent_chars.get(index, 0)
-            tokens = self.sent_tokens.get(index, 0)
+            chars, tokens = self.sent.get(index, (0, 0))
             new_ids = completion.token_ids[tokens:]
             text = completion.text[chars:]
             logprobs = completion.logprobs[tokens:] if completion.logprobs is not None else None
             done = completion.finish_reason
             if not text and done is None and not (logprobs and new_ids):
                 continue
-            self.sent_chars[index] = chars + len(text)
-            self.sent_tokens[index] = tokens + len(new_ids)
+            self.sent[index] = (chars + len(text), tokens + len(new_ids))
             if done is not None:
                 self.finished.add(index)
             news.append(Delta(index, text, new_ids, logprobs, done, chars))
@@ -94,10 +91,18 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
-def _token_bytes(tokenizer: Any, token_id: int) -> list[int]:
-    if tokenizer is None:
-        return []
-    return list(tokenizer.token_bytes(token_id))
+def _envelope(
+    request_id: str, created: int, model: str, kind: str, choices: list[Any], **extra: Any
+) -> dict[str, Any]:
+    """The fields every response and chunk begins with, then `choices` and any `extra`."""
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": choices,
+        **extra,
+    }
 
 
 # -- completions ----------------------------------------------------------------------------------
@@ -144,22 +149,16 @@ def completion_choice(tokenizer: Any, delta: Delta) -> dict[str, Any]:
 def completion_chunk(
     request_id: str, created: int, model: str, tokenizer: Any, deltas: Sequence[Delta]
 ) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [completion_choice(tokenizer, d) for d in deltas],
-    }
+    choices = [completion_choice(tokenizer, d) for d in deltas]
+    return _envelope(request_id, created, model, "text_completion", choices)
 
 
 def completion_response(
     request_id: str, created: int, model: str, tokenizer: Any, outputs: Sequence[RequestOutput]
 ) -> dict[str, Any]:
     """The whole answer of a non-streamed completion (choices in prompt, then sample order)."""
-    body = completion_chunk(request_id, created, model, tokenizer, _final_deltas(outputs))
-    body["usage"] = usage(outputs)
-    return body
+    choices = [completion_choice(tokenizer, d) for d in _final_deltas(outputs)]
+    return _envelope(request_id, created, model, "text_completion", choices, usage=usage(outputs))
 
 
 # -- chat -----------------------------------------------------------------------------------------
@@ -169,24 +168,25 @@ def chat_logprobs(
     tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[dict[int, float]], top_k: int
 ) -> dict[str, Any]:
     """The chat shape: per token its text, bytes, log-probability and `top_k` alternatives."""
-    content = []
-    for token_id, alternatives in zip(token_ids, logprobs, strict=True):
-        content.append(
-            {
-                "token": token_text(tokenizer, token_id),
-                "logprob": alternatives[token_id],
-                "bytes": _token_bytes(tokenizer, token_id),
-                "top_logprobs": [
-                    {
-                        "token": token_text(tokenizer, t),
-                        "logprob": lp,
-                        "bytes": _token_bytes(tokenizer, t),
-                    }
-                    for t, lp in _ranked(alternatives)[:top_k]
-                ],
-            }
-        )
+    content = [
+        {
+            **_chat_token(tokenizer, token_id, alternatives[token_id]),
+            "top_logprobs": [
+                _chat_token(tokenizer, t, lp) for t, lp in _ranked(alternatives)[:top_k]
+            ],
+        }
+        for token_id, alternatives in zip(token_ids, logprobs, strict=True)
+    ]
     return {"content": content}
+
+
+def _chat_token(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
+    """One token of the chat shape: its text, log-probability and UTF-8 bytes."""
+    return {
+        "token": token_text(tokenizer, token_id),
+        "logprob": logprob,
+        "bytes": list(tokenizer.token_bytes(token_id)) if tokenizer is not None else [],
+    }
 
 
 def chat_choice(tokenizer: Any, delta: Delta, top_k: int, stream: bool) -> dict[str, Any]:
@@ -204,15 +204,10 @@ def chat_choice(tokenizer: Any, delta: Delta, top_k: int, stream: bool) -> dict[
 
 
 def chat_chunk(
-    request_id: str, created: int, model: str, choices: list[dict[str, Any]]
+    request_id: str, created: int, model: str, tokenizer: Any, deltas: Sequence[Delta], top_k: int
 ) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
+    choices = [chat_choice(tokenizer, d, top_k, stream=True) for d in deltas]
+    return _envelope(request_id, created, model, "chat.completion.chunk", choices)
 
 
 def chat_role_chunk(request_id: str, created: int, model: str, num_choices: int) -> dict[str, Any]:
@@ -226,63 +221,34 @@ def chat_role_chunk(request_id: str, created: int, model: str, num_choices: int)
         }
         for i in range(num_choices)
     ]
-    return chat_chunk(request_id, created, model, choices)
+    return _envelope(request_id, created, model, "chat.completion.chunk", choices)
 
 
 def chat_response(
-    request_id: str,
-    created: int,
-    model: str,
-    tokenizer: Any,
-    output: RequestOutput,
-    top_k: int,
+    request_id: str, created: int, model: str, tokenizer: Any, output: RequestOutput, top_k: int
 ) -> dict[str, Any]:
     choices = [chat_choice(tokenizer, d, top_k, stream=False) for d in _final_deltas([output])]
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage([output]),
-    }
+    return _envelope(request_id, created, model, "chat.completion", choices, usage=usage([output]))
 
 
 def usage_chunk(
     request_id: str, created: int, model: str, kind: str, outputs: Sequence[RequestOutput]
 ) -> dict[str, Any]:
     """A stream's last chunk with `stream_options.include_usage`: no choices, only usage."""
-    return {
-        "id": request_id,
-        "object": kind,
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage(outputs),
-    }
+    return _envelope(request_id, created, model, kind, [], usage=usage(outputs))
 
 
 # -- helpers --------------------------------------------------------------------------------------
 
 
 def _final_deltas(outputs: Sequence[RequestOutput]) -> list[Delta]:
+    """Each choice's whole output as one delta (choices in prompt, then sample order)."""
     n = max((len(o.outputs) for o in outputs), default=1)
     return [
-        _whole(prompt_index * n + c.index, c)
-        for prompt_index, o in enumerate(outputs)
+        Delta(i * n + c.index, c.text, list(c.token_ids), c.logprobs, c.finish_reason, 0)
+        for i, o in enumerate(outputs)
         for c in o.outputs
     ]
-
-
-def _whole(index: int, completion: CompletionOutput) -> Delta:
-    return Delta(
-        index,
-        completion.text,
-        list(completion.token_ids),
-        completion.logprobs,
-        completion.finish_reason,
-        0,
-    )
 
 
 def _ranked(alternatives: dict[int, float]) -> list[tuple[int, float]]:

@@ -26,7 +26,6 @@ def add_serve_parser(
     server.add_argument("--port", type=int, default=8000, help="port to listen on")
     server.add_argument(
         "--served-model-name",
-        default=None,
         help="the name clients pass as `model` (default: the model file's or folder's name)",
     )
     server.add_argument(
@@ -38,7 +37,6 @@ def add_serve_parser(
     server.add_argument(
         "--max-request-body-bytes",
         type=int,
-        default=None,
         help="larger request bodies are refused with HTTP 413 (default: 4 MiB)",
     )
     add_engine_flags(serve)
