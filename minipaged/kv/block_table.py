@@ -19,28 +19,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from minipaged.kv.interface import BlockCopy, as_token_ids
 from minipaged.kv.pool import ROOT_HASH, CPUPool, GPUPool, chained_hashes
 
 
+@dataclass(eq=False)  # a table is itself, not its contents
 class BlockTable:
     """A sequence's blocks, place (GPU or CPU pool) and block hashes."""
 
-    def __init__(
-        self,
-        gpu: GPUPool,
-        cpu: CPUPool,
-        blocks: list[int],
-        block_hashes: list[bytes],
-        num_registered_blocks: int,
-    ) -> None:
-        self.gpu = gpu
-        self.cpu = cpu
-        self.blocks = blocks  # GPU block ids, or CPU block ids while swapped out
-        self.on_cpu = False
-        self.block_hashes = block_hashes  # chained hashes of the full blocks known so far
-        self.num_registered_blocks = num_registered_blocks  # [0, n) offered to the prefix cache
+    gpu: GPUPool
+    cpu: CPUPool
+    blocks: list[int]  # GPU block ids, or CPU block ids while swapped out
+    block_hashes: list[bytes]  # chained hashes of the full blocks known so far
+    num_registered_blocks: int  # blocks [0, n) offered to the prefix cache
+    on_cpu: bool = False
 
     @property
     def num_slots(self) -> int:
@@ -113,13 +107,7 @@ class BlockTable:
         """A table sharing every block of this one (in the GPU pool)."""
         for block_id in self.blocks:
             self.gpu.take_shared(block_id)
-        return BlockTable(
-            self.gpu,
-            self.cpu,
-            list(self.blocks),
-            list(self.block_hashes),
-            self.num_registered_blocks,
-        )
+        return replace(self, blocks=list(self.blocks), block_hashes=list(self.block_hashes))
 
     def release(self) -> None:
         """Drop this table's references (cached blocks stay findable until evicted)."""

@@ -54,10 +54,9 @@ class BuddyAllocator:
     def allocate(self, size: int) -> tuple[int, int]:
         """Reserve at least `size` contiguous slots; return (offset, chunk length)."""
         order = self._order(size)
-        available = [o for o in range(order, len(self._free)) if self._free[o]]
-        if not available:
+        current = next((o for o in range(order, len(self._free)) if self._free[o]), None)
+        if current is None:
             raise NoFreeBlocksError("buddy", 1 << order, self.num_free_slots)
-        current = available[0]
         offset = min(self._free[current])  # lowest address first: deterministic
         self._free[current].remove(offset)
         while current > order:  # split, keeping the lower half

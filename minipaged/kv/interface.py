@@ -52,6 +52,12 @@ class NoFreeBlocksError(RuntimeError):
         self.available = available
 
 
+def check_count(name: str, value: object, low: int) -> None:
+    """A `ValueError` unless `value` (a manager's size argument `name`) is an int >= `low`."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
 def as_token_ids(token_ids: Iterable[int], what: str) -> list[int]:
     """`token_ids` as a list of ints, or a `KVCacheError` naming `what` and the bad value."""
     tokens = list(token_ids)
@@ -59,6 +65,16 @@ def as_token_ids(token_ids: Iterable[int], what: str) -> list[int]:
         if not isinstance(t, Integral) or isinstance(t, bool) or t < 0:
             raise KVCacheError(f"{what} must be non-negative integers, got {t!r}")
     return [int(t) for t in tokens]
+
+
+def check_computed(seq_id: SeqId, num_computed: int, num_slots: int) -> None:
+    """`mark_computed`'s check: a computed prefix of `num_computed` tokens lies within the
+    `num_slots` slots appended to the sequence, or a `KVCacheError` says otherwise."""
+    if num_computed > num_slots:
+        raise KVCacheError(
+            f"sequence {seq_id!r}: {num_computed} computed tokens but only {num_slots} slots "
+            "(num_computed_tokens must not exceed the slots appended)"
+        )
 
 
 # -- accounting -----------------------------------------------------------------------------------
@@ -86,12 +102,8 @@ class MemoryUsage:
 
     @property
     def allocated_slots(self) -> int:
-        return (
-            self.token_slots
-            + self.reserved_slots
-            + self.internal_fragmentation_slots
-            + self.external_fragmentation_slots
-        )
+        waste = self.internal_fragmentation_slots + self.external_fragmentation_slots
+        return self.token_slots + self.reserved_slots + waste
 
     @property
     def free_slots(self) -> int:

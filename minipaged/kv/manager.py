@@ -52,6 +52,8 @@ from minipaged.kv.interface import (
     NoFreeBlocksError,
     SeqId,
     as_token_ids,
+    check_computed,
+    check_count,
 )
 from minipaged.kv.pool import CPUPool, GPUPool, chained_hashes, distinct_blocks
 
@@ -69,13 +71,9 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
     ) -> None:
-        for name, value, low in (
-            ("num_gpu_blocks", num_gpu_blocks, 1),
-            ("block_size", block_size, 1),
-            ("num_cpu_blocks", num_cpu_blocks, 0),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        check_count("num_gpu_blocks", num_gpu_blocks, 1)
+        check_count("block_size", block_size, 1)
+        check_count("num_cpu_blocks", num_cpu_blocks, 0)
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
         self.num_gpu_blocks = num_gpu_blocks
@@ -168,9 +166,7 @@ class KVCacheManager:
     def can_allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> bool:
         """Whether `allocate` would succeed and leave at least the watermark's blocks free
         (a prefix hit on a block in use takes no free block)."""
-        tokens = self._new_prompt(seq_id, token_ids)
-        hits = self._gpu.cached_prefix(tokens, self._hashes(tokens))
-        needed = self._gpu.num_to_take(self.num_blocks_for(len(tokens)) - len(hits), hits)
+        needed = self._plan_prompt(seq_id, token_ids)[3]
         return self.num_free_blocks - needed >= self.watermark_blocks
 
     def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
@@ -180,10 +176,7 @@ class KVCacheManager:
         the last token): the engine computes only the rest. Raises `NoFreeBlocksError` (state
         untouched) when the pool is short; the watermark is `can_allocate`'s business.
         """
-        tokens = self._new_prompt(seq_id, token_ids)
-        hashes = self._hashes(tokens)
-        hits = self._gpu.cached_prefix(tokens, hashes)
-        needed = self._gpu.num_to_take(self.num_blocks_for(len(tokens)) - len(hits), hits)
+        tokens, hashes, hits, needed = self._plan_prompt(seq_id, token_ids)
         if needed > self.num_free_blocks:
             raise NoFreeBlocksError("GPU", needed, self.num_free_blocks)
         if self.enable_prefix_caching:
@@ -201,7 +194,9 @@ class KVCacheManager:
         """Free blocks `append_slots(seq_id, num_tokens=num_tokens)` would take (new blocks
         plus a copy-on-write copy); the scheduler sums them over a group whose sequences must
         grow together."""
-        return self._growing_table(seq_id, num_tokens).blocks_to_append(num_tokens)
+        table = self._gpu_table(seq_id)
+        self._check_growth(table, num_tokens)
+        return table.blocks_to_append(num_tokens)
 
     def can_append(self, seq_id: SeqId, *, num_tokens: int) -> bool:
         """Whether `append_slots` would find enough free blocks to cover `num_tokens` tokens.
@@ -228,12 +223,7 @@ class KVCacheManager:
         """Record that the K/V of the sequence's computed prefix `computed_token_ids` (from its
         owner) is written, and publish the hashes of the full blocks wholly inside it."""
         table = self._gpu_table(seq_id)
-        if len(computed_token_ids) > table.num_slots:
-            raise KVCacheError(
-                f"sequence {seq_id!r}: {len(computed_token_ids)} computed tokens but only "
-                f"{table.num_slots} slots (num_computed_tokens must not exceed the slots "
-                "appended)"
-            )
+        check_computed(seq_id, len(computed_token_ids), table.num_slots)
         if self.enable_prefix_caching:
             table.register_computed(computed_token_ids)
 
@@ -336,12 +326,6 @@ class KVCacheManager:
             raise KVCacheError(f"sequence {seq_id!r} is swapped out; swap it in first")
         return table
 
-    def _growing_table(self, seq_id: SeqId, num_tokens: int) -> BlockTable:
-        """The GPU table of a sequence about to cover `num_tokens` tokens, checked."""
-        table = self._gpu_table(seq_id)
-        self._check_growth(table, num_tokens)
-        return table
-
     @staticmethod
     def _check_growth(table: BlockTable, num_tokens: int) -> int:
         """The slots `table` covers, after checking that `num_tokens` is a length it may grow
@@ -356,13 +340,21 @@ class KVCacheManager:
             )
         return covered
 
-    def _new_prompt(self, seq_id: SeqId, token_ids: Sequence[int]) -> list[int]:
+    def _plan_prompt(
+        self, seq_id: SeqId, token_ids: Sequence[int]
+    ) -> tuple[list[int], list[bytes], list[int], int]:
+        """A new sequence's prompt, checked; its chained block hashes (none without prefix
+        caching), its prefix-cache hits, and the free blocks allocating it takes (a hit on a
+        block in use takes none)."""
         if seq_id in self._tables:
             raise KVCacheError(f"sequence {seq_id!r} is already allocated")
         tokens = as_token_ids(token_ids, "token_ids")
         if not tokens:
             raise KVCacheError(f"sequence {seq_id!r}: a prompt needs at least one token")
-        return tokens
+        hashes = chained_hashes(tokens, self.block_size) if self.enable_prefix_caching else []
+        hits = self._gpu.cached_prefix(tokens, hashes)
+        needed = self._gpu.num_to_take(self.num_blocks_for(len(tokens)) - len(hits), hits)
+        return tokens, hashes, hits, needed
 
     def _group(self, seq_ids: SeqId | Sequence[SeqId], on_cpu: bool) -> list[BlockTable]:
         ids = list(seq_ids) if isinstance(seq_ids, (list, tuple)) else [seq_ids]
@@ -376,6 +368,3 @@ class KVCacheManager:
                 where = "swapped out" if table.on_cpu else "in the GPU pool"
                 raise KVCacheError(f"sequence {seq_id!r} is already {where}")
         return group
-
-    def _hashes(self, tokens: list[int]) -> list[bytes]:
-        return chained_hashes(tokens, self.block_size) if self.enable_prefix_caching else []

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 # The chained hash's root: the "previous block hash" of a sequence's first block.
@@ -39,8 +39,9 @@ class Block:
     token_ids: tuple[int, ...] | None = None  # the content a hit is confirmed against
 
 
-class FreeBlockQueue:
-    """Free GPU blocks in eviction order, with O(1) removal from anywhere.
+class FreeBlockQueue(OrderedDict[int, None]):
+    """Free GPU blocks in eviction order, with O(1) removal from anywhere: an ordered dict of
+    block ids (its `len`, `in` and iteration are the queue's).
 
     The front is taken first. Blocks without a cached hash go to the front (nothing is lost by
     reusing them); blocks with a hash go to the back, so the cached block freed longest ago is
@@ -48,30 +49,20 @@ class FreeBlockQueue:
     """
 
     def __init__(self, block_ids: Iterable[int] = ()) -> None:
-        self._queue: OrderedDict[int, None] = OrderedDict((b, None) for b in block_ids)
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def __contains__(self, block_id: int) -> bool:
-        return block_id in self._queue
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._queue)
+        super().__init__((b, None) for b in block_ids)
 
     def push_front(self, block_id: int) -> None:
-        self._queue[block_id] = None
-        self._queue.move_to_end(block_id, last=False)
+        self[block_id] = None
+        self.move_to_end(block_id, last=False)
 
     def push_back(self, block_id: int) -> None:
-        self._queue[block_id] = None
+        self[block_id] = None
 
     def pop_front(self) -> int:
-        block_id, _ = self._queue.popitem(last=False)
-        return block_id
+        return self.popitem(last=False)[0]
 
     def remove(self, block_id: int) -> None:
-        del self._queue[block_id]
+        del self[block_id]
 
 
 # -- hashing --------------------------------------------------------------------------------------
@@ -100,11 +91,7 @@ def chained_hashes(
 
 def distinct_blocks(tables: Iterable[list[int]]) -> dict[int, int]:
     """Each distinct block of a group's tables -> the references to it from within the group."""
-    counts: dict[int, int] = {}
-    for table in tables:
-        for block_id in table:
-            counts[block_id] = counts.get(block_id, 0) + 1
-    return counts
+    return Counter(block_id for table in tables for block_id in table)
 
 
 # -- the GPU pool ---------------------------------------------------------------------------------

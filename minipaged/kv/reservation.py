@@ -32,6 +32,8 @@ from minipaged.kv.interface import (
     MemoryUsage,
     NoFreeBlocksError,
     SeqId,
+    check_computed,
+    check_count,
 )
 
 POLICIES = ("max", "pow2", "oracle")
@@ -123,13 +125,9 @@ class ReservationKVCacheManager:
         max_seq_len: int = 2048,
         static_batch: bool = False,
     ) -> None:
-        for name, value in (
-            ("num_gpu_blocks", num_gpu_blocks),
-            ("block_size", block_size),
-            ("max_seq_len", max_seq_len),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_count("num_gpu_blocks", num_gpu_blocks, 1)
+        check_count("block_size", block_size, 1)
+        check_count("max_seq_len", max_seq_len, 1)
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if next_power_of_two(math.ceil(max_seq_len / block_size)) > num_gpu_blocks:
@@ -221,10 +219,7 @@ class ReservationKVCacheManager:
         blocks = self._reservation_blocks(expected)
         if self.allocator.num_free_chunks(blocks) < expected.width:
             raise NoFreeBlocksError("contiguous", blocks * expected.width, self.num_free_blocks)
-        chunks = []
-        for _ in range(expected.width):
-            offset, size = self.allocator.allocate(blocks)
-            chunks.append(_Chunk(offset, size, blocks))
+        chunks = [_Chunk(*self.allocator.allocate(blocks), blocks) for _ in range(expected.width)]
         request = _Request(expected, chunks, spare=chunks[1:], members={seq_id})
         self._members[seq_id] = _Member(request, chunks[0], num_tokens)
         del self._expected[seq_id]
@@ -249,13 +244,7 @@ class ReservationKVCacheManager:
 
     def mark_computed(self, seq_id: SeqId, computed_token_ids: Sequence[int]) -> None:
         """Nothing to publish (no prefix cache); checks the prefix fits the sequence's slots."""
-        member = self._member(seq_id)
-        if len(computed_token_ids) > member.num_slots:
-            raise KVCacheError(
-                f"sequence {seq_id!r}: {len(computed_token_ids)} computed tokens but only "
-                f"{member.num_slots} slots (num_computed_tokens must not exceed the slots "
-                "appended)"
-            )
+        check_computed(seq_id, len(computed_token_ids), self._member(seq_id).num_slots)
 
     # -- fork and free ----------------------------------------------------------------------------
 
@@ -315,8 +304,9 @@ class ReservationKVCacheManager:
         rows of a static batch); external fragmentation (the buddy allocator's rounding)."""
         bs = self.block_size
         tokens = reserved = internal = external = 0
-        for request in self._live_requests():
-            total = request.expected.total_len
+        for request in self._live_requests() + self._dead:
+            # A dead request (no sequence left) has no tokens to come: its chunks are all waste.
+            total = request.expected.total_len if request.members else 0
             held = {id(m.chunk): m.num_slots for m in map(self._members.get, request.members)}
             for chunk in request.chunks:
                 used = held.get(id(chunk), 0)
@@ -324,9 +314,6 @@ class ReservationKVCacheManager:
                 reserved += total - used
                 internal += chunk.reserved_blocks * bs - total
                 external += (chunk.num_blocks - chunk.reserved_blocks) * bs
-        for chunk in (chunk for request in self._dead for chunk in request.chunks):
-            internal += chunk.reserved_blocks * bs
-            external += (chunk.num_blocks - chunk.reserved_blocks) * bs
         return MemoryUsage(
             total_slots=self.num_gpu_blocks * bs,
             token_slots=tokens,
@@ -383,10 +370,8 @@ class ReservationKVCacheManager:
             ) from None
 
     def _live_requests(self) -> list[_Request]:
-        seen: dict[int, _Request] = {}
-        for member in self._members.values():
-            seen.setdefault(id(member.request), member.request)
-        return list(seen.values())
+        """The requests with a sequence left, each once, in order of their first sequence."""
+        return list({id(m.request): m.request for m in self._members.values()}.values())
 
     def _reservation_blocks(self, e: _Expected) -> int:
         return self.num_blocks_for(

@@ -142,10 +142,9 @@ class Scheduler(ABC):
         """Remove a request wherever it is, return its blocks, and end its unfinished
         sequences with `status`; None when it is unknown."""
         for state in self.states.values():
-            queue = state.queue
-            for group in queue:
+            for group in state.queue:
                 if group.request_id == request_id:
-                    queue.remove(group)
+                    state.queue.remove(group)
                     for seq in group.seqs:
                         if not seq.is_finished():
                             self._release(seq)
@@ -189,9 +188,8 @@ class Scheduler(ABC):
             config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill
         )
         self.choose(now, out, budget)
-        tables = self.kv_manager
         out.scheduled = [
-            replace(item, block_table=tuple(tables.block_table(item.seq_id)))
+            replace(item, block_table=tuple(self.kv_manager.block_table(item.seq_id)))
             for item in out.scheduled
         ]
         return out
@@ -208,20 +206,15 @@ class Scheduler(ABC):
         """
         for item, (_, seq) in zip(out.scheduled, self.resolve(out.scheduled), strict=True):
             seq.num_computed_tokens = item.start + item.num_new_tokens
-            tokens = seq.get_token_ids()
-            if seq.num_computed_tokens < len(tokens):
-                tokens = tokens[: seq.num_computed_tokens]
-            self.kv_manager.mark_computed(seq.seq_id, tokens)
+            computed = seq.get_token_ids()[: seq.num_computed_tokens]
+            self.kv_manager.mark_computed(seq.seq_id, computed)
 
     def resolve(self, items: Iterable[ScheduledSequence]) -> list[GroupMember]:
         """The running group and the sequence each scheduled item names (the plan holds ids;
         the scheduler owns the objects)."""
         groups = {group.request_id: group for group in self.running}
-        resolved = []
-        for item in items:
-            group = groups[item.request_id]
-            resolved.append(GroupMember(group, group.find(item.seq_id)))
-        return resolved
+        named = [(groups[item.request_id], item.seq_id) for item in items]
+        return [GroupMember(group, group.find(seq_id)) for group, seq_id in named]
 
     def finish_step(self) -> list[SequenceGroup]:
         """Free the blocks of sequences that finished this step; return the finished groups.
@@ -259,9 +252,9 @@ class Scheduler(ABC):
     def can_swap_in(self, seqs: list[Sequence]) -> bool:
         """Whether a swapped group fits back in *and* can then take its pending tokens."""
         kv = self.kv_manager
-        if not kv.can_swap_in([s.seq_id for s in seqs]):
-            return False
-        return kv.num_free_blocks - self.swap_in_blocks(seqs) >= 0
+        return kv.can_swap_in([s.seq_id for s in seqs]) and (
+            self.swap_in_blocks(seqs) <= kv.num_free_blocks
+        )
 
     def swap_in_blocks(self, seqs: list[Sequence]) -> int:
         """GPU blocks a swapped group takes to come back and take its pending tokens."""

@@ -68,11 +68,9 @@ class CostModel:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        for name in ("base", "per_prefill_token", "per_decode_seq", "per_context_token"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
-        if self.per_swap_block < 0:
-            raise ValueError(f"per_swap_block must be >= 0 seconds, got {self.per_swap_block}")
+        for name, value in dataclasses.asdict(self).items():
+            if name != "name" and value < 0:
+                raise ValueError(f"{name} must be >= 0 seconds, got {value}")
 
     # -- predictions ------------------------------------------------------------------------------
 

@@ -23,9 +23,9 @@ class FCFSScheduler(Scheduler):
         nobody was preempted, swapped ones, then new ones in arrival order."""
         self.schedule_running(out, budget)
         if not out.preempted:
-            self._schedule_swapped(out, budget)
+            self._schedule_queue(SequenceStatus.SWAPPED, out, budget)
             if not self.swapped:
-                self._schedule_waiting(out, budget)
+                self._schedule_queue(SequenceStatus.WAITING, out, budget)
 
     def schedule_running(self, out: SchedulerOutput, budget: StepBudget) -> None:
         """Grow every running group that fits the budget, in order; when blocks run out, the
@@ -44,16 +44,14 @@ class FCFSScheduler(Scheduler):
             else:
                 self.run(group, out, budget)
 
-    def _schedule_swapped(self, out: SchedulerOutput, budget: StepBudget) -> None:
-        while self.swapped:
-            seqs = self.swapped[0].get_seqs(SequenceStatus.SWAPPED)
-            if not self.fits_budget(seqs, budget) or not self.can_swap_in(seqs):
-                return
-            self.run(self.swapped[0], out, budget)
-
-    def _schedule_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
-        while self.waiting:
-            seqs = self.waiting[0].get_seqs(SequenceStatus.WAITING)
-            if not self.fits_budget(seqs, budget) or not self.can_admit(seqs):
+    def _schedule_queue(
+        self, status: SequenceStatus, out: SchedulerOutput, budget: StepBudget
+    ) -> None:
+        """Run the groups of the swapped or the waiting queue in order while the head fits
+        (swapped back in, or admitted)."""
+        queue = self.states[status].queue
+        while queue:
+            seqs = queue[0].get_seqs(status)
+            if not self.fits_budget(seqs, budget) or not self.fits(seqs):
                 return  # first come, first served: nobody overtakes the head of the queue
-            self.run(self.waiting[0], out, budget)
+            self.run(queue[0], out, budget)

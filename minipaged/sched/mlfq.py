@@ -91,8 +91,7 @@ class MLFQConfig:
     def sized_to(cls, cost_model: CostModel, **overrides: object) -> MLFQConfig:
         """Quanta sized to a cost model: Q1's quantum is the shortest iteration (one decode of
         one sequence), as FastServe sets it (§4.1, §6); `overrides` set any other field."""
-        settings: dict[str, object] = {"base_quantum": cost_model.min_iteration_time}
-        settings.update(overrides)
+        settings = {"base_quantum": cost_model.min_iteration_time, **overrides}
         return cls(**settings)  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
@@ -180,10 +179,8 @@ class SkipJoinMLFQScheduler(Scheduler):
 
     def level_covering(self, seconds: float) -> int:
         """The first queue whose quantum is at least `seconds` (the last queue if none is)."""
-        for level in range(self.mlfq.num_levels):
-            if self.mlfq.quantum(level) >= seconds:
-                return level
-        return self.mlfq.num_levels - 1
+        levels = range(self.mlfq.num_levels)
+        return next((lv for lv in levels if self.mlfq.quantum(lv) >= seconds), levels[-1])
 
     def abort(
         self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED
