@@ -180,14 +180,10 @@ def check_paged_attention_args(
             f"block_tables name a block outside the cache's {k_cache.shape[0]} blocks "
             "within a sequence's context"
         )
-    if num_seqs and max_query_len is not None and max_query_len < int(query_lens.max()):
-        raise ValueError(
-            f"max_query_len={max_query_len} but a sequence has {int(query_lens.max())} queries"
-        )
-    if num_seqs and max_seq_len is not None and max_seq_len < int(seq_lens.max()):
-        raise ValueError(
-            f"max_seq_len={max_seq_len} but a sequence has {int(seq_lens.max())} tokens"
-        )
+    for name, bound, lens, what in (("max_query_len", max_query_len, query_lens, "queries"),
+                                    ("max_seq_len", max_seq_len, seq_lens, "tokens")):
+        if num_seqs and bound is not None and bound < int(lens.max()):
+            raise ValueError(f"{name}={bound} but a sequence has {int(lens.max())} {what}")
 
 
 def check_reshape_and_cache_args(
@@ -205,8 +201,7 @@ def check_reshape_and_cache_args(
             f"key has {key.shape[1]} heads of dim {key.shape[2]} but the cache holds "
             f"{k_cache.shape[2]} heads of dim {k_cache.shape[3]}"
         )
-    dtypes = {key.dtype, value.dtype, k_cache.dtype, v_cache.dtype}
-    if len(dtypes) != 1:
+    if len({key.dtype, value.dtype, k_cache.dtype, v_cache.dtype}) != 1:
         raise ValueError(
             f"dtype mismatch: key {key.dtype}, value {value.dtype}, k_cache {k_cache.dtype}, "
             f"v_cache {v_cache.dtype}"

@@ -7,8 +7,7 @@ engine runs on CPU:
 * `paged_attention`: causal attention with K/V read through block tables (Kwon et al., SOSP'23,
   section 4.1): gather a chunk of sequences' blocks, then one batched, masked attention;
 * `plan_attention` and `AttentionChunk`: how a batch is cut into those chunks, decided once per
-  step and shared by every layer (`checked_plan`: the checks and the plan a call starts with);
-  `gather_context`: one chunk's gather;
+  step and shared by every layer; `gather_context`: one chunk's gather;
 * `reshape_and_cache`: write the step's new K/V into their slots;
 * `copy_blocks`: the step's copy-on-write block copies (section 4.4), in every layer;
 * `swap_blocks`: move blocks between the device cache and a host pool (section 4.5).
@@ -116,25 +115,21 @@ def _chunk(seqs: list[int], starts: list[int], context_lens: list[int], block_ta
     device = block_tables.device
     query_len = starts[seqs[0] + 1] - starts[seqs[0]]
     num_blocks = -(-context_lens[seqs[-1]] // block_size)
-    rows = torch.tensor(seqs, device=device)
     tokens = torch.tensor([t for i in seqs for t in range(starts[i], starts[i + 1])],
                           device=device)
     lens = torch.tensor([context_lens[i] for i in seqs], device=device)
     key_pos = torch.arange(num_blocks * block_size, device=device)
     past_end = key_pos[None, :] >= lens[:, None]  # [B, L_pad]
-    if query_len == 1:  # decodes: the last position sees its whole context
-        visible = ~past_end[:, None, None, :]
-    else:
-        # Query row r of sequence s sits at position lens[s] - Q + r and sees the keys up to its
-        # own position (causal), never a slot past the sequence's end.
-        query_pos = (lens - query_len)[:, None] + torch.arange(query_len, device=device)
-        visible = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None]
+    # Query row r of sequence s sits at position lens[s] - Q + r and sees the keys up to its own
+    # position (causal), never a slot past the sequence's end (a decode sees its whole context).
+    query_pos = (lens - query_len)[:, None] + torch.arange(query_len, device=device)
+    visible = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None]
     return AttentionChunk(
         seqs=seqs,
         query_len=query_len,
         num_blocks=num_blocks,
         tokens=tokens,
-        block_ids=block_tables[rows, :num_blocks].clamp(min=0).long(),
+        block_ids=block_tables[seqs, :num_blocks].clamp(min=0).long(),
         tail=torch.nonzero(past_end, as_tuple=True),
         visible=visible,
     )
@@ -178,38 +173,17 @@ def paged_attention(
     padding blocks) may hold anything, NaN included: they are zeroed after the gather and masked
     in the attention.
     """
-    plan = checked_plan(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                        max_query_len=max_query_len, max_seq_len=max_seq_len, validate=validate,
-                        plan=plan)
-    out = torch.empty_like(q)
-    for chunk in plan:
-        out[chunk.tokens] = _attend_chunk(q[chunk.tokens], k_cache, v_cache, chunk, scale)
-    return out
-
-
-def checked_plan(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    query_start_loc: Tensor,
-    *,
-    max_query_len: int | None,
-    max_seq_len: int | None,
-    validate: bool,
-    plan: list[AttentionChunk] | None,
-) -> list[AttentionChunk]:
-    """What a chunked paged attention starts with: the contract's checks (unless `validate` is
-    False), then the step's `plan` (checked to cover every query) or a plan made now."""
     if validate:
         check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                    max_query_len=max_query_len, max_seq_len=max_seq_len)
     if plan is None:
-        return plan_attention(block_tables, seq_lens, query_start_loc, k_cache)
-    if validate:
+        plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache)
+    elif validate:
         check_plan_covers(sum(chunk.tokens.numel() for chunk in plan), q)
-    return plan
+    out = torch.empty_like(q)
+    for chunk in plan:
+        out[chunk.tokens] = _attend_chunk(q[chunk.tokens], k_cache, v_cache, chunk, scale)
+    return out
 
 
 def check_plan_covers(num_queries: int, q: Tensor) -> None:
@@ -319,8 +293,6 @@ def copy_blocks(
     """
     if validate:
         check_copy_blocks_args(kv_caches, block_mapping)
-    if block_mapping.shape[0] == 0:
-        return
     src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
     for cache in kv_caches:
         cache[:, dst] = cache[:, src]
@@ -337,8 +309,6 @@ def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor, *, validate: bo
     """
     if validate:
         check_swap_blocks_args(src, dst, block_mapping)
-    if block_mapping.shape[0] == 0:
-        return
     src_ids = block_mapping[:, 0].long().to(src.device)
     dst_ids = block_mapping[:, 1].long().to(dst.device)
     dst[:, dst_ids] = src[:, src_ids].to(dst.device)

@@ -9,9 +9,4 @@ from minipaged.engine.engine import LLMEngine
 from minipaged.engine.llm import LLM
 from minipaged.engine.record import StepRecord
 
-__all__ = [
-    "EngineConfig",
-    "LLM",
-    "LLMEngine",
-    "StepRecord",
-]
+__all__ = ["EngineConfig", "LLM", "LLMEngine", "StepRecord"]

@@ -52,15 +52,13 @@ def advance_beams(
     # Fork before any parent changes: a child starts from its parent as it was.
     assigned: list[tuple[Sequence, BeamCandidate]] = []
     used: set[int] = set()
-    for cand in live:
-        parent = beams[cand.parent]
+    for cand in live:  # a parent's first candidate continues it, any later one a fork of it
+        beam = parent = beams[cand.parent]
         if cand.parent in used:
-            child = parent.fork(next(seq_ids))
-            scheduler.fork_sequence(group, parent, child)
-            assigned.append((child, cand))
-        else:
-            used.add(cand.parent)
-            assigned.append((parent, cand))
+            beam = parent.fork(next(seq_ids))
+            scheduler.fork_sequence(group, parent, beam)
+        used.add(cand.parent)
+        assigned.append((beam, cand))
     for cand in finishing:
         hypothesis = beams[cand.parent].fork(next(seq_ids))  # no blocks: it is done
         alternatives = _alternatives(next_logprobs, cand, params.logprobs)
@@ -101,13 +99,8 @@ def _prune_hypotheses(
     scheduler: Scheduler, group: SequenceGroup, eos_token_ids: Collection[int]
 ) -> None:
     """Keep the `beam_width` best finished beams."""
-    params = group.sampling_params
-    done = sorted(
-        group.get_finished_seqs(),
-        key=lambda s: s.beam_search_score(params.length_penalty, eos_token_ids),
-        reverse=True,
-    )
-    for seq in done[params.beam_width :]:
+    done = group.by_beam_score(group.get_finished_seqs(), eos_token_ids)
+    for seq in done[group.sampling_params.beam_width :]:
         scheduler.free_sequence(group, seq)
 
 

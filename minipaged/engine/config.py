@@ -14,9 +14,9 @@ in float32 (docs/benchmarks.md, "CPU performance", measures the speed and the to
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import math
 import types
 import typing
 from dataclasses import dataclass
@@ -26,7 +26,7 @@ import torch
 
 from minipaged.runner.backends import BACKENDS
 from minipaged.runner.platforms.cpu.quantization import QUANTIZATIONS
-from minipaged.sampling.params import MAX_SEED, shown
+from minipaged.sampling.params import MAX_SEED, is_finite, shown
 from minipaged.sched.cost_model import CostModel
 from minipaged.sched.mlfq import MLFQConfig
 from minipaged.sched.output import PreemptionMode
@@ -55,13 +55,10 @@ def native_bfloat16(device: torch.device) -> bool:
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
     return frozenset()
 
 
@@ -129,12 +126,10 @@ class EngineConfig:
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
-        if self.dtype not in (None, *DTYPE_CHOICES):
-            raise ValueError(f"dtype must be one of {sorted(DTYPE_CHOICES)}, got {self.dtype!r}")
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(
-                f"scheduler must be one of {sorted(SCHEDULERS)}, got {self.scheduler!r}"
-            )
+        for name, choices in (("dtype", DTYPE_CHOICES), ("scheduler", SCHEDULERS)):
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
         if self.mlfq is not None and not needs_cost_model(self.scheduler):
             raise ValueError(f"mlfq settings need an MLFQ scheduler, got {self.scheduler!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -173,11 +168,7 @@ class EngineConfig:
         for name in ("kv_cache_memory", "gpu_memory_utilization", "swap_space",
                      "tensor_parallel_timeout"):
             value = getattr(self, name)
-            try:  # an int beyond the floats' range is not finite either
-                finite = math.isfinite(value)
-            except OverflowError:
-                finite = False
-            if not finite:
+            if not is_finite(value):
                 raise ValueError(f"{name} must be a finite number, got {shown(value)}")
         if not 0 <= self.seed < MAX_SEED:
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed}")
@@ -221,18 +212,17 @@ def check_field_types(config: object) -> None:
     """Every field of the dataclass `config` holds a value of its annotated type, else a
     `TypeError` naming the field (an int is a float here, a bool is neither an int nor a float;
     a hint this check cannot read is not checked)."""
-    hints = field_types(type(config))
-    for field in dataclasses.fields(config):  # type: ignore[arg-type]
-        value = getattr(config, field.name)
-        hint = hints[field.name]
+    for name, hint in field_types(type(config)).items():
+        value = getattr(config, name)
         if not _has_type(value, hint):
-            raise TypeError(f"{field.name} must be {_type_name(hint)}, got {shown(value)}")
+            raise TypeError(f"{name} must be {_type_name(hint)}, got {shown(value)}")
 
 
 @functools.cache
 def field_types(cls: type) -> dict[str, object]:
-    """The resolved annotations of a dataclass's fields."""
-    return typing.get_type_hints(cls)
+    """The resolved annotations of a dataclass's fields, in the fields' order."""
+    hints = typing.get_type_hints(cls)
+    return {field.name: hints[field.name] for field in dataclasses.fields(cls)}
 
 
 def _has_type(value: object, hint: object) -> bool:

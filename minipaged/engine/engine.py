@@ -34,12 +34,7 @@ from minipaged.engine.postprocess import OutputProcessor, StepUpdate
 from minipaged.engine.record import StepRecord, StepTimings
 from minipaged.engine.requests import RequestStream, check_params, prompt_token_ids
 from minipaged.models.checkpoint.model_config import ModelConfig
-from minipaged.runner.model_runner import (
-    GiB,
-    ModelRunner,
-    blocks_that_fit,
-    num_blocks_for_memory,
-)
+from minipaged.runner.model_runner import GiB, ModelRunner, blocks_that_fit, num_blocks_for_memory
 from minipaged.runner.parallel.runner import WorkerDiedError, build_runner
 from minipaged.runner.parallel.worker import CheckpointShards, ShardSource
 from minipaged.runner.platforms import Platform
@@ -138,9 +133,7 @@ class LLMEngine:
         self.runner = runner
         if scheduler is None:
             # Skip-join MLFQ predicts prefill times (FastServe §4.1): measured before it is built.
-            cost_model = None
-            if needs_cost_model(config.scheduler):
-                cost_model = self._startup_cost_model()
+            cost_model = self._startup_cost_model() if needs_cost_model(config.scheduler) else None
             scheduler = build_scheduler(
                 config.scheduler,
                 SchedulerConfig(
@@ -240,9 +233,7 @@ class LLMEngine:
         params = check_params(sampling_params, vocab, self.tokenizer is not None)
         if prompt_text is not None and isinstance(prompt, str):
             raise ValueError("prompt_text names the text of token-id prompts, not of text ones")
-        if request_id is None:
-            request_id = self._new_request_id()
-        request_id = str(request_id)
+        request_id = self._new_request_id() if request_id is None else str(request_id)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = prompt_token_ids(prompt, self.tokenizer, vocab)

@@ -132,10 +132,8 @@ def _pieces(stream: RequestStream, beams: bool) -> Iterator[str]:
 def _per_prompt(
     params: SamplingParams | Sequence[SamplingParams] | None, count: int
 ) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
-    if isinstance(params, SamplingParams):
-        return [params] * count
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
     params = list(params)
     if len(params) != count:
         raise ValueError(f"{len(params)} sampling params for {count} prompts")

@@ -149,10 +149,8 @@ class OutputProcessor:
         requests = self.requests_of(members)
         beams = [r for r in requests if r.group.sampling_params.use_beam_search]
         plain = [r for r in requests if not r.group.sampling_params.use_beam_search]
-        failed = []
-        for request in beams:  # each request's beams advance on their own
-            if not self.try_sample([request], logits):
-                failed.append(request.group.request_id)
+        # each request's beams advance on their own
+        failed = [r.group.request_id for r in beams if not self.try_sample([r], logits)]
         if plain and not self.try_sample(plain, logits):
             logger.warning("sampling the step failed; sampling its requests one at a time")
             failed += [r.group.request_id for r in plain if not self.try_sample([r], logits)]
@@ -187,9 +185,8 @@ class OutputProcessor:
         """The next token of every sequence of `requests` (their rows of `logits`): plain and
         parallel samples through the sampler at once, a beam-search request through its beams;
         then the stop rules."""
-        plain_seqs: list[Sequence] = []
+        plain: list[GroupMember] = []
         plain_rows: list[int] = []
-        owner: dict[int, SequenceGroup] = {}
         for group, seqs, rows in requests:
             if group.sampling_params.use_beam_search:
                 beam_rows = [group.sampling_row(b, self.eos_token_ids) for b in seqs]
@@ -199,20 +196,17 @@ class OutputProcessor:
                     self.eos_token_ids, self.max_model_len,
                 )
                 continue
-            plain_seqs += seqs
+            plain += [GroupMember(group, seq) for seq in seqs]
             plain_rows += rows
-            owner.update({seq.seq_id: group for seq in seqs})
-        if not plain_seqs:
+        if not plain:
             return
-        sampling_rows = [
-            owner[s.seq_id].sampling_row(s, self.eos_token_ids) for s in plain_seqs
-        ]
+        sampling_rows = [group.sampling_row(seq, self.eos_token_ids) for group, seq in plain]
         in_order = plain_rows == list(range(logits.shape[0]))  # a decode step's: no copy
         result = self.sampler(logits if in_order else logits[plain_rows], sampling_rows)
         tokens, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
-        for i, seq in enumerate(plain_seqs):
+        for i, (group, seq) in enumerate(plain):
             seq.append_token(tokens[i], logprobs[i], result.logprobs_dict(i))
-            self.check_stop(seq, owner[seq.seq_id])
+            self.check_stop(seq, group)
 
     def fork_samples(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
         """Parallel sampling (vLLM paper §4.4): once the prompt is done, samples 1..n-1 fork

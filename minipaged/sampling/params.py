@@ -181,22 +181,24 @@ def _check_int(
     name: str, value: object, low: int, high: int = MAX_INT64, allowed: str | None = None
 ) -> None:
     """`value` is an int (not a bool) in [low, high], else a ValueError naming `name`."""
-    if allowed is None:
-        allowed = f"an integer in [{low}, {high}]"
-        if high == MAX_INT64:
-            allowed = f"an integer >= {low} that fits an int64 (<= 2**63 - 1)"
+    if allowed is None:  # every bounded call names its range itself
+        allowed = f"an integer >= {low} that fits an int64 (<= 2**63 - 1)"
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name} must be {allowed}, got {shown(value)}")
 
 
 def _check_float(name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> None:
     """`value` is a finite int or float (not a bool) that `ok` accepts, else a ValueError."""
-    try:  # an int beyond the floats' range (10**400) is not finite either
-        finite = isinstance(value, (int, float)) and math.isfinite(value)
-    except OverflowError:
-        finite = False
-    if isinstance(value, bool) or not finite or not ok(value):  # type: ignore[arg-type]
+    if isinstance(value, bool) or not is_finite(value) or not ok(value):  # type: ignore[arg-type]
         raise ValueError(f"{name} must be a finite number with {allowed}, got {shown(value)}")
+
+
+def is_finite(value: object) -> bool:
+    """A finite int or float; an int beyond the floats' range (10**400) is not finite either."""
+    try:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _check_bool(name: str, value: object) -> None:

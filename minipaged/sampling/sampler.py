@@ -102,9 +102,7 @@ def make_generator(seed: int, sample_index: int = 0) -> torch.Generator:
 
     Noise is always drawn on the CPU and then moved, so a seed means the same noise on any device.
     """
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(derive_seed(seed, sample_index))
-    return gen
+    return torch.Generator(device="cpu").manual_seed(derive_seed(seed, sample_index))
 
 
 def min_tokens_banned_ids(
@@ -128,15 +126,12 @@ def min_tokens_banned_ids(
 def apply_bans(logits: Tensor, banned: Sequence[Sequence[int]]) -> Tensor:
     """Set the banned tokens of each row to -inf (ids outside the vocabulary ban nothing)."""
     vocab_size = logits.shape[1]
-    inside = [[t for t in ids if 0 <= t < vocab_size] for ids in banned]
-    rows = [i for i, ids in enumerate(inside) for _ in ids]
-    cols = [t for ids in inside for t in ids]
-    if not cols:
+    pairs = [(i, t) for i, ids in enumerate(banned) for t in ids if 0 <= t < vocab_size]
+    if not pairs:
         return logits
+    rows, cols = torch.tensor(pairs, device=logits.device).T
     out = logits.clone()
-    out[
-        torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)
-    ] = -math.inf
+    out[rows, cols] = -math.inf
     return out
 
 
@@ -145,8 +140,6 @@ def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device) ->
     batch = len(token_ids)
     longest = max((len(ids) for ids in token_ids), default=0)
     counts = torch.zeros(batch, vocab_size + 1, dtype=torch.int64, device=device)
-    if longest == 0:
-        return counts[:, :vocab_size]
     # Pad with the extra column `vocab_size`, counted and then dropped.
     padded = torch.full((batch, longest), vocab_size, dtype=torch.int64)
     for i, ids in enumerate(token_ids):
@@ -185,8 +178,7 @@ def apply_penalties(
     frequency = frequency_penalty[:, None].to(logits.device, logits.dtype)
     presence = presence_penalty[:, None].to(logits.device, logits.dtype)
     out = out - frequency * output_counts.to(logits.dtype)
-    out = out - presence * (output_counts > 0).to(logits.dtype)
-    return out
+    return out - presence * (output_counts > 0).to(logits.dtype)
 
 
 def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
@@ -330,8 +322,7 @@ class Sampler:
         scaled = apply_temperature(logits, self._column(rows, "temperature", positive=True))
         logits = finite_logits(scaled, fallback=logits)
         if any(row.params.top_k > 0 or row.params.top_p < 1.0 for row in rows):
-            vocab_size = logits.shape[1]
-            top_k = torch.tensor([min(row.params.top_k, vocab_size) for row in rows])
+            top_k = torch.tensor([min(row.params.top_k, logits.shape[1]) for row in rows])
             top_p = self._column(rows, "top_p", positive=True)
             logits = apply_top_k_top_p(logits, top_k, top_p)
         if any(row.params.min_p > 0.0 for row in rows):

@@ -255,9 +255,7 @@ class SequenceGroup:
 
     # looking up sequences
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
-        if status is None:
-            return list(self.seqs)
-        return [seq for seq in self.seqs if seq.status == status]
+        return [seq for seq in self.seqs if status is None or seq.status == status]
 
     def get_unfinished_seqs(self) -> list[Sequence]:
         return [seq for seq in self.seqs if not seq.is_finished()]
@@ -316,17 +314,19 @@ class SequenceGroup:
             ),
         )
 
+    def by_beam_score(
+        self, seqs: list[Sequence], eos_token_ids: Collection[int] = ()
+    ) -> list[Sequence]:
+        """`seqs`, best first by their length-penalised `Sequence.beam_search_score`."""
+        penalty = self.sampling_params.length_penalty
+        return sorted(seqs, key=lambda s: s.beam_search_score(penalty, eos_token_ids), reverse=True)
+
     # output
     def to_request_output(self, eos_token_ids: Collection[int] = ()) -> RequestOutput:
         """The request as the user sees it: samples in index order, or the best `n` beams."""
         params = self.sampling_params
         if params.use_beam_search:
-            seqs = sorted(
-                self.seqs,
-                key=lambda s: s.beam_search_score(params.length_penalty, eos_token_ids),
-                reverse=True,
-            )[: params.n]
-            indexed = list(enumerate(seqs))
+            indexed = list(enumerate(self.by_beam_score(self.seqs, eos_token_ids)[: params.n]))
         else:
             indexed = [(s.sample_index, s) for s in sorted(self.seqs, key=lambda s: s.sample_index)]
         outputs = [
