@@ -16,6 +16,7 @@ no cost when no profiler runs.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -23,7 +24,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -127,3 +128,11 @@ def load_native(source: Path,
         function.argtypes, function.restype = list(argtypes), restype
     return library
 
+
+def native_loader(
+    source: Path, signatures: Mapping[str, tuple[Sequence[type], type | None]]
+) -> Callable[[], ctypes.CDLL | None]:
+    """`load_native(source, signatures)` on the first call, the same library (or None) on every
+    call after: each kernel module's `_library`, so that a kernel is built and loaded once per
+    process, and only when something asks for it."""
+    return functools.cache(functools.partial(load_native, source, signatures))

@@ -18,24 +18,35 @@ import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from minipaged.kernels.cpu.build import load_native
+from minipaged.kernels.cpu.build import native_loader, profiled
 
 SOURCE = Path(__file__).with_name("csrc") / "calls.c"
 ENTRY = ([ctypes.c_void_p], ctypes.c_int)  # every kernel's `<kernel>_call`: (args) -> status
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """`run_calls`, built and loaded once per process (`load_native`); None without."""
-    return load_native(SOURCE, {
-        "run_calls": ([ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int64),
-    })
+# `run_calls`, built and loaded once per process (`native_loader`); None without.
+_library = native_loader(SOURCE, {
+    "run_calls": ([ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int64),
+})
 
 
 def kernel_calls_available() -> bool:
     """Whether `KernelCalls` can run here (its loop built, as every kernel is, by the C
     compiler)."""
     return _library() is not None
+
+
+def c_array(kind: type, values: Sequence) -> ctypes.Array:
+    """A C array of `kind` holding `values`."""
+    return (kind * len(values))(*values)
+
+
+def require_native(library: ctypes.CDLL | None, what: str) -> ctypes.CDLL:
+    """`library` (a kernel module's `_library()`), or `RuntimeError` saying that the native CPU
+    `what` could not be built here: a bound call needs its kernel."""
+    if library is None:
+        raise RuntimeError(f"the native CPU {what} could not be built here")
+    return library
 
 
 class KernelCall:
@@ -54,6 +65,11 @@ class KernelCall:
     def __call__(self) -> int:
         return self.entry(self.args_address)
 
+    def run_as(self, name: str) -> int:
+        """`self()`, listed as `name` in torch's profiler (`build.profiled`): a one-off call."""
+        with profiled(name):
+            return self()
+
     @property
     def entry_address(self) -> int:
         """The entry's address in its library, as C calls it."""
@@ -66,15 +82,12 @@ class KernelCalls:
     are not made). Holds the calls, and so what they hold."""
 
     def __init__(self, calls: Sequence[KernelCall]) -> None:
-        library = _library()
-        if library is None:
-            raise RuntimeError("the native CPU call loop could not be built here")
+        library = require_native(_library(), "call loop")
         self.calls = list(calls)
-        count = len(self.calls)
-        entries = (ctypes.c_void_p * count)(*[call.entry_address for call in self.calls])
-        args = (ctypes.c_void_p * count)(*[call.args_address for call in self.calls])
+        entries = c_array(ctypes.c_void_p, [call.entry_address for call in self.calls])
+        args = c_array(ctypes.c_void_p, [call.args_address for call in self.calls])
         self._arrays = (entries, args)
-        self._run = functools.partial(library.run_calls, count, entries, args)
+        self._run = functools.partial(library.run_calls, len(self.calls), entries, args)
 
     def __len__(self) -> int:
         return len(self.calls)

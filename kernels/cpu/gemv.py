@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from minipaged.kernels.cpu.build import I32, I64, POINTER, load_native, profiled
-from minipaged.kernels.cpu.calls import ENTRY, KernelCall
+from minipaged.kernels.cpu.build import I32, I64, POINTER, native_loader
+from minipaged.kernels.cpu.calls import ENTRY, KernelCall, c_array, require_native
 from minipaged.kernels.cpu.pages import huge_page_buffer
 
 SOURCE = Path(__file__).with_name("csrc") / "gemv.c"
@@ -117,10 +117,8 @@ class GemvArgs(ctypes.Structure):
                 ("fetch_ahead", I32), ("threads", I32)]
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The kernel, built and loaded once per process (`load_native`); None without."""
-    return load_native(SOURCE, {"gemv_call": ENTRY, "gemv_isa": ([], ctypes.c_int)})
+# The kernel, built and loaded once per process (`native_loader`); None without.
+_library = native_loader(SOURCE, {"gemv_call": ENTRY, "gemv_isa": ([], ctypes.c_int)})
 
 
 def gemv_available() -> bool:
@@ -135,10 +133,6 @@ def gemv_isa() -> str:
     if library is None:
         return "none"
     return {v: k for k, v in ISAS.items()}[library.gemv_isa()]
-
-
-def _array(kind: type, values: Sequence) -> ctypes.Array:
-    return (kind * len(values))(*values)
 
 
 class GemvPlan:
@@ -166,9 +160,8 @@ class GemvPlan:
             raise ValueError(f"the kernel's inputs are {IO_DTYPES}, got {dtype}")
         self.weights, self.biases, self.dtype = list(weights), biases, dtype
         self.in_features = weights[0].shape[1]
-        data, scales, groups = [], [], []
-        for i, w in enumerate(self.weights):
-            tensor = w.data if isinstance(w, Int8Weight) else w
+        data = [w.data if isinstance(w, Int8Weight) else w for w in self.weights]
+        for i, (w, tensor, bias) in enumerate(zip(self.weights, data, biases, strict=True)):
             if (tensor.device.type != "cpu" or tensor.dtype not in WEIGHT_TYPES
                     or tensor.dim() != 2 or not tensor.is_contiguous()):
                 raise ValueError(f"weight {i}: the kernel takes contiguous 2-D CPU weights of "
@@ -178,25 +171,24 @@ class GemvPlan:
                                  f"{self.in_features}")
             if tensor.dtype == torch.int8 and not isinstance(w, Int8Weight):
                 raise ValueError(f"weight {i}: an int8 weight comes as an Int8Weight (scales)")
-            bias = biases[i]
             if bias is not None and (bias.dtype != dtype or bias.shape != (tensor.shape[0],)
                                      or not bias.is_contiguous()):
                 raise ValueError(f"bias {i} must be a contiguous [{tensor.shape[0]}] {dtype}")
-            data.append(tensor)
-            scales.append(w.scales if isinstance(w, Int8Weight) else None)
-            groups.append(w.group_size if isinstance(w, Int8Weight) else self.in_features)
+        scales = [w.scales if isinstance(w, Int8Weight) else None for w in self.weights]
+        groups = [w.group_size if isinstance(w, Int8Weight) else self.in_features
+                  for w in self.weights]
         self.weight_dtype = data[0].dtype  # its reads are measured by this one (`fetch_ahead`)
         self.weight_dtypes = tuple(t.dtype for t in data)
         self.out_features = [t.shape[0] for t in data]
         self.width = sum(self.out_features)
         # gemv_args' per-weight arrays (ws, types, ns, scales, groups, biases), made once
         self._arrays = (
-            _array(ctypes.c_void_p, [t.data_ptr() for t in data]),
-            _array(ctypes.c_int, [WEIGHT_TYPES[t.dtype] for t in data]),
-            _array(ctypes.c_int64, self.out_features),
-            _array(ctypes.c_void_p, [0 if s is None else s.data_ptr() for s in scales]),
-            _array(ctypes.c_int64, groups),
-            _array(ctypes.c_void_p, [0 if b is None else b.data_ptr() for b in biases]),
+            c_array(ctypes.c_void_p, [t.data_ptr() for t in data]),
+            c_array(ctypes.c_int, [WEIGHT_TYPES[t.dtype] for t in data]),
+            c_array(ctypes.c_int64, self.out_features),
+            c_array(ctypes.c_void_p, [0 if s is None else s.data_ptr() for s in scales]),
+            c_array(ctypes.c_int64, groups),
+            c_array(ctypes.c_void_p, [0 if b is None else b.data_ptr() for b in biases]),
         )
         self._keep = (data, scales)  # the pointers above stay valid while the plan lives
 
@@ -217,16 +209,12 @@ class GemvPlan:
         """`[rows, width]` outputs for `x [rows, in]` (contiguous, the plan's dtype); `isa`
         forces a slower path ("c", "avx2") and `ahead` whether weights are fetched ahead, for
         tests and measurements; `out` is written if given."""
-        if not x.is_contiguous():
-            x = x.contiguous()
+        x = x.contiguous()
         if out is None and x.dim() == 2:
             out = torch.empty(x.shape[0], self.width, dtype=self.dtype)
         call = self.bind(x, out, isa, ahead)
-        if x.shape[0] > 0:
-            with profiled(PROFILER_NAME):
-                status = call()
-            if status != 0:
-                raise ValueError("the GEMV kernel refused these sizes")
+        if x.shape[0] > 0 and call.run_as(PROFILER_NAME) != 0:
+            raise ValueError("the GEMV kernel refused these sizes")
         return out
 
     def fetch_ahead_matters(self, level: int | None = None) -> bool:
@@ -247,9 +235,7 @@ class GemvPlan:
         `out [rows, width]` contiguous, the plan's dtype, alive while the call is; threads as
         many as torch's now; weights fetched ahead as `fetch_ahead` measured, unless `ahead`
         says."""
-        library = _library()
-        if library is None:
-            raise RuntimeError("the native CPU GEMV kernel could not be built here")
+        library = require_native(_library(), "GEMV kernel")
         if (x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != self.dtype
                 or not x.is_contiguous()):
             raise ValueError(f"x must be a contiguous [rows, {self.in_features}] {self.dtype}, "
@@ -310,19 +296,16 @@ def probe_copies(shapes: Sequence[tuple[int, int]], dtype: torch.dtype,
     kernel 15-20% behind `F.linear` at one row, where over 256 MiB on huge pages it is 0-15%
     ahead."""
     element = torch.tensor([], dtype=dtype).element_size()
-    size = sum(out * inp for out, inp in shapes)
+    sizes = [out * inp for out, inp in shapes]
+    size = sum(sizes)
     count = max(1, min(PROBE_MAX_COPIES, PROBE_BYTES // (size * element)))
-    memory = huge_page_buffer(count * size * element).view(dtype)
-    copies = []
-    for index in range(count):
-        start, weights = index * size, []
-        for shape_index, (out, inp) in enumerate(shapes):
-            weight = memory[start:start + out * inp].view(out, inp)
-            if values is not None:
-                weight.copy_(values[shape_index])
-            weights.append(weight)
-            start += out * inp
-        copies.append(weights)
+    memory = huge_page_buffer(count * size * element).view(dtype).view(count, size)
+    copies = [[part.view(shape) for part, shape in zip(row.split(sizes), shapes, strict=True)]
+              for row in memory]
+    if values is not None:
+        for weights in copies:
+            for weight, value in zip(weights, values, strict=True):
+                weight.copy_(value)
     return copies
 
 
@@ -342,7 +325,6 @@ def gemv_row_limit(shapes: tuple[tuple[int, int], ...], dtype: torch.dtype,
     if not gemv_available():
         return 0
     gen = torch.Generator().manual_seed(0)
-    in_features = shapes[0][1]
     limit = 0
     with torch.inference_mode():
         copies = probe_copies(shapes, dtype,
@@ -350,7 +332,7 @@ def gemv_row_limit(shapes: tuple[tuple[int, int], ...], dtype: torch.dtype,
         operands = [[w if prepare is None else prepare(w) for w in ws] for ws in copies]
         plans = [GemvPlan(ws, dtype=dtype) for ws in copies]
         for rows in PROBE_ROWS:
-            x = torch.randn(rows, in_features, generator=gen).to(dtype)
+            x = torch.randn(rows, shapes[0][1], generator=gen).to(dtype)  # one input
             out = torch.empty(rows, plans[0].width, dtype=dtype)
             calls = [plan.bind(x, out) for plan in plans]
             times = best_times({
@@ -406,8 +388,6 @@ def _fetch_ahead(weight_dtype: torch.dtype, rows: int) -> bool:
         wins = 0
         for round_ in range(FETCH_PROBE_ROUNDS):
             first = bool(round_ % 2)
-            a = seconds(first)
-            b = seconds(not first)
-            ahead_s, plain_s = (a, b) if first else (b, a)
-            wins += ahead_s < plain_s
+            times = {first: seconds(first), not first: seconds(not first)}  # in this order
+            wins += times[True] < times[False]
     return wins > FETCH_PROBE_ROUNDS // 2

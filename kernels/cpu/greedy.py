@@ -8,24 +8,21 @@ compiler the sampler keeps its PyTorch path.
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from minipaged.kernels.cpu.build import I64, POINTER, load_native, profiled
+from minipaged.kernels.cpu.build import I64, POINTER, native_loader, profiled
 
 SOURCE = Path(__file__).with_name("csrc") / "greedy.c"
 PROFILER_NAME = "minipaged::greedy_tokens"
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The kernel, built and loaded once per process (`load_native`); None without."""
-    return load_native(SOURCE, {
-        "greedy_tokens": ([POINTER, I64, I64, POINTER, POINTER], ctypes.c_int),
-    })
+# The kernel, built and loaded once per process (`native_loader`); None without.
+_library = native_loader(SOURCE, {
+    "greedy_tokens": ([POINTER, I64, I64, POINTER, POINTER], ctypes.c_int),
+})
 
 
 def greedy_tokens_available() -> bool:

@@ -16,14 +16,13 @@ index, two `index_copy_`) is six operators a layer, each costing more than the c
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from minipaged.kernels.cpu.build import F32, I32, I64, POINTER, build_native, load_native, profiled
-from minipaged.kernels.cpu.calls import ENTRY, KernelCall
+from minipaged.kernels.cpu.build import F32, I32, I64, POINTER, build_native, native_loader
+from minipaged.kernels.cpu.calls import ENTRY, KernelCall, require_native
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads and writes
@@ -57,10 +56,8 @@ class WriteKvArgs(ctypes.Structure):
                 ("slot_mapping", POINTER), ("t", I64), ("width", I64), ("elem", I32)]
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The kernels, built and loaded once per process (`load_native`); None without."""
-    return load_native(SOURCE, {"paged_decode_call": ENTRY, "write_kv_call": ENTRY})
+# The kernels, built and loaded once per process (`native_loader`); None without.
+_library = native_loader(SOURCE, {"paged_decode_call": ENTRY, "write_kv_call": ENTRY})
 
 
 def native_decode_available() -> bool:
@@ -102,9 +99,7 @@ def paged_decode(
     of layouts and sizes, for a caller that checked them once for every layer of a step."""
     call = bind_paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, rows, seqs, scale,
                              validate=validate)
-    with profiled(PROFILER_NAME):
-        status = call()
-    if status != 0:
+    if call.run_as(PROFILER_NAME) != 0:
         raise ValueError("the native decode kernel refused these sizes")
 
 
@@ -124,9 +119,7 @@ def bind_paged_decode(
     """`paged_decode(...)` as a call with every argument fixed, to run again and again over the
     same tensors (their contents changing: a step replayed); it returns the kernel's status, 0.
     All of `rows` are decoded; threads as many as torch's now."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the native CPU paged-decode kernel could not be built here")
+    library = require_native(_library(), "paged-decode kernel")
     if validate:
         _check_decode_args(out, q, k_cache, v_cache, block_tables, seq_lens, rows, seqs)
     _, num_heads, head_dim = q.shape
@@ -176,18 +169,14 @@ def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
     skip) of the contiguous caches `[num_blocks, block_size, H_kv, D]`. The slots must lie in
     the cache (`minipaged.attention.contract.check_reshape_and_cache_args`): they are not
     checked here. Raises `RuntimeError` when the kernel is not available."""
-    call = bind_write_kv(key, value, k_cache, v_cache, slot_mapping)
-    with profiled(WRITE_PROFILER_NAME):
-        call()
+    bind_write_kv(key, value, k_cache, v_cache, slot_mapping).run_as(WRITE_PROFILER_NAME)
 
 
 def bind_write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
                   slot_mapping: Tensor) -> KernelCall:
     """`write_kv(...)` as a call with every argument fixed, to run again and again over the
     same tensors (their contents changing: a step replayed)."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the native CPU paged-attention kernels could not be built here")
+    library = require_native(_library(), "paged-attention kernels")
     _, _, num_kv_heads, head_dim = k_cache.shape
     return KernelCall(library.write_kv_call, WriteKvArgs(
         key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),

@@ -18,14 +18,13 @@ compiler the models keep their PyTorch code.
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from minipaged.kernels.cpu.build import F32, I32, I64, POINTER, load_native, profiled
-from minipaged.kernels.cpu.calls import ENTRY, KernelCall
+from minipaged.kernels.cpu.build import F32, I32, I64, POINTER, native_loader
+from minipaged.kernels.cpu.calls import ENTRY, KernelCall, require_native
 
 SOURCE = Path(__file__).with_name("csrc") / "norm_rotary.c"
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write
@@ -65,12 +64,10 @@ class ToFloat32Args(ctypes.Structure):
     _fields_ = [("x", POINTER), ("out", POINTER), ("n", I64)]
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The kernels, built and loaded once per process (`load_native`); None without."""
-    return load_native(SOURCE, {name: ENTRY for name in (
-        "rms_norm_call", "add_rms_norm_call", "rotary_call", "silu_mul_call",
-        "gather_rows_call", "to_float32_call")})
+# The kernels, built and loaded once per process (`native_loader`); None without.
+_library = native_loader(SOURCE, {name: ENTRY for name in (
+    "rms_norm_call", "add_rms_norm_call", "rotary_call", "silu_mul_call", "gather_rows_call",
+    "to_float32_call")})
 
 
 def norm_rotary_available() -> bool:
@@ -105,9 +102,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     weight (as `minipaged.models.layers.RMSNorm` computes it). Arguments as
     `rms_norm_supports` takes them."""
     out = torch.empty_like(x)
-    call = bind_rms_norm(x, weight, eps, out)
-    with profiled(NORM_PROFILER_NAME):
-        call()
+    bind_rms_norm(x, weight, eps, out).run_as(NORM_PROFILER_NAME)
     return out
 
 
@@ -115,9 +110,7 @@ def bind_rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> KernelC
     """`out = rms_norm(x, weight, eps)` as a call with every argument fixed, to run again and
     again over the same tensors (their contents changing: a step replayed). `out` is
     contiguous, of x's shape and dtype (it may be x)."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the native CPU norm kernel could not be built here")
+    library = require_native(_library(), "norm kernel")
     if not (out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {tuple(x.shape)} {x.dtype}")
     n = x.shape[-1]
@@ -131,9 +124,7 @@ def bind_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
     """`x += residual; out = rms_norm(x, weight, eps)` as one call with every argument fixed
     (a layer's residual add and the norm after it, replayed). x, residual and out contiguous,
     of one shape and dtype, out not x."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the native CPU norm kernel could not be built here")
+    library = require_native(_library(), "norm kernel")
     if not all(t.shape == x.shape and t.dtype == x.dtype and t.is_contiguous()
                for t in (x, residual, out)) or out.data_ptr() == x.data_ptr():
         raise ValueError(f"x, residual and out must be contiguous {tuple(x.shape)} {x.dtype}, "
@@ -164,9 +155,7 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     angle of `cos[t, i]`, `sin[t, i]`, each product and the sum rounded to x's dtype.
     Arguments as `rotary_supports` takes them."""
     out = torch.empty(x.shape, dtype=x.dtype)
-    call = bind_rotary(x, cos, sin, out)
-    with profiled(ROTARY_PROFILER_NAME):
-        call()
+    bind_rotary(x, cos, sin, out).run_as(ROTARY_PROFILER_NAME)
     return out
 
 
@@ -174,9 +163,7 @@ def bind_rotary(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor) -> KernelCall:
     """`out = rotary(x, cos, sin)` as a call with every argument fixed, to run again and again
     over the same tensors (their contents changing: a step replayed). `out` is a contiguous
     `[T, heads, D]` of x's dtype."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the native CPU rotary kernel could not be built here")
+    library = require_native(_library(), "rotary kernel")
     if not (out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {tuple(x.shape)} {x.dtype}")
     tokens, heads, head_dim = x.shape
@@ -199,22 +186,17 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """`F.silu(gate) * up` as a new contiguous `[T, n]`, the SiLU and the product each rounded
     to the inputs' dtype. Arguments as `silu_mul_supports` takes them."""
     out = torch.empty(gate.shape, dtype=gate.dtype)
-    call = bind_silu_mul(gate, up, out)
-    with profiled(SILU_MUL_PROFILER_NAME):
-        call()
+    bind_silu_mul(gate, up, out).run_as(SILU_MUL_PROFILER_NAME)
     return out
 
 
 def bind_silu_mul(gate: Tensor, up: Tensor, out: Tensor) -> KernelCall:
     """`out = silu_mul(gate, up)` as a call with every argument fixed, to run again and again
     over the same tensors (a step replayed). `out` is a contiguous `[T, n]` of gate's dtype,
-    in storage of its own."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the native CPU SiLU kernel could not be built here")
-    inputs = {t.untyped_storage().data_ptr() for t in (gate, up)}
+    in memory of its own."""
+    library = require_native(_library(), "SiLU kernel")
     if not (out.shape == gate.shape and out.dtype == gate.dtype and out.is_contiguous()
-            and out.untyped_storage().data_ptr() not in inputs):
+            and not _overlap(out, gate) and not _overlap(out, up)):
         raise ValueError(f"out must be a contiguous {tuple(gate.shape)} {gate.dtype} apart "
                          "from gate and up")
     rows, n = gate.shape
@@ -228,9 +210,7 @@ def bind_gather_rows(table: Tensor, index: Tensor, out: Tensor) -> KernelCall:
     with every argument fixed, to run again and again over the same tensors (a step replayed).
     `table [rows, n]` and `out [len(index), n]` contiguous, one dtype; `index` contiguous int64.
     The call refuses (status -1, writing nothing) an index outside the table."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the native CPU row look-up could not be built here")
+    library = require_native(_library(), "row look-up")
     if (table.dim() != 2 or not table.is_contiguous() or index.dtype != torch.int64
             or index.dim() != 1 or not index.is_contiguous()):
         raise ValueError(f"table must be a contiguous 2-D tensor and index a contiguous int64 "
@@ -248,9 +228,7 @@ def bind_gather_rows(table: Tensor, index: Tensor, out: Tensor) -> KernelCall:
 def bind_to_float32(x: Tensor, out: Tensor) -> KernelCall:
     """`out = x.float()` for a contiguous bfloat16 `x` into a contiguous float32 `out` of its
     shape (exact), as a call with every argument fixed (a replayed step's logits)."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the native CPU widening could not be built here")
+    library = require_native(_library(), "widening")
     if not (x.dtype == torch.bfloat16 and x.is_contiguous() and out.dtype == torch.float32
             and out.shape == x.shape and out.is_contiguous()):
         raise ValueError(f"x must be contiguous bfloat16 and out contiguous float32 of its "
@@ -258,3 +236,15 @@ def bind_to_float32(x: Tensor, out: Tensor) -> KernelCall:
                          f"{tuple(out.shape)}")
     return KernelCall(library.to_float32_call, ToFloat32Args(x.data_ptr(), out.data_ptr(),
                                                              x.numel()))
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether the bytes two tensors' elements span meet."""
+    (a_start, a_end), (b_start, b_end) = _extent(a), _extent(b)
+    return a_start < b_end and b_start < a_end
+
+
+def _extent(t: Tensor) -> tuple[int, int]:
+    """The bytes from a tensor's first element to past its last."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from minipaged.attention.contract import check_copy_blocks_args
 
-from .launch import KernelLaunch, interpreting, pow2_at_least
+from .launch import KernelLaunch, pow2_at_least, run_launches, tile_elements
 
 
 @triton.jit
@@ -55,8 +55,7 @@ def copy_blocks(
         for i, cache in enumerate(kv_caches):
             if not cache.is_contiguous():
                 raise ValueError(f"kv_caches[{i}] must be contiguous (blocks copied as flat runs)")
-    for launch in copy_blocks_launches(kv_caches, block_mapping):
-        launch()
+    run_launches(copy_blocks_launches(kv_caches, block_mapping))
 
 
 def copy_blocks_launches(kv_caches: Sequence[Tensor], block_mapping: Tensor) -> list[KernelLaunch]:
@@ -69,7 +68,7 @@ def copy_blocks_launches(kv_caches: Sequence[Tensor], block_mapping: Tensor) -> 
         return []
     mapping = block_mapping.contiguous()
     block_numel = kv_caches[0][0, 0].numel()
-    chunk = min(pow2_at_least(block_numel), (1 << 16) if interpreting() else 4096)
+    chunk = min(pow2_at_least(block_numel), tile_elements())
     grid = (num_pairs, 2, triton.cdiv(block_numel, chunk))
     return [
         KernelLaunch("copy_blocks", _copy_blocks_kernel, grid,

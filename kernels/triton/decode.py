@@ -201,12 +201,11 @@ def paged_decode_attention(
     `max_query_len` is accepted for signature parity and must be 1 if given; `max_seq_len` saves a
     host sync. `validate=False` skips the argument checks (and their host syncs).
     """
-    num_seqs = block_tables.shape[0]
     if validate:
         check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                    max_query_len=max_query_len, max_seq_len=max_seq_len)
         query_lens = query_start_loc[1:] - query_start_loc[:-1]
-        if q.shape[0] != num_seqs or bool((query_lens != 1).any()):
+        if q.shape[0] != block_tables.shape[0] or bool((query_lens != 1).any()):
             raise ValueError("decode attention needs exactly one query per sequence")
     if max_query_len is not None and max_query_len != 1:
         raise ValueError(f"decode attention needs max_query_len == 1, got {max_query_len}")
@@ -232,13 +231,12 @@ def decode_launches(
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     num_seqs = block_tables.shape[0]
-    block_size = k_cache.shape[1]
     _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
     head_dim_pad = pow2_at_least(head_dim, MIN_DOT_SIZE)
     if key_tile is None:
         key_tile = default_key_tile(k_cache.dtype, head_dim_pad)
     check_power_of_two("key_tile", key_tile, MIN_DOT_SIZE)
-    num_kv_heads = k_cache.shape[2]
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max()) if num_seqs else 0

@@ -26,14 +26,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .launch import KernelLaunch, interpreting, pow2_at_least
+from .launch import KernelLaunch, check_output, pow2_at_least, run_launches, tile_elements
 
 # The widest row one RMSNorm program holds (a row is normalised in registers, in one piece).
 MAX_NORM_WIDTH = 1 << 16
-# Elements per program on a GPU: enough per thread to hide memory latency, few enough to keep
-# every SM busy at a decode step's few rows.
-GPU_TILE_ELEMENTS = 4096
-INTERPRETER_TILE_ELEMENTS = 1 << 16  # the interpreter: few, large programs
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -96,8 +92,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, out: Tensor | None = None
     that is not contiguous, or wider than `MAX_NORM_WIDTH`).
     """
     out = _norm_output(x, weight, out, "out")
-    for launch in rms_norm_launches(x, None, weight, eps, out, None):
-        launch()
+    run_launches(rms_norm_launches(x, None, weight, eps, out, None))
     return out
 
 
@@ -117,17 +112,12 @@ def fused_add_rms_norm(
     `rms_norm` does. `out` and `residual_out` receive the two results (new tensors when None);
     `out=x, residual_out=residual` computes in place.
     """
-    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
-        raise ValueError(
-            f"residual must match x: got {tuple(residual.shape)} {residual.dtype} on "
-            f"{residual.device} and {tuple(x.shape)} {x.dtype} on {x.device}"
-        )
+    _check_alike("residual must match x", residual, x)
     out = _norm_output(x, weight, out, "out")
     if residual_out is None:
         residual_out = torch.empty_like(x)
-    _check_output("residual_out", residual_out, x, x.dtype)
-    for launch in rms_norm_launches(x, residual, weight, eps, out, residual_out):
-        launch()
+    check_output("residual_out", residual_out, x, x.dtype)
+    run_launches(rms_norm_launches(x, residual, weight, eps, out, residual_out))
     return out, residual_out
 
 
@@ -143,17 +133,12 @@ def silu_and_mul(gate_up: Tensor, *, out: Tensor | None = None) -> Tensor:
 def silu_mul(gate: Tensor, up: Tensor, *, out: Tensor | None = None) -> Tensor:
     """`F.silu(gate) * up`, rounded as PyTorch rounds, in one launch -> a tensor like `gate`
     (or `out`). `gate` and `up` may be views with strided rows (halves of one projection)."""
-    if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
-        raise ValueError(
-            f"gate and up must match: got {tuple(gate.shape)} {gate.dtype} on {gate.device} "
-            f"and {tuple(up.shape)} {up.dtype} on {up.device}"
-        )
+    _check_alike("gate and up must match", gate, up)
     _check_dtype("gate", gate.dtype)
     if out is None:
         out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    _check_output("out", out, gate, gate.dtype)
-    for launch in silu_mul_launches(gate, up, out):
-        launch()
+    check_output("out", out, gate, gate.dtype)
+    run_launches(silu_mul_launches(gate, up, out))
     return out
 
 
@@ -168,14 +153,12 @@ def rms_norm_launches(
 
     Works on meta tensors too, which is how `minipaged.kernels.triton.aot` compiles it.
     """
-    n = x.shape[-1]
     x2, out2 = _rows(x, "x"), _rows(out, "out")
-    num_rows = x2.shape[0]
+    num_rows, n = x2.shape
     if num_rows == 0:
         return []
     n_pad = pow2_at_least(n)
-    budget = INTERPRETER_TILE_ELEMENTS if interpreting() else GPU_TILE_ELEMENTS
-    row_tile = min(max(budget // n_pad, 1), pow2_at_least(num_rows))
+    row_tile = min(max(tile_elements() // n_pad, 1), pow2_at_least(num_rows))
     add = residual is not None
     r2 = _rows(residual, "residual") if add else x2
     ro2 = _rows(residual_out, "residual_out") if add else out2
@@ -196,9 +179,8 @@ def silu_mul_launches(gate: Tensor, up: Tensor, out: Tensor) -> list[KernelLaunc
     num_rows, n = g2.shape
     if num_rows == 0 or n == 0:
         return []
-    budget = INTERPRETER_TILE_ELEMENTS if interpreting() else GPU_TILE_ELEMENTS
     col_tile = min(pow2_at_least(n), 1024)
-    row_tile = min(max(budget // col_tile, 1), pow2_at_least(num_rows))
+    row_tile = min(max(tile_elements() // col_tile, 1), pow2_at_least(num_rows))
     return [KernelLaunch(
         "silu_and_mul", _silu_and_mul_kernel,
         (triton.cdiv(num_rows, row_tile), triton.cdiv(n, col_tile)),
@@ -216,12 +198,12 @@ def _check_dtype(name: str, dtype: torch.dtype) -> None:
         raise ValueError(f"{name} must be float32, float16 or bfloat16, got {dtype}")
 
 
-def _check_output(name: str, out: Tensor, like: Tensor, dtype: torch.dtype) -> None:
-    if out.shape != like.shape or out.dtype != dtype or out.device != like.device:
-        raise ValueError(
-            f"{name} must be {tuple(like.shape)} {dtype} on {like.device}, got "
-            f"{tuple(out.shape)} {out.dtype} on {out.device}"
-        )
+def _check_alike(what: str, a: Tensor, b: Tensor) -> None:
+    """Raise `ValueError` ("`what`: got a's ... and b's ...") unless `a` and `b` share shape,
+    dtype and device."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        raise ValueError(f"{what}: got {tuple(a.shape)} {a.dtype} on {a.device} and "
+                         f"{tuple(b.shape)} {b.dtype} on {b.device}")
 
 
 def _norm_output(x: Tensor, weight: Tensor, out: Tensor | None, name: str) -> Tensor:
@@ -240,7 +222,7 @@ def _norm_output(x: Tensor, weight: Tensor, out: Tensor | None, name: str) -> Te
     dtype = torch.promote_types(weight.dtype, x.dtype)
     if out is None:
         return torch.empty(x.shape, dtype=dtype, device=x.device)
-    _check_output(name, out, x, dtype)
+    check_output(name, out, x, dtype)
     return out
 
 

@@ -11,16 +11,23 @@ whatever its size, so tiles are made as large as allowed.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import triton
+from torch import Tensor
 
 # `tl.dot` on a GPU needs every dimension to be at least 16.
 MIN_DOT_SIZE = 16
 # The most elements of a float32 K or V tile that stay in registers beside the other tiles.
 FP32_KV_TILE_ELEMENTS = 4096
+# Elements per program of the element-wise kernels (norms, SiLU, cache writes, block copies) on
+# a GPU: enough per thread to hide memory latency, few enough to keep every SM busy at a decode
+# step's few rows.
+GPU_TILE_ELEMENTS = 4096
+INTERPRETER_TILE_ELEMENTS = 1 << 16  # the interpreter: few, large programs
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,12 @@ class KernelLaunch:
         return self.kernel[self.grid](*self.args, **self.constexprs, **options)
 
 
+def run_launches(launches: Iterable[KernelLaunch]) -> None:
+    """Launch each planned launch, in order: what every launcher does with its plans."""
+    for launch in launches:
+        launch()
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter (`TRITON_INTERPRET=1`)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -58,6 +71,29 @@ def interpreting() -> bool:
 def pow2_at_least(n: int, minimum: int = 1) -> int:
     """The smallest power of two >= max(n, minimum): `tl.arange` sizes must be powers of two."""
     return max(triton.next_power_of_2(max(n, 1)), minimum)
+
+
+def tile_elements() -> int:
+    """Elements per program of an element-wise kernel: `INTERPRETER_TILE_ELEMENTS` in the
+    interpreter, else `GPU_TILE_ELEMENTS`."""
+    return INTERPRETER_TILE_ELEMENTS if interpreting() else GPU_TILE_ELEMENTS
+
+
+def token_tile(per_token: int, num_tokens: int) -> int:
+    """Tokens per program of a kernel that moves `per_token` elements a token, about
+    `tile_elements()` a program: on a GPU the same compiled program for every batch size; in
+    the interpreter, none larger than the batch."""
+    tile = pow2_at_least(tile_elements() // per_token)
+    return min(tile, pow2_at_least(num_tokens)) if interpreting() else tile
+
+
+def check_output(name: str, out: Tensor, like: Tensor, dtype: torch.dtype) -> None:
+    """Raise `ValueError` unless the output `out` has like's shape and device and `dtype`."""
+    if out.shape != like.shape or out.dtype != dtype or out.device != like.device:
+        raise ValueError(
+            f"{name} must be {tuple(like.shape)} {dtype} on {like.device}, got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device}"
+        )
 
 
 def check_power_of_two(name: str, value: int, minimum: int = 1) -> None:

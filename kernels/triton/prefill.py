@@ -297,10 +297,9 @@ def prefill_launches(
     `minipaged.kernels.triton.aot` compiles exactly this launch for a GPU. The grid comes from
     shapes and `max_query_len` alone, so the launch can be captured in a CUDA graph.
     """
-    block_size = k_cache.shape[1]
     num_seqs = block_tables.shape[0]
     _, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     group_pad = pow2_at_least(group)
     head_dim_pad = pow2_at_least(head_dim, MIN_DOT_SIZE)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from minipaged.attention.contract import check_reshape_and_cache_args
 
-from .launch import KernelLaunch, interpreting, pow2_at_least
+from .launch import KernelLaunch, pow2_at_least, run_launches, token_tile
 
 
 # One compiled program for every batch size (Triton would specialise 1 and multiples of 16).
@@ -75,8 +75,7 @@ def reshape_and_cache(
     """
     if validate:
         check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping)
-    for launch in reshape_and_cache_launches(key, value, k_cache, v_cache, slot_mapping):
-        launch()
+    run_launches(reshape_and_cache_launches(key, value, k_cache, v_cache, slot_mapping))
 
 
 def reshape_and_cache_launches(
@@ -91,16 +90,12 @@ def reshape_and_cache_launches(
         return []
     heads_pad = pow2_at_least(num_kv_heads)
     head_dim_pad = pow2_at_least(head_dim)
-    per_token = heads_pad * head_dim_pad
-    if interpreting():  # few, large programs, none larger than the batch
-        token_tile = min(pow2_at_least((1 << 16) // per_token), pow2_at_least(num_tokens))
-    else:  # about 4K elements per program, the same compiled program for every batch size
-        token_tile = pow2_at_least(4096 // per_token)
+    tile = token_tile(heads_pad * head_dim_pad, num_tokens)
     return [KernelLaunch(
-        "reshape_and_cache", _reshape_and_cache_kernel, (triton.cdiv(num_tokens, token_tile),),
+        "reshape_and_cache", _reshape_and_cache_kernel, (triton.cdiv(num_tokens, tile),),
         (key, value, k_cache, v_cache, slot_mapping, num_tokens,
          *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride()),
         dict(NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad,
              HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-             BLOCK_SIZE=k_cache.shape[1], TOKEN_TILE=token_tile),
+             BLOCK_SIZE=k_cache.shape[1], TOKEN_TILE=tile),
     )]

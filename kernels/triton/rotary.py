@@ -24,7 +24,7 @@ from torch import Tensor
 
 from minipaged.attention.contract import check_index_tensor, check_reshape_and_cache_args
 
-from .launch import KernelLaunch, interpreting, pow2_at_least
+from .launch import KernelLaunch, check_output, pow2_at_least, run_launches, token_tile
 
 
 @triton.jit
@@ -139,13 +139,10 @@ def rotary_and_cache(
     if q_out is None:
         q_out = q
     for name, out, like in (("q_out", q_out, q), ("k_out", k_out, k)):
-        if out is not None and (out.shape != like.shape or out.dtype != like.dtype
-                                or out.device != like.device):
-            raise ValueError(f"{name} must be {tuple(like.shape)} {like.dtype} on {like.device}, "
-                             f"got {tuple(out.shape)} {out.dtype} on {out.device}")
-    for launch in rotary_and_cache_launches(q, k, v, cos, sin, positions, k_cache, v_cache,
-                                            slot_mapping, q_out, k_out):
-        launch()
+        if out is not None:
+            check_output(name, out, like, like.dtype)
+    run_launches(rotary_and_cache_launches(q, k, v, cos, sin, positions, k_cache, v_cache,
+                                           slot_mapping, q_out, k_out))
     return q_out
 
 
@@ -166,23 +163,20 @@ def rotary_and_cache_launches(
     heads_pad, kv_heads_pad = pow2_at_least(num_heads), pow2_at_least(num_kv_heads)
     half_pad = pow2_at_least(half)
     per_token = 2 * (heads_pad + kv_heads_pad) * half_pad
-    if interpreting():  # few, large programs, none larger than the batch
-        token_tile = min(pow2_at_least((1 << 16) // per_token), pow2_at_least(num_tokens))
-    else:  # about 4K elements per program, the same compiled program for every batch size
-        token_tile = pow2_at_least(4096 // per_token)
+    tile = token_tile(per_token, num_tokens)
     write_k = k_out is not None
     k_out = k_out if write_k else k  # an unused pointer argument
     return [KernelLaunch(
-        "rotary_and_cache", _rotary_and_cache_kernel, (triton.cdiv(num_tokens, token_tile),),
+        "rotary_and_cache", _rotary_and_cache_kernel, (triton.cdiv(num_tokens, tile),),
         (q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, q_out, k_out,
          num_tokens, *q.stride(), *k.stride(), *v.stride(), cos.stride(0), sin.stride(0),
          *q_out.stride(), *k_out.stride(), *k_cache.stride(), *v_cache.stride()),
         dict(NUM_HEADS=num_heads, HEADS_PAD=heads_pad,
              NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=kv_heads_pad,
              HALF=half, HALF_PAD=half_pad,
-             BLOCK_SIZE=k_cache.shape[1], TOKEN_TILE=token_tile, WRITE_K=write_k),
+             BLOCK_SIZE=k_cache.shape[1], TOKEN_TILE=tile, WRITE_K=write_k),
         # About 16 elements of each tile a thread (wide layers hold more than 4K a token).
-        num_warps=min(max(pow2_at_least(token_tile * per_token // 1024), 4), 16),
+        num_warps=min(max(pow2_at_least(tile * per_token // 1024), 4), 16),
     )]
 
 

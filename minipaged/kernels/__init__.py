@@ -20,7 +20,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-TRITON_NAMES = (
+__all__ = [  # the Triton kernels' entry points, imported on first use
     "copy_blocks",
     "fused_add_rms_norm",
     "paged_attention",
@@ -31,9 +31,7 @@ TRITON_NAMES = (
     "rotary_and_cache",
     "silu_and_mul",
     "silu_mul",
-)
-
-__all__ = list(TRITON_NAMES)
+]
 
 
 # A source checkout on `sys.path` without an install (`PYTHONPATH=.`) holds the subpackages in the
@@ -44,6 +42,6 @@ if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "kernels" / "cpu").
 
 
 def __getattr__(name: str) -> Any:
-    if name in TRITON_NAMES:
+    if name in __all__:
         return getattr(importlib.import_module("minipaged.kernels.triton"), name)
     raise AttributeError(f"module 'minipaged.kernels' has no attribute {name!r}")
