@@ -129,9 +129,7 @@ def gpt2_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.c_proj.weight": (inner, hidden),
             p + "mlp.c_proj.bias": (hidden,),
         }
-    shapes["transformer.ln_f.weight"] = (hidden,)
-    shapes["transformer.ln_f.bias"] = (hidden,)
-    return shapes
+    return shapes | {"transformer.ln_f.weight": (hidden,), "transformer.ln_f.bias": (hidden,)}
 
 
 def gpt2_config_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:

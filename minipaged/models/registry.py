@@ -29,31 +29,26 @@ from minipaged.models.checkpoint.model_config import FamilySpec, ModelConfig
 from minipaged.models.checkpoint.weight_names import (
     CheckpointError,
     expected_shapes,
-    full_name,
-    is_ignored,
     is_transposed,
     mismatches,
     to_module_name,
 )
 from minipaged.models.gpt2 import GPT2
-from minipaged.models.layers import AttentionBackend, CausalLM, ModelInputError, check_flat_batch
+from minipaged.models.layers import CausalLM
 from minipaged.models.llama import LLAMA, QWEN2, QWEN3
 from minipaged.models.tensor_parallel import (
     SINGLE_RANK,
     TensorParallel,
     check_shardable,
+    hf_state_dict,
     read_shard,
     shard_shapes,
 )
 
 __all__ = [
     "FAMILIES",
-    "AttentionBackend",
-    "CausalLM",
     "CheckpointMismatchError",
-    "ModelInputError",
     "build_model",
-    "check_flat_batch",
     "load_model",
 ]
 
@@ -84,23 +79,18 @@ def build_model(
         raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
     tp = tp or SINGLE_RANK
     check_shardable(config, tp.world_size)
-    expected = expected_shapes(config)
-    weights = {}
-    for stored, tensor in state_dict.items():
-        name = full_name(config, stored, expected)
-        if not is_ignored(config, name):
-            weights[name] = tensor
-    _check_weights(config, weights, expected if tp.world_size == 1 else shard_shapes(config, tp))
+    weights = hf_state_dict(config, state_dict)
+    expected = expected_shapes(config) if tp.world_size == 1 else shard_shapes(config, tp)
+    _check_weights(config, weights, expected)
     # Build on the meta device (no memory, no random init), then adopt the checkpoint's tensors.
     with torch.device("meta"):
         model = config.family.model_class(config, tp)
+    in_module_layout = {
+        to_module_name(config, name): w.t() if is_transposed(config, name) else w
+        for name, w in weights.items()
+    }
     loaded = model.load_state_dict(
-        {
-            to_module_name(config, name): (w.t() if is_transposed(config, name) else w).to(
-                device=device, dtype=dtype
-            )
-            for name, w in weights.items()
-        },
+        {name: w.to(device=device, dtype=dtype) for name, w in in_module_layout.items()},
         strict=False,
         assign=True,
     )
@@ -137,14 +127,9 @@ def _check_weights(
     missing, wrong, unexpected = mismatches(
         config, {name: w.shape for name, w in weights.items()}, expected
     )
-    problems = []
-    if missing:
-        problems.append(f"missing {_abbrev(missing)}")
-    if unexpected:
-        problems.append(f"unexpected {_abbrev(unexpected)}")
-    if wrong:
-        shapes = [f"{n}: expected {expected[n]}, got {tuple(weights[n].shape)}" for n in wrong]
-        problems.append(f"wrong shape {_abbrev(shapes)}")
+    wrong = [f"{n}: expected {expected[n]}, got {tuple(weights[n].shape)}" for n in wrong]
+    kinds = {"missing": missing, "unexpected": unexpected, "wrong shape": wrong}
+    problems = [f"{kind} {_abbrev(names)}" for kind, names in kinds.items() if names]
     if problems:
         raise CheckpointMismatchError("state dict does not fit the config: " + "; ".join(problems))
 

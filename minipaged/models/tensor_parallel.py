@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -156,16 +157,9 @@ class Split:
     def read(self, tensor: PendingTensor) -> Tensor:
         """This slice of a checkpoint's tensor, reading no more of it than the format needs
         (safetensors: only its bytes; GGUF: only its rows, or for a split of columns the whole
-        tensor dequantised, sliced and freed)."""
-        if tensor.read_part is None:
-            return self.take(tensor.read())
-        whole = [slice(None)] * len(tensor.shape)
-        parts = []
-        for start, stop in self.pieces:
-            index = list(whole)
-            index[self.dim] = slice(start, stop)
-            parts.append(tensor.part(tuple(index)))
-        return self._joined(parts)
+        tensor dequantised, sliced and freed; a reader without `read_part`: the whole tensor)."""
+        lead = (slice(None),) * self.dim  # the whole of every dimension before `dim`
+        return self._joined([tensor.part(lead + (slice(a, b),)) for a, b in self.pieces])
 
     def _joined(self, parts: list[Tensor]) -> Tensor:
         taken = sum(part.shape[self.dim] for part in parts)
@@ -187,30 +181,26 @@ def split_of(config: ModelConfig, name: str, tp: TensorParallel) -> Split | None
     `attention_row` / `mlp_row` (columns: input features of the attention's heads, of the MLP).
     """
     kind = next((k for p, k in config.family.tp_splits.items() if re.search(p, name)), None)
-    d = config.head_dim
+    if kind is None:
+        return None
+    d, h, ids = config.head_dim, config.hidden_size, vocab_range(config, tp)
     q, kv = q_heads(config, tp), kv_heads(config, tp)
     q_cols = (q.start * d, q.stop * d)
     inner = config.intermediate_size // tp.world_size
     inner_cols = (tp.rank * inner, (tp.rank + 1) * inner)
-    if kind == "vocab":
-        ids = vocab_range(config, tp)
-        return Split(0, ((ids.start, ids.stop),), vocab_rows(config, tp))
-    if kind in ("query", "key_value"):
-        heads = q if kind == "query" else kv
-        return Split(0, ((heads.start * d, heads.stop * d),), len(heads) * d)
-    if kind == "qkv":
-        h = config.hidden_size
-        pieces = tuple((j * h + q_cols[0], j * h + q_cols[1]) for j in range(3))
-        return Split(0, pieces, 3 * len(q) * d)
-    if kind == "attention_row":
-        return Split(1, (q_cols,), len(q) * d)
-    if kind == "mlp_column":
-        return Split(0, (inner_cols,), inner)
-    if kind == "mlp_row":
-        return Split(1, (inner_cols,), inner)
-    if kind is not None:
+    qkv = tuple((j * h + q_cols[0], j * h + q_cols[1]) for j in range(3))  # [q | k | v]
+    splits = {
+        "vocab": Split(0, ((ids.start, ids.stop),), vocab_rows(config, tp)),
+        "query": Split(0, (q_cols,), len(q) * d),
+        "key_value": Split(0, ((kv.start * d, kv.stop * d),), len(kv) * d),
+        "qkv": Split(0, qkv, 3 * len(q) * d),
+        "attention_row": Split(1, (q_cols,), len(q) * d),
+        "mlp_column": Split(0, (inner_cols,), inner),
+        "mlp_row": Split(1, (inner_cols,), inner),
+    }
+    if kind not in splits:
         raise TensorParallelError(f"{config.architecture}: unknown split {kind!r} of {name}")
-    return None
+    return splits[kind]
 
 
 def checkpoint_split(config: ModelConfig, hf_name: str, tp: TensorParallel) -> Split | None:
@@ -229,18 +219,22 @@ def read_shard(config: ModelConfig, name: str, tensor: PendingTensor, tp: Tensor
     return tensor.read() if split is None else split.read(tensor)
 
 
+def hf_state_dict(config: ModelConfig, state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """`state_dict`'s tensors under their full Hugging Face names (a stored name may lack the
+    base prefix), without the buffers the family ignores (`weight_names.is_ignored`)."""
+    expected = expected_shapes(config)
+    names = {stored: full_name(config, stored, expected) for stored in state_dict}
+    return {names[s]: t for s, t in state_dict.items() if not is_ignored(config, names[s])}
+
+
 def shard_state_dict(
     config: ModelConfig, state_dict: dict[str, Tensor], tp: TensorParallel
 ) -> dict[str, Tensor]:
     """Rank `tp.rank`'s slices of a whole Hugging Face-named state dict (names with or without
     the base prefix, as `build_model` takes them)."""
     check_shardable(config, tp.world_size)
-    expected = expected_shapes(config)
     shard = {}
-    for stored, tensor in state_dict.items():
-        name = full_name(config, stored, expected)
-        if is_ignored(config, name):
-            continue
+    for name, tensor in hf_state_dict(config, state_dict).items():
         split = checkpoint_split(config, name, tp)
         shard[name] = tensor if split is None else split.take(tensor)
     return shard
@@ -252,12 +246,8 @@ def checkpoint_state_dict(config: ModelConfig, model: nn.Module) -> dict[str, Te
     parameter that is a view into a larger buffer (a CPU model's weights share one,
     `runner.platforms.cpu.weight_layout`) is copied out of it, since pickling a view sends
     its whole storage."""
-    expected = expected_shapes(config)
     state = {}
-    for stored, tensor in model.state_dict().items():
-        name = full_name(config, stored, expected)
-        if is_ignored(config, name):
-            continue
+    for name, tensor in hf_state_dict(config, model.state_dict()).items():
         if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
             tensor = tensor.clone()
         state[name] = tensor.t() if is_transposed(config, name) else tensor

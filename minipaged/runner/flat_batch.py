@@ -58,9 +58,8 @@ def flat_batch(entries: Sequence[ScheduledSequence], block_size: int,
             raise ValueError(f"block table {list(used)} names a block outside the cache's "
                              f"{num_blocks} blocks within its {end}-token context")
         input_ids.extend(entry.token_ids)
-        for pos in range(entry.start, end):
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
+        positions.extend(range(entry.start, end))
+        slots.extend(table[pos // bs] * bs + pos % bs for pos in range(entry.start, end))
         query_start_loc.append(query_start_loc[-1] + n)
         seq_lens.append(end)
     if len(set(slots)) != len(slots):

@@ -18,7 +18,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from minipaged.runner.model_runner import ModelRunner
-from minipaged.sched.cost_model import CostModel, StepShape
+from minipaged.sched.cost_model import CostModel, step_shape
 from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 
 
@@ -36,25 +36,9 @@ def profile_runner(
     """Time synthetic batches of up to `max_prefill` prompt tokens, `max_batch` decodes and
     `max_context` tokens of context on `runner` (the median of `repeats` runs each), and one
     swap, and fit a cost model. `progress` shows a progress bar. The KV blocks are overwritten:
-    call it before serving."""
-    shapes, times = measure_runner_steps(
-        runner, max_prefill, max_batch, max_context, seed, repeats, clock, progress
-    )
-    swap = measure_swap_time(runner, repeats, clock)
-    return CostModel.fit(shapes, times, per_swap_block=swap, name="profiled")
+    call it before serving.
 
-
-def measure_runner_steps(
-    runner: ModelRunner,
-    max_prefill: int,
-    max_batch: int,
-    max_context: int,
-    seed: int,
-    repeats: int,
-    clock: Callable[[], float],
-    progress: bool = False,
-) -> tuple[list[StepShape], list[float]]:
-    """Time synthetic prefill, decode and mixed batches on blocks 0, 1, 2, ..."""
+    The batches -- prefills, decodes and mixed ones -- use blocks 0, 1, 2, ..."""
     bs = runner.block_size
     num_blocks = runner.kv_caches[0].shape[1]
     # Every sequence reads the same blocks but writes its own last one (no slot written twice).
@@ -89,11 +73,9 @@ def measure_runner_steps(
     for entries in tqdm(plans, desc="profiling the model", unit="batch", disable=not progress):
         plan = SchedulerOutput(scheduled=entries)
         times.append(median_time(lambda p=plan: runner.execute(p), repeats, clock))
-        prefill_tokens = sum(e.num_new_tokens for e in entries if e.is_prefill)
-        decoding = [e for e in entries if not e.is_prefill]
-        context = sum(e.start + 1 for e in decoding)
-        shapes.append(StepShape(prefill_tokens, len(decoding), context))
-    return shapes, times
+        shapes.append(step_shape(entries))
+    swap = measure_swap_time(runner, repeats, clock)
+    return CostModel.fit(shapes, times, per_swap_block=swap, name="profiled")
 
 
 def measure_swap_time(runner: ModelRunner, repeats: int, clock: Callable[[], float]) -> float:
@@ -120,10 +102,9 @@ def median_time(run: Callable[[], Any], repeats: int, clock: Callable[[], float]
 
 def geometric_levels(low: int, high: int) -> list[int]:
     """low, 2 low, 4 low, ... up to and including high."""
-    values = []
+    values = {max(high, 1)}
     value = max(1, low)
     while value < high:
-        values.append(value)
+        values.add(value)
         value *= 2
-    values.append(max(high, 1))
-    return sorted(set(values))
+    return sorted(values)

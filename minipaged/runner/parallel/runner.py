@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from contextlib import suppress
 from dataclasses import replace
 from typing import Any
 
@@ -93,7 +94,7 @@ class TensorParallelRunner(ModelRunner):
                 self._workers.append(start_worker(rank))
             for worker in self._workers:
                 try:
-                    send_spec(worker, RankSpec(**{**vars(spec), "rank": worker.rank}))
+                    send_spec(worker, replace(spec, rank=worker.rank))
                 except OSError:  # it exited before reading its spec
                     raise died_while_loading(worker) from None
             model, config, runner_args = load_shard(spec)  # while the workers load theirs
@@ -126,18 +127,15 @@ class TensorParallelRunner(ModelRunner):
 
     # -- one step -------------------------------------------------------------------------------
 
-    def execute(self, plan: SchedulerOutput) -> Tensor:
-        """Send the step's plan to every worker, run rank 0's share, return the logits."""
-        return self._everywhere(plan)
-
     def apply_cache_ops(self, plan: SchedulerOutput) -> None:
         """Move blocks on every rank's shard of the KV cache (also outside a step: profilers
-        time swaps this way)."""
+        time swaps this way): a step with the plan's block movements and no sequences."""
         if plan.moves_blocks:
-            self._everywhere(replace(plan, scheduled=[]))
+            self.execute(replace(plan, scheduled=[]))
 
-    def _everywhere(self, plan: SchedulerOutput) -> Tensor:
-        """`ModelRunner.execute` on every rank: send the plan, run rank 0's share."""
+    def execute(self, plan: SchedulerOutput) -> Tensor:
+        """`ModelRunner.execute` on every rank: send the step's plan to every worker, run rank
+        0's share, return the logits."""
         if self.closed:
             raise WorkerDiedError("the tensor-parallel runner is closed")
         self._check_workers()
@@ -200,10 +198,8 @@ def died_while_loading(worker: WorkerProcess) -> WorkerDiedError:
 def stop_workers(workers: list[WorkerProcess]) -> None:
     """Ask each worker to stop, wait a moment, then terminate (and kill) any that is left."""
     for worker in workers:
-        try:
+        with suppress(OSError, ValueError):  # already gone
             worker.conn.send(None)
-        except (OSError, ValueError):
-            pass  # already gone
         worker.conn.close()
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     for worker in workers:
@@ -225,15 +221,15 @@ def build_runner(
     block_size: int,
     num_gpu_blocks: int | None,
     num_cpu_blocks: int,
-    enforce_eager: bool = False,
     **runner_args: Any,
 ) -> ModelRunner:
     """The engine's runner: a `ModelRunner` over `model`, or with `tensor_parallel_size` > 1 a
     `TensorParallelRunner` whose ranks take their shards of it (a model in memory is sliced;
     a `CheckpointShards` is read slice by slice on every rank). `runner_args` go to a one-rank
-    `ModelRunner` (quantization, memory accounting, batch limits). Without `num_gpu_blocks`, a
-    one-rank runner sizes its KV cache after its weights (`ModelRunner`); the ranks take
-    `kv_cache_memory` GiB each, or on CUDA what the card has free before their weights.
+    `ModelRunner` (quantization, memory accounting, batch limits, `enforce_eager`: the ranks
+    always run eagerly). Without `num_gpu_blocks`, a one-rank runner sizes its KV cache after
+    its weights (`ModelRunner`); the ranks take `kv_cache_memory` GiB each, or on CUDA what the
+    card has free before their weights.
 
     Under `torchrun`, every rank runs the same program: rank 0 gets the runner, and on any
     other rank this call serves rank 0's plans until rank 0 closes, then exits the process
@@ -246,7 +242,7 @@ def build_runner(
             model.to(device=device, dtype=dtype).eval(), model_config,
             block_size=block_size, num_gpu_blocks=num_gpu_blocks,
             num_cpu_blocks=num_cpu_blocks, device=device, dtype=dtype,
-            attention_backend=attention_backend, enforce_eager=enforce_eager, **runner_args,
+            attention_backend=attention_backend, **runner_args,
         )
     if runner_args.get("quantization") is not None:
         raise TensorParallelError("int8 weights run on one rank, not tensor-parallel")

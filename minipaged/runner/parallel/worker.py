@@ -34,7 +34,8 @@ import socket
 import subprocess
 import sys
 import traceback
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -65,14 +66,13 @@ WORKER_MODULE = "minipaged.runner.parallel"
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 Plan = SchedulerOutput  # one step's work, the same for every rank
+LoadedModel = tuple[CausalLM, ModelConfig]  # a rank's shard of the model, and its config
 
 
 class ShardSource(Protocol):
     """Where every rank finds its shard of the model (pickled to the worker processes)."""
 
-    def load(
-        self, tp: TensorParallel, dtype: torch.dtype, device: torch.device
-    ) -> tuple[CausalLM, ModelConfig]: ...
+    def load(self, tp: TensorParallel, dtype: torch.dtype, device: torch.device) -> LoadedModel: ...
 
 
 @dataclass(frozen=True)
@@ -81,9 +81,7 @@ class CheckpointShards:
 
     path: str
 
-    def load(
-        self, tp: TensorParallel, dtype: torch.dtype, device: torch.device
-    ) -> tuple[CausalLM, ModelConfig]:
+    def load(self, tp: TensorParallel, dtype: torch.dtype, device: torch.device) -> LoadedModel:
         return load_model(Path(self.path), dtype=dtype, device=device, progress=False, tp=tp)
 
 
@@ -94,9 +92,7 @@ class StateDictShards:
     config: ModelConfig
     state_dict: dict[str, Tensor]
 
-    def load(
-        self, tp: TensorParallel, dtype: torch.dtype, device: torch.device
-    ) -> tuple[CausalLM, ModelConfig]:
+    def load(self, tp: TensorParallel, dtype: torch.dtype, device: torch.device) -> LoadedModel:
         shard = shard_state_dict(self.config, self.state_dict, tp)
         return build_model(self.config, shard, dtype=dtype, device=device, tp=tp), self.config
 
@@ -118,10 +114,6 @@ class RankSpec:
     attention_backend: str | None
     num_threads: int | None  # torch threads of a worker process (None: torch's default)
     local_rank: int | None = None  # the rank's CUDA device on its machine (None: `rank`)
-
-    @property
-    def backend(self) -> str:
-        return "nccl" if self.device == "cuda" else "gloo"
 
     @property
     def torch_device(self) -> torch.device:
@@ -198,7 +190,7 @@ def load_shard(spec: RankSpec) -> tuple[CausalLM, ModelConfig, dict[str, Any]]:
 def join_group(spec: RankSpec) -> None:
     """Join the default process group (gloo on CPU, NCCL on CUDA) over rank 0's TCP store."""
     dist.init_process_group(
-        spec.backend,
+        "nccl" if spec.device == "cuda" else "gloo",
         init_method=spec.init_method,
         rank=spec.rank,
         world_size=spec.world_size,
@@ -231,16 +223,13 @@ class WorkerProcess:
     def stop(self, grace_s: float, term_s: float) -> None:
         """Wait up to `grace_s` for it to leave, then terminate it and wait up to `term_s`,
         then kill it (a stopped or wedged process ignores SIGTERM); reaped in every case."""
-        try:
-            self.process.wait(grace_s)
-            return
-        except subprocess.TimeoutExpired:
-            self.process.terminate()
-        try:
-            self.process.wait(term_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        for timeout_s, stop in ((grace_s, self.process.terminate), (term_s, self.process.kill)):
+            try:
+                self.process.wait(timeout_s)
+                return
+            except subprocess.TimeoutExpired:
+                stop()
+        self.process.wait()
 
 
 def start_worker(rank: int) -> WorkerProcess:
@@ -289,41 +278,28 @@ def worker_main(conn: Connection) -> None:
         model, config, runner_args = load_shard(spec)
         runner = ModelRunner(model, config, **runner_args)
     except Exception:  # noqa: BLE001 - rank 0 raises it in the parent, with this traceback
-        try:
+        with suppress(OSError):  # rank 0 is gone too
             conn.send(traceback.format_exc())
-        except OSError:  # rank 0 is gone too
-            pass
         return
     try:
         conn.send(READY)
     except OSError:  # rank 0 is gone
         return
-    join_group(spec)
-    try:
-        serve_plans(runner, pipe_plans(conn, parent))
-    finally:
-        dist.destroy_process_group()
+    serve_plans(spec, runner, lambda: pipe_plans(conn, parent))
 
 
 def torchrun_worker(spec: RankSpec) -> None:
     """A rank `torchrun` started, other than 0: load, join, run rank 0's broadcast plans."""
     model, config, runner_args = load_shard(spec)
-    runner = ModelRunner(model, config, **runner_args)
-    join_group(spec)
-    try:
-        serve_plans(runner, PlanBroadcast())
-    finally:
-        dist.destroy_process_group()
+    serve_plans(spec, ModelRunner(model, config, **runner_args), PlanBroadcast)
 
 
 def pipe_plans(conn: Connection, parent: int) -> Iterator[Plan]:
     """The plans rank 0 (process `parent`) sends over the pipe, until `None`, end of file or
     the parent's death (the worker is then re-parented: its parent id changes)."""
-    while True:
+    while os.getppid() == parent:  # checked at least every PARENT_CHECK_S
         try:
             if not conn.poll(PARENT_CHECK_S):
-                if os.getppid() != parent:
-                    return
                 continue
             plan: Plan | None = conn.recv()
         except (EOFError, OSError):  # rank 0 is gone
@@ -333,15 +309,20 @@ def pipe_plans(conn: Connection, parent: int) -> Iterator[Plan]:
         yield plan
 
 
-def serve_plans(runner: ModelRunner, plans: Iterable[Plan]) -> None:
-    """Run each plan on this rank's shard; the logits are dropped (rank 0 has them)."""
-    for plan in plans:
-        try:
-            runner.execute(plan)
-        except ValueError:
-            # A plan the runner rejects before any collective (bad metadata): rank 0 rejects
-            # the same plan in the same place, and the next step goes on.
-            continue
-        except Exception:  # a failed or timed-out collective: a peer is gone
-            logger.exception("tensor-parallel rank failed; exiting")
-            raise
+def serve_plans(spec: RankSpec, runner: ModelRunner, plans: Callable[[], Iterable[Plan]]) -> None:
+    """Join the process group, run each of `plans()` (made once joined: a `PlanBroadcast` needs
+    the group) on this rank's shard, dropping the logits (rank 0 has them), then leave it."""
+    join_group(spec)
+    try:
+        for plan in plans():
+            try:
+                runner.execute(plan)
+            except ValueError:
+                # A plan the runner rejects before any collective (bad metadata): rank 0
+                # rejects the same plan in the same place, and the next step goes on.
+                continue
+            except Exception:  # a failed or timed-out collective: a peer is gone
+                logger.exception("tensor-parallel rank failed; exiting")
+                raise
+    finally:
+        dist.destroy_process_group()
