@@ -9,6 +9,8 @@ largest size), pads a step's rows up to the next size of the ladder (`Platform.g
 asks the platform to capture the forward over them the first time a size is met
 (`Platform.capture`: a CUDA graph, or the CPU's recorded kernel calls) and replays it after.
 The model is never written again: what is captured is `model.compute_logits(model(...))`.
+A capture runs over the step that meets the size, written into the buffers first, and leaves
+that step's logits in its output: the first step of a size is the capture.
 
 A padded row decodes token 0 at position 0 of a one-token context in block 0 and writes no
 K/V (slot -1): it costs its share of the step and changes nothing. The inputs are written from
@@ -19,6 +21,7 @@ buffers are the static buffers themselves).
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,7 +57,7 @@ class StaticBatch:
         shapes = {"input_ids": (rows,), "positions": (rows,), "slot_mapping": (rows,),
                   "seq_lens": (rows,), "query_start_loc": (rows + 1,),
                   "block_tables": (rows, max_blocks)}
-        nbytes = sum(_numel(shapes[name]) * _size(dtype) for name, dtype in FIELDS)
+        nbytes = sum(math.prod(shapes[name]) * dtype.itemsize for name, dtype in FIELDS)
         on_host = device.type == "cpu"
         self.host_memory = torch.zeros(nbytes, dtype=torch.uint8,
                                        pin_memory=not on_host and torch.cuda.is_available())
@@ -64,7 +67,7 @@ class StaticBatch:
         self.views: dict[str, Tensor] = {}  # on the device: what the captured steps read
         offset = 0
         for name, dtype in FIELDS:
-            size = _numel(shapes[name]) * _size(dtype)
+            size = math.prod(shapes[name]) * dtype.itemsize
             for views, memory in ((self.host, self.host_memory),
                                   (self.views, self.device_memory)):
                 views[name] = memory[offset:offset + size].view(dtype).view(shapes[name])
@@ -89,13 +92,6 @@ class StaticBatch:
             used = min(len(table), width)
             tables[row * width:row * width + used] = table[:used]
         self._pad(n, rows)
-        self._sync()
-
-    def pad(self, rows: int) -> None:
-        """The first `rows` rows all padding, then one copy to the device: what a capture runs
-        over. Its forward runs for real (a CUDA graph's warm-up, the CPU's recording), and the
-        rows still hold the last step's inputs, whose slots may be another sequence's by now."""
-        self._pad(0, rows)
         self._sync()
 
     def _pad(self, start: int, rows: int) -> None:
@@ -146,17 +142,18 @@ class StepGraphs:
         size = self.size_for(rows)
         assert size is not None
         key = (size, torch.get_num_threads())  # the CPU's calls are bound to a thread count
-        if key not in self._captured:
-            self._captured[key] = self._capture(size)
-        captured = self._captured[key]
-        if captured is None:
-            return None
+        new = key not in self._captured
+        if not new and self._captured[key] is None:
+            return None  # the platform could not capture this size
         self.inputs.write(batch, size)
-        captured.replay()
-        return captured.logits[:rows]
+        if new:  # the capture computes this step
+            self._captured[key] = self._capture(size)
+        else:
+            self._captured[key].replay()
+        captured = self._captured[key]
+        return None if captured is None else captured.logits[:rows]
 
     def _capture(self, size: int) -> Captured | None:
-        self.inputs.pad(size)  # the capture's forward must write no K/V of a past step
         device = self.inputs.views
         metadata = AttentionMetadata(
             slot_mapping=device["slot_mapping"][:size],
@@ -179,17 +176,6 @@ class StepGraphs:
             logger.info("decode steps of %d sequences run the modules: %s", size, reason)
             return None
         return Captured(replay, logits)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
-
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()
 
 
 def _c_array(tensor: Tensor) -> ctypes.Array:

@@ -4,9 +4,10 @@ A stand-in platform (`RerunPlatform`) captures a step by running its forward and
 running the forward again over the static buffers into the same output buffer: what a CUDA
 graph does, with PyTorch's modules and the reference attention, so every check here runs on
 any machine. Checked: a step of n rows runs as the smallest size of the ladder 1, 2, 4, 8 that
-holds it (3 rows -> 4); its logits are the eager runner's; the padded rows and the capture
-itself write no K/V (every slot but the step's own keeps its value, even where the buffers
-still held an earlier step's slots); only decode steps of up to the largest size within the
+holds it (3 rows -> 4), captured by its first step and replayed after; its logits are the
+eager runner's, captured or replayed; the padded rows write no K/V (every slot but the step's
+own keeps its value, even where the buffers still held an earlier step's slots); only decode
+steps of up to the largest size within the
 context limit replay; a size the platform cannot capture runs the modules and is not retried;
 a greedy engine gives the eager engine's tokens; and a replayed step's logits, the buffer the
 next replay writes again, are kept by a caller that reruns requests one by one.
@@ -125,25 +126,29 @@ def assert_only_slots_changed(runner: ModelRunner, before: list[Tensor], slots: 
 @given(rows=st.integers(1, 8), seed=st.integers(0, 2**16))
 def test_a_step_runs_as_the_next_size_of_the_ladder_and_writes_only_its_own_slots(
         parts, rows, seed):
+    """The first step of a size is its capture, the next ones replay it: each gives the eager
+    runner's logits and K/V, and writes no other slot."""
     platform = RerunPlatform()
     runner, eager = runner_of(parts, platform), runner_of(parts)
     fill(runner, eager, seed=seed)
-    before = [cache.clone() for cache in runner.kv_caches]
-    entries = decodes(rows, first_block=8, seed=seed)
-    logits = runner.execute(plan_of(entries))
     size = next(s for s in LADDER if s >= rows)
-    assert platform.captures == [size] and platform.replays == [size]  # 3 rows -> 4
-    assert logits.shape == (rows, parts[1].vocab_size)
-    torch.testing.assert_close(logits, eager.execute(plan_of(entries)), atol=1e-6, rtol=1e-6)
-    assert_only_slots_changed(runner, before, slots_of(entries))
-    for ours, theirs in zip(runner.kv_caches, eager.kv_caches, strict=True):
-        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+    for start, replays in ((2, []), (3, [size])):  # 3 rows -> 4
+        before = [cache.clone() for cache in runner.kv_caches]
+        entries = decodes(rows, first_block=8, start=start, seed=seed)
+        logits = runner.execute(plan_of(entries))
+        assert platform.captures == [size] and platform.replays == replays
+        assert logits.shape == (rows, parts[1].vocab_size)
+        torch.testing.assert_close(logits, eager.execute(plan_of(entries)), atol=1e-6,
+                                   rtol=1e-6)
+        assert_only_slots_changed(runner, before, slots_of(entries))
+        for ours, theirs in zip(runner.kv_caches, eager.kv_caches, strict=True):
+            torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
 
 
 def test_a_new_size_is_captured_without_rewriting_the_last_steps_slots(parts):
     """The static buffers still hold the last step's rows when a new size is first met; its
-    capture runs the forward for real, over padded rows only: the last step's blocks, which
-    may be another sequence's by now, keep what was written there since."""
+    capture runs the forward for real, over the new step's rows and padding only: the last
+    step's blocks, which may be another sequence's by now, keep what was written there since."""
     platform = RerunPlatform()
     runner = runner_of(parts, platform)
     runner.execute(plan_of(decodes(3, first_block=0)))  # size 4
@@ -172,10 +177,13 @@ def test_only_decode_steps_of_up_to_the_largest_size_within_the_context_replay(p
     expected = {name: name in ("one decode", "eight decodes", "a one-token prompt")
                 for name in takes}
     assert {name: graphs.takes(runner.flat_batch(e)) for name, e in takes.items()} == expected
+    def captured_or_replayed() -> int:
+        return len(platform.captures) + len(platform.replays)
+
     for name, entries in takes.items():
-        replays = len(platform.replays)
+        steps = captured_or_replayed()
         runner.execute(plan_of(entries))
-        assert len(platform.replays) == replays + expected[name], name
+        assert captured_or_replayed() == steps + expected[name], name
 
 
 def test_a_size_the_platform_cannot_capture_runs_the_modules_and_is_not_tried_again(parts):
@@ -187,7 +195,7 @@ def test_a_size_the_platform_cannot_capture_runs_the_modules_and_is_not_tried_ag
             torch.testing.assert_close(runner.execute(plan_of(entries)),
                                        eager.execute(plan_of(entries)), atol=1e-6, rtol=1e-6)
     assert platform.captures == [-1, 2, -1, 4]  # each size tried once; 4 rows refused
-    assert platform.replays == [2, 2]
+    assert platform.replays == [2]  # the first step of 2 rows was its capture
 
 
 def test_a_size_is_captured_again_for_another_thread_count(parts):
@@ -203,7 +211,7 @@ def test_a_size_is_captured_again_for_another_thread_count(parts):
     finally:
         torch.set_num_threads(threads)
     runner.execute(plan_of(decodes(2)))
-    assert platform.captures == [2, 2] and platform.replays == [2, 2, 2]
+    assert platform.captures == [2, 2] and platform.replays == [2]
 
 
 def test_the_static_batch_lies_in_one_buffer_and_pads_what_the_step_leaves():
@@ -221,9 +229,10 @@ def test_the_static_batch_lies_in_one_buffer_and_pads_what_the_step_leaves():
     assert views["query_start_loc"].tolist() == [0, 1, 2, 3, 4]
     assert views["block_tables"][:, 0].tolist() == [1, 2, 0, 0]
     assert views["block_tables"][:2, 1].tolist() == [5, 6]
-    batch.pad(4)
-    assert views["slot_mapping"].tolist() == [-1] * 4 and views["seq_lens"].tolist() == [1] * 4
-    assert views["input_ids"].tolist() == [0] * 4
+    batch.write(_flat([scheduled([7], 2, [3])]), 4)  # fewer rows: the rest padded again
+    assert views["input_ids"].tolist() == [7, 0, 0, 0]
+    assert views["slot_mapping"].tolist() == [3 * 4 + 2, -1, -1, -1]
+    assert views["seq_lens"].tolist() == [3, 1, 1, 1]
 
 
 def _flat(entries: list) -> Any:

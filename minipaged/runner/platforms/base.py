@@ -62,7 +62,8 @@ class Platform:
 
     def capture(self, forward: Callable[[], Tensor]) -> tuple[Replay, Tensor]:
         """Run `forward` (a step over static buffers) and return what replays it and its output
-        buffer. Raises `CaptureUnsupported`; the reference captures nothing."""
+        buffer, which holds the result of the step in the buffers now (it may run again: it
+        writes the same K/V). Raises `CaptureUnsupported`; the reference captures nothing."""
         raise CaptureUnsupported(f"the {self.name} platform captures no steps")
 
     def kv_cache_bytes(self, profile: Callable[[], object], gpu_memory_utilization: float,

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from minipaged.attention.contract import AttentionOps
 from minipaged.kernels.cpu.calls import kernel_calls_available
-from minipaged.kernels.cpu.gemv import MAX_ROWS, fetch_ahead
+from minipaged.kernels.cpu.gemv import fetch_ahead
 from minipaged.kernels.cpu.greedy import greedy_tokens, greedy_tokens_available
 from minipaged.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from minipaged.runner.platforms.base import (
@@ -43,7 +43,7 @@ from minipaged.runner.platforms.cpu.modules import (
     CPUSiluAndMul,
 )
 from minipaged.runner.platforms.cpu.quantization import QUANTIZATIONS, quantize_model
-from minipaged.runner.platforms.cpu.replay import CaptureError, capture
+from minipaged.runner.platforms.cpu.replay import Arena, CaptureError, capture
 from minipaged.runner.platforms.cpu.weight_layout import lay_out_weights
 
 __all__ = ["GEMV_ROWS_VARIABLE", "QUANTIZATIONS", "CPUPlatform", "replay_ladder"]
@@ -56,12 +56,10 @@ GEMV_ROWS_VARIABLE = "MINIPAGED_GEMV_ROWS"  # fixes the few-row choice (0: no GE
 
 def replay_ladder(max_rows: int) -> tuple[int, ...]:
     """The decode sizes replayed when every projection takes the kernel up to `max_rows` rows:
-    each up to the kernel's tile of `MAX_ROWS` rows, then whole tiles (a step is padded to the
-    next: the kernel reads the weights once per tile, so the padding costs no pass over them)."""
-    sizes = [*range(1, min(max_rows, MAX_ROWS) + 1), *range(2 * MAX_ROWS, max_rows + 1, MAX_ROWS)]
-    if sizes and max_rows > sizes[-1]:
-        sizes.append(max_rows)
-    return tuple(sizes)
+    every size, none padded. A padded row would cost its share of every projection (the
+    kernel's work grows with each row, in tiles of 8, 4 and 1 rows), while a capture
+    costs about the step it runs, its buffers in the arena every size shares."""
+    return tuple(range(1, max_rows + 1))
 
 
 class CPUPlatform(Platform):
@@ -75,6 +73,7 @@ class CPUPlatform(Platform):
                  capture: bool = True, gemv_rows: int | None = None) -> None:
         super().__init__(device, attention)
         self.captures = capture and attention is CPU_OPS  # the replay records its kernels
+        self.arena = Arena()  # the captured steps' buffers
         env = os.environ.get(GEMV_ROWS_VARIABLE)
         self.gemv_rows = gemv_rows if gemv_rows is not None or not env else int(env)
 
@@ -110,7 +109,7 @@ class CPUPlatform(Platform):
     def capture(self, forward: Callable[[], Tensor]) -> tuple[Replay, Tensor]:
         """Record `forward`'s kernel calls (`replay.capture`) and return their replay."""
         try:
-            replay, out = capture(forward)
+            replay, out = capture(forward, self.arena)
         except CaptureError as error:
             raise CaptureUnsupported(str(error)) from error
         return replay.run, out

@@ -56,7 +56,13 @@ from minipaged.kernels.cpu.native import (
     native_decode_supports,
     write_kv_supports,
 )
-from minipaged.runner.platforms.cpu.replay import CaptureError, launch, platform_code, recording
+from minipaged.runner.platforms.cpu.replay import (
+    CaptureError,
+    empty,
+    launch,
+    platform_code,
+    recording,
+)
 
 
 @dataclass(frozen=True)
@@ -147,7 +153,7 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
         check_plan_covers(plan.num_queries, q)
     if plan.chunks and recording() is not None:
         raise CaptureError("a capture replays the native decode kernel only; this step gathers")
-    out = q.new_empty(q.shape)
+    out = empty(q.shape, q.dtype)
     if plan.decodes is not None:
         d = plan.decodes
         if not q.is_contiguous():

@@ -41,7 +41,13 @@ from minipaged.runner.platforms.cpu.onednn import (
     packed_weight,
     uses_onednn,
 )
-from minipaged.runner.platforms.cpu.replay import CaptureError, launch, platform_code, recording
+from minipaged.runner.platforms.cpu.replay import (
+    CaptureError,
+    empty,
+    launch,
+    platform_code,
+    recording,
+)
 
 # Rows up to which int8 weights take the GEMV kernel (8 rows at a time, the weight re-read from
 # cache): dequantising a 1536 x 576 weight for PyTorch's GEMM costs 2.4 ms, the kernel 0.43 ms
@@ -113,10 +119,10 @@ def few_rows_product(path: FewRows | None, x: Tensor, logits: bool = False) -> T
                 raise CaptureError("a strided input to a projection is copied: a replay would "
                                    "read the copy made while capturing")
             x = x.contiguous()
-        out = torch.empty(x.shape[0], plan.width, dtype=plan.dtype)
+        out = empty((x.shape[0], plan.width), plan.dtype)
         launch(plan.bind(x, out), PROFILER_NAME, x, out)
         if logits and out.dtype != torch.float32:
-            wide = torch.empty(out.shape, dtype=torch.float32)
+            wide = empty(out.shape, torch.float32)
             launch(bind_to_float32(out, wide), PROFILER_NAME, out, wide)
             return wide
         return out

@@ -30,7 +30,7 @@ from minipaged.kernels.cpu.norm_rotary import (
     silu_mul_supports,
 )
 from minipaged.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
-from minipaged.runner.platforms.cpu.replay import launch, launch_python, platform_code
+from minipaged.runner.platforms.cpu.replay import empty, launch, launch_python, platform_code
 
 EMBEDDING_PROFILER_NAME = "minipaged::embedding"
 
@@ -48,7 +48,7 @@ class CPURMSNorm(RMSNorm):
         if not takes:
             return super().forward(x, residual)
         with platform_code():
-            out = torch.empty_like(x)
+            out = empty(x.shape, x.dtype)
             if residual is None:
                 launch(bind_rms_norm(x, weight, self.eps, out), NORM_PROFILER_NAME, x, out)
                 return out
@@ -67,13 +67,13 @@ class CPURotaryEmbedding(RotaryEmbedding):
             return super().forward(positions, q, k)
         with platform_code():
             rows = positions.shape[0]
-            cos, sin = (torch.empty(rows, t.shape[1], dtype=dtype) for t in tables)
+            cos, sin = (empty((rows, t.shape[1]), dtype) for t in tables)
             if not (rotary_supports(q, cos, sin) and rotary_supports(k, cos, sin)):
                 return super().forward(positions, q, k)
             for table, out in zip(tables, (cos, sin), strict=True):
                 launch(bind_gather_rows(table, positions, out), EMBEDDING_PROFILER_NAME,
                        table, positions, out)
-            q_out, k_out = torch.empty(q.shape, dtype=dtype), torch.empty(k.shape, dtype=dtype)
+            q_out, k_out = empty(q.shape, dtype), empty(k.shape, dtype)
             for x, out in ((q, q_out), (k, k_out)):
                 launch(bind_rotary(x, cos, sin, out), ROTARY_PROFILER_NAME, x, cos, sin, out)
             return q_out, k_out
@@ -95,7 +95,7 @@ class CPUSiluAndMul(SiluAndMul):
         if not silu_mul_supports(gate, up):
             return super().forward(gate, up)
         with platform_code():
-            out = torch.empty(gate.shape, dtype=gate.dtype)
+            out = empty(gate.shape, gate.dtype)
             launch(bind_silu_mul(gate, up, out), SILU_MUL_PROFILER_NAME, gate, up, out)
             return out
 
@@ -110,7 +110,7 @@ class CPUEmbedding(nn.Embedding):
                 and input_ids.is_contiguous() and not torch.is_grad_enabled()):
             return super().forward(input_ids)
         with platform_code():
-            out = torch.empty(input_ids.shape[0], weight.shape[1], dtype=weight.dtype)
+            out = empty((input_ids.shape[0], weight.shape[1]), weight.dtype)
             launch(bind_gather_rows(weight, input_ids, out), EMBEDDING_PROFILER_NAME,
                    weight, input_ids, out)
             return out
@@ -127,7 +127,7 @@ class Int8Embedding(nn.Module):
 
     def forward(self, input_ids: Tensor) -> Tensor:
         with platform_code():
-            out = torch.empty(*input_ids.shape, self.embedding_dim, dtype=self.dtype)
+            out = empty((*input_ids.shape, self.embedding_dim), self.dtype)
 
         def look_up() -> None:
             data = F.embedding(input_ids, self.int8.data).float()

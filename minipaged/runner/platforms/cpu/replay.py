@@ -16,6 +16,10 @@ buffers, are the step: `Replay.run` makes them in one call into C (`KernelCalls`
 never described a second time: any family whose every computation the platform's modules
 cover replays.
 
+The buffers the modules make while a step is captured come from an `Arena` (`empty`) that every
+captured size shares, as CUDA graphs share one memory pool: a replay keeps nothing from one
+step to the next, so the captured sizes together hold the buffers of the largest one.
+
 The recording refuses what it cannot replay: the `Recorder` watches every PyTorch operator the
 forward runs outside the platform's code and raises `CaptureError` for one that computes
 (whose output is not a view of its inputs, or a 0-dim check such as a batch's range; or that
@@ -27,6 +31,7 @@ then runs such steps through the modules.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -38,6 +43,8 @@ from minipaged.kernels.cpu.build import profiled
 from minipaged.kernels.cpu.calls import KernelCall, KernelCalls
 
 PROFILER_NAME = "minipaged::replay"  # a replayed step, as torch's profiler lists it
+ALIGNMENT = 64  # bytes: every arena buffer starts on a cache line
+CHUNK_BYTES = 1 << 24  # the arena grows by chunks of at least this many bytes
 
 
 class CaptureError(RuntimeError):
@@ -58,35 +65,74 @@ class Replay:
                 segment.run() if isinstance(segment, KernelCalls) else segment()
 
 
+class Arena:
+    """The memory of the buffers made while steps are captured (module docstring): chunks of
+    bytes handed out in order, each buffer after the last. `reset` starts a capture at the
+    first chunk again, over the buffers of the captures before it: a replay reads nothing that
+    an earlier step left, so the sizes share the memory of the largest capture."""
+
+    def __init__(self) -> None:
+        self.chunks: list[Tensor] = []
+        self.storages: set[int] = set()
+        self.chunk, self.offset = 0, 0  # where the next buffer goes
+
+    def reset(self) -> None:
+        self.chunk, self.offset = 0, 0
+
+    def owns(self, tensor: Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self.storages
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """An uninitialised contiguous `shape` tensor of `dtype` in the arena (its own tensor
+        over the chunk's memory, not a view of the chunk)."""
+        nbytes = -(-max(math.prod(shape) * dtype.itemsize, 1) // ALIGNMENT) * ALIGNMENT
+        while (self.chunk < len(self.chunks)
+               and self.offset + nbytes > self.chunks[self.chunk].numel()):
+            self.chunk, self.offset = self.chunk + 1, 0
+        if self.chunk == len(self.chunks):
+            chunk = torch.empty(max(nbytes, CHUNK_BYTES), dtype=torch.uint8)
+            self.chunks.append(chunk)
+            self.storages.add(chunk.untyped_storage().data_ptr())
+        storage = self.chunks[self.chunk].untyped_storage()
+        strides = torch.empty(shape, device="meta").stride()
+        tensor = torch.empty(0, dtype=dtype).set_(storage, self.offset // dtype.itemsize,
+                                                  shape, strides)
+        self.offset += nbytes
+        return tensor
+
+
 class Recorder(TorchFunctionMode):
     """Records the kernel calls of one forward (module docstring) and refuses the operators a
     replay would not repeat."""
 
-    def __init__(self) -> None:
+    def __init__(self, arena: Arena) -> None:
         super().__init__()
+        self.arena = arena
         self.calls: list[KernelCall] = []
         self.segments: list[KernelCalls | Callable[[], object]] = []
-        self.keep: list[object] = []
-        self.depth = 0  # > 0 while the platform's own code runs
+        self.keep: list[object] = [arena]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.depth == 0 and (_writes_in_place(func, kwargs)
-                                or not _views_only(out, (args, kwargs))):
+        if _writes_in_place(func, kwargs) or not _views_only(out, (args, kwargs)):
             name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
             raise CaptureError(f"{name} computes outside the platform's modules: a replay "
                                "would not repeat it")
         return out
 
-    def add_call(self, call: KernelCall, keep: tuple[object, ...]) -> None:
+    def add_call(self, call: KernelCall, tensors: tuple[Tensor, ...]) -> None:
         self.calls.append(call)
-        self.keep.append(keep)
+        self._keep(tensors)
 
-    def add_python(self, fn: Callable[[], object], keep: tuple[object, ...]) -> None:
+    def add_python(self, fn: Callable[[], object], tensors: tuple[Tensor, ...]) -> None:
         self._close_calls()
         self.segments.append(fn)
-        self.keep.append(keep)
+        self._keep(tensors)
+
+    def _keep(self, tensors: tuple[Tensor, ...]) -> None:
+        """Hold what the calls point into, but the arena's buffers: the arena holds those."""
+        self.keep.extend(t for t in tensors if not self.arena.owns(t))
 
     def _close_calls(self) -> None:
         if self.calls:
@@ -109,16 +155,20 @@ def recording() -> Recorder | None:
 @contextlib.contextmanager
 def platform_code() -> Iterator[None]:
     """Marks the platform's own code, whose operators a capture need not replay (they make
-    buffers or look at shapes; its kernels go through `launch`)."""
-    recorder = _RECORDER
-    if recorder is None:
+    buffers or look at shapes; its kernels go through `launch`): the recorder does not watch
+    them."""
+    if _RECORDER is None:
         yield
         return
-    recorder.depth += 1
-    try:
+    with torch._C.DisableTorchFunction():
         yield
-    finally:
-        recorder.depth -= 1
+
+
+def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tensor:
+    """A new buffer for a module's output: `torch.empty`, or during a capture the arena's."""
+    if _RECORDER is None:
+        return torch.empty(shape, dtype=dtype)
+    return _RECORDER.arena.empty(tuple(shape), dtype)
 
 
 def launch(call: KernelCall, name: str, *tensors: Tensor) -> None:
@@ -126,9 +176,7 @@ def launch(call: KernelCall, name: str, *tensors: Tensor) -> None:
     into). Raises ValueError where the kernel refuses its arguments."""
     if _RECORDER is not None:
         _RECORDER.add_call(call, tensors)
-    with profiled(name):
-        status = call()
-    if status != 0:
+    if call.run_as(name) != 0:
         raise ValueError(f"the CPU kernel {name} refused its arguments")
 
 
@@ -141,13 +189,17 @@ def launch_python(fn: Callable[[], object], *tensors: Tensor) -> None:
         fn()
 
 
-def capture(forward: Callable[[], Tensor]) -> tuple[Replay, Tensor]:
-    """Run `forward` once, recording it; return the replay and the forward's output (a buffer
-    the replay writes). Raises `CaptureError` where the forward cannot be replayed."""
+def capture(forward: Callable[[], Tensor], arena: Arena | None = None) -> tuple[Replay, Tensor]:
+    """Run `forward` once, recording it, its buffers in `arena` (a new one by default; reset,
+    so that the replays of the captures before share it); return the replay and the forward's
+    output (a buffer the replay writes). Raises `CaptureError` where the forward cannot be
+    replayed."""
     global _RECORDER
     if _RECORDER is not None:
         raise CaptureError("a capture is already in progress")
-    recorder = Recorder()
+    arena = arena or Arena()
+    arena.reset()
+    recorder = Recorder(arena)
     _RECORDER = recorder
     try:
         with recorder, torch.inference_mode():
@@ -185,6 +237,8 @@ def _writes_in_place(func: Callable[..., object], kwargs: dict[str, object]) -> 
 def _views_only(out: object, inputs: object) -> bool:
     """Whether every tensor `out` holds is a view of a tensor of `inputs` or 0-dim (a check's
     scalar): what a replay may leave out."""
+    outputs = [t for t in _tensors(out) if t.dim() > 0]
+    if not outputs:
+        return True
     storages = {t.untyped_storage().data_ptr() for t in _tensors(inputs)}
-    return all(t.dim() == 0 or t.untyped_storage().data_ptr() in storages
-               for t in _tensors(out))
+    return all(t.untyped_storage().data_ptr() in storages for t in outputs)

@@ -77,7 +77,8 @@ class CUDAPlatform(Platform):
         return model.to(self.device)
 
     def capture(self, forward: Callable[[], Tensor]) -> tuple[Replay, Tensor]:
-        """A CUDA graph of `forward`, after one warm-up run; all sizes share one pool."""
+        """A CUDA graph of `forward`, after one warm-up run, replayed once so that its output
+        holds the step in the buffers; all sizes share one pool."""
         try:
             forward()  # compiles the kernels; the allocator's blocks for this size exist after
             torch.cuda.synchronize(self.device)
@@ -88,6 +89,7 @@ class CUDAPlatform(Platform):
                 out = forward()
         except RuntimeError as error:  # an operator that syncs or is not capturable
             raise CaptureUnsupported(f"CUDA graph capture failed: {error}") from error
+        graph.replay()  # a capture records the kernels without running them
         return graph.replay, out
 
     def kv_cache_bytes(self, profile: Callable[[], object], gpu_memory_utilization: float,

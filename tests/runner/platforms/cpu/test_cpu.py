@@ -157,20 +157,14 @@ def test_the_steps_it_captures_are_those_every_projection_takes(monkeypatch, opt
 
 
 @given(st.integers(0, 200))
-def test_the_replayed_sizes_cover_every_row_count_the_kernel_takes(max_rows):
-    """Every size up to the kernel's tile, then whole tiles: any decode of at most `max_rows`
-    rows is padded by less than a tile, and the largest size is `max_rows` itself."""
-    sizes = replay_ladder(max_rows)
-    assert list(sizes) == sorted(set(sizes)) and all(1 <= s <= max_rows for s in sizes)
-    for rows in range(1, max_rows + 1):
-        padded = next(s for s in sizes if s >= rows)
-        assert padded - rows < MAX_ROWS and (rows > MAX_ROWS or padded == rows)
-    assert sizes == () if max_rows == 0 else sizes[-1] == max_rows
+def test_every_row_count_the_kernel_takes_replays_at_its_own_size(max_rows):
+    """No decode is padded on a CPU: a padded row costs its share of every projection."""
+    assert replay_ladder(max_rows) == tuple(range(1, max_rows + 1))
 
 
-def test_int8_decodes_past_a_tile_are_padded_to_whole_tiles_and_replayed(monkeypatch):
-    """Int8 weights take the kernel past one tile of rows: a 13-row decode replays at 16 rows,
-    bit-equal to the same platform's eager modules."""
+def test_int8_decodes_past_a_tile_are_captured_at_their_own_size_and_replayed(monkeypatch):
+    """Int8 weights take the kernel past one tile of rows: a 13-row decode is captured at 13
+    rows and replayed, both steps bit-equal to the same platform's eager modules."""
     monkeypatch.delenv(GEMV_ROWS_VARIABLE, raising=False)
     captured = []
 
@@ -184,18 +178,18 @@ def test_int8_decodes_past_a_tile_are_padded_to_whole_tiles_and_replayed(monkeyp
     runners = [ModelRunner(copy.deepcopy(model), config, block_size=4, num_gpu_blocks=64,
                            platform=Counting(CPU, gemv_rows=24), quantization="int8",
                            enforce_eager=eager) for eager in (False, True)]
-    assert runners[0].platform.graph_sizes[-3:] == (8, 16, 24)
+    assert runners[0].platform.graph_sizes == tuple(range(1, 25))
     rows = 13
     logits = []
     for runner in runners:
         runner.execute(plan_of([scheduled([1 + i, 2, 3], 0, [i * 4, i * 4 + 1], seq_id=i)
                                 for i in range(rows)]))
-        step = plan_of([scheduled([5 + i], 3, [i * 4, i * 4 + 1], seq_id=i)
-                        for i in range(rows)])
-        logits.append(runner.execute(step).clone())
-    assert runners[0].graphs.size_for(rows) == 16
-    assert captured == [16]
-    assert torch.equal(logits[0], logits[1])
+        for position in (3, 4):  # the capture, then a replay
+            step = plan_of([scheduled([5 + i + position], position, [i * 4, i * 4 + 1],
+                                      seq_id=i) for i in range(rows)])
+            logits.append(runner.execute(step).clone())
+    assert captured == [rows]
+    assert torch.equal(logits[0], logits[2]) and torch.equal(logits[1], logits[3])
 
 
 def test_the_slowest_projections_rows_bound_the_captured_sizes(monkeypatch):

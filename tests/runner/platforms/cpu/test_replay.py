@@ -46,6 +46,7 @@ from minipaged.runner.platforms.cpu.linear import CPULinear, Int8Linear, choose_
 from minipaged.runner.platforms.cpu.modules import CPURMSNorm
 from minipaged.runner.platforms.cpu.replay import (
     PROFILER_NAME,
+    Arena,
     CaptureError,
     capture,
     launch_python,
@@ -401,6 +402,24 @@ def test_captures_do_not_nest():
         assert torch.equal(out, layer(x))
 
 
+def test_captures_share_their_arena_from_its_start():
+    """A capture's buffers start where the last capture's did (a replay keeps nothing from one
+    step to the next), so the captured sizes together hold the memory of the largest; the
+    replay holds the arena, not its buffers one by one."""
+    layer = kernel_linear(8, 8)
+    arena = Arena()
+    inputs = [torch.randn(rows, 8) for rows in (1, 3)]
+    captured = [capture(lambda x=x: layer(x), arena) for x in inputs]
+    outs = [out for _, out in captured]
+    assert outs[0].data_ptr() == outs[1].data_ptr() and len(arena.chunks) == 1
+    assert all(arena.owns(out) for out in outs)
+    for (replay, out), x in zip(captured, inputs, strict=True):
+        assert not any(isinstance(t, Tensor) and arena.owns(t) for t in replay.keep)
+        replay.run()
+        with torch.inference_mode():
+            assert torch.equal(out, layer(x))
+
+
 def test_replayed_steps_are_profiled_under_their_name_once_per_step():
     model, config = plain_parts("llama", torch.float32, False)
     replaying = runner_of(model, config, torch.float32, platform=cpu_platform())
@@ -408,4 +427,5 @@ def test_replayed_steps_are_profiled_under_their_name_once_per_step():
         for entries in decode_steps(2):
             replaying.execute(plan_of(entries))
     events = [event for event in prof.key_averages() if event.key == PROFILER_NAME]
-    assert events and events[0].count == 3  # the three decodes; the prefill ran the modules
+    # the first decode was the capture, the two after it replayed; the prefill ran the modules
+    assert events and events[0].count == 2
