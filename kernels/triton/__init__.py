@@ -9,8 +9,7 @@ before the import to run the kernels through Triton's CPU interpreter.
 * `reshape_and_cache`: write new K/V into their cache slots;
 * `copy_blocks`: copy-on-write block copies, in every layer;
 * `rms_norm`, `fused_add_rms_norm`, `silu_and_mul`, `silu_mul`: a layer's small operators,
-  fused (`fused.py`);
-* `rotary_and_cache`: rotary embedding of q and k fused with the K/V cache write.
+  fused (`fused.py`).
 
 Each launcher plans its launches (`*_launches`, `launch.KernelLaunch`) before running them;
 `minipaged.kernels.triton.aot` compiles the same plans ahead of time for real GPUs, without one.
@@ -22,7 +21,6 @@ from .decode import paged_decode_attention
 from .fused import fused_add_rms_norm, rms_norm, silu_and_mul, silu_mul
 from .prefill import paged_prefill_attention
 from .reshape_and_cache import reshape_and_cache
-from .rotary import rotary_and_cache
 
 __all__ = [
     "copy_blocks",
@@ -32,7 +30,6 @@ __all__ = [
     "paged_prefill_attention",
     "reshape_and_cache",
     "rms_norm",
-    "rotary_and_cache",
     "silu_and_mul",
     "silu_mul",
 ]

@@ -45,16 +45,12 @@ from .fused import rms_norm_launches, silu_mul_launches
 from .launch import KernelLaunch, interpreting
 from .prefill import prefill_launches
 from .reshape_and_cache import reshape_and_cache_launches
-from .rotary import rotary_and_cache_launches
 
 # Compute capabilities compiled for: the A100 (Ampere) and the H100 / H200 (Hopper).
 ARCHS = {"sm_80": 80, "sm_90": 90}
 # The runner's index dtypes (`minipaged.runner.model_runner`): what the kernels are launched with.
 SLOT_DTYPE = torch.int64
 TABLE_DTYPE = torch.int32
-POSITION_DTYPE = torch.int64
-# Positions the example rotary tables cover.
-EXAMPLE_POSITIONS = 4096
 # Any split count above 1: the kernels do not specialise on it, so one program serves all.
 EXAMPLE_SPLITS = 4
 # Kernels whose every `tl.dot` must become tensor-core instructions.
@@ -165,12 +161,12 @@ def configuration_launches(config: Configuration, device: str = "meta") -> list[
 
 
 def layer_launches(config: Configuration, device: str = "meta") -> list[KernelLaunch]:
-    """The fused small operators of a layer of `config`'s shape: the two RMSNorms, SwiGLU's
-    activation and the rotary with its cache write. The hidden size is the query heads' width
+    """The fused small operators of a layer of `config`'s shape: the two RMSNorms and SwiGLU's
+    activation. The hidden size is the query heads' width
     and the MLP's 8/3 of it (rounded up to 256, Llama's rule: SmolLM2's 1536, Llama-2-7B's
     11008)."""
     heads, dtype = config.heads, getattr(torch, config.dtype)
-    num_tokens, num_blocks = 4, 64
+    num_tokens = 4
     hidden = heads.num_heads * heads.head_dim
     intermediate = -(-hidden * 8 // 3 // 256) * 256
     zeros = partial(torch.zeros, device=device)
@@ -181,14 +177,7 @@ def layer_launches(config: Configuration, device: str = "meta") -> list[KernelLa
     gate_up = zeros(num_tokens, 2 * intermediate, dtype=dtype)
     silu = silu_mul_launches(gate_up[:, :intermediate], gate_up[:, intermediate:],
                              zeros(num_tokens, intermediate, dtype=dtype))
-    q = zeros(num_tokens, heads.num_heads, heads.head_dim, dtype=dtype)
-    kv = zeros(num_tokens, heads.num_kv_heads, heads.head_dim, dtype=dtype)
-    cache = zeros(num_blocks, config.block_size, heads.num_kv_heads, heads.head_dim, dtype=dtype)
-    table = zeros(EXAMPLE_POSITIONS, heads.head_dim, dtype=torch.float32)
-    rotary = rotary_and_cache_launches(q, kv, kv, table, table,
-                                       zeros(num_tokens, dtype=POSITION_DTYPE), cache, cache,
-                                       zeros(num_tokens, dtype=SLOT_DTYPE), q, None)
-    return [*norm, *add_norm, *silu, *rotary]
+    return [*norm, *add_norm, *silu]
 
 
 # --- compiling a launch ----------------------------------------------------------------------

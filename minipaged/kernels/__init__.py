@@ -28,7 +28,6 @@ __all__ = [  # the Triton kernels' entry points, imported on first use
     "paged_prefill_attention",
     "reshape_and_cache",
     "rms_norm",
-    "rotary_and_cache",
     "silu_and_mul",
     "silu_mul",
 ]

@@ -1,6 +1,5 @@
 """The fused Triton operators equal their PyTorch definitions: RMSNorm with and without the
-residual add (Hugging Face's LlamaRMSNorm), SwiGLU's SiLU-and-multiply, and the rotary embedding
-fused with the K/V cache write (`x * cos + rotate_half(x) * sin`, then `reshape_and_cache`).
+residual add (Hugging Face's LlamaRMSNorm) and SwiGLU's SiLU-and-multiply.
 
 Run on CPU through Triton's interpreter (conftest.py) and on CUDA by the GPU check. Tolerances
 per dtype are `paged_examples.TOLERANCES`, about one unit in the last place: the kernels compute
@@ -19,7 +18,6 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import minipaged.attention.reference as reference
 from minipaged import kernels
 from minipaged.testing.paged_examples import tolerance
 
@@ -152,125 +150,3 @@ def test_silu_and_mul_rejects_odd_widths_and_mismatched_halves() -> None:
         kernels.silu_and_mul(torch.zeros(2, 5, device=DEVICE))
     with pytest.raises(ValueError, match="must match"):
         kernels.silu_mul(torch.zeros(2, 4, device=DEVICE), torch.zeros(2, 3, device=DEVICE))
-
-
-# --- rotary embedding and cache write --------------------------------------------------------
-
-
-def rope_tables(max_positions: int, head_dim: int, theta: float = 10000.0):
-    """cos, sin [P, D] in float32 with each pair's angle twice (the model's layout)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(DEVICE), angles.sin().to(DEVICE)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def reference_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     positions: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's rotary: `x * cos + rotate_half(x) * sin`, cos/sin in x's dtype."""
-    c = cos[positions][:, None, :].to(x.dtype)
-    s = sin[positions][:, None, :].to(x.dtype)
-    return x * c + rotate_half(x) * s
-
-
-@settings(max_examples=25)
-@given(
-    heads=st.sampled_from([(1, 1), (4, 2), (9, 3), (8, 8)]),
-    head_dim=st.sampled_from([8, 32, 64, 80, 128]),
-    block_size=st.sampled_from([4, 16]),
-    dtype=st.sampled_from(DTYPES),
-    half_tables=st.booleans(),
-    q_in_place=st.booleans(),
-    k_out=st.sampled_from(["none", "in place", "new"]),
-    data=st.data(),
-)
-def test_rotary_and_cache_equals_rotary_then_reshape_and_cache(
-    heads, head_dim, block_size, dtype, half_tables, q_in_place, k_out, data
-) -> None:
-    num_heads, num_kv_heads = heads
-    num_blocks, max_positions = 4, 4096
-    num_slots = num_blocks * block_size
-    num_tokens = data.draw(st.integers(0, min(num_slots, 20)))
-    slots = data.draw(st.permutations(range(num_slots)))[:num_tokens]
-    skip = data.draw(st.lists(st.booleans(), min_size=num_tokens, max_size=num_tokens))
-    slot_mapping = torch.tensor([-1 if s else slot for slot, s in zip(slots, skip, strict=True)],
-                                dtype=torch.int64, device=DEVICE)
-    positions = torch.tensor(data.draw(st.lists(st.integers(0, max_positions - 1),
-                                                min_size=num_tokens, max_size=num_tokens)),
-                             dtype=data.draw(st.sampled_from([torch.int32, torch.int64])),
-                             device=DEVICE)
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    # q, k, v as views of one fused projection [T, (H + 2 H_kv) * D], as a model slices them.
-    width = (num_heads + 2 * num_kv_heads) * head_dim
-    qkv = randn((num_tokens, width), dtype, gen)
-    q = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(
-        num_tokens, num_kv_heads, head_dim)
-    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(num_tokens, num_kv_heads, head_dim)
-    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = randn(cache_shape, dtype, gen)
-    k_cache[0, 0] = float("nan")  # garbage where nothing is written must stay, bit for bit
-    v_cache = randn(cache_shape, dtype, gen)
-    cos, sin = rope_tables(max_positions, head_dim)
-    if half_tables:
-        cos, sin = cos[:, :head_dim // 2], sin[:, :head_dim // 2]
-
-    want_q = reference_rotary(q, *rope_tables(max_positions, head_dim), positions.long())
-    want_k = reference_rotary(k, *rope_tables(max_positions, head_dim), positions.long())
-    want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
-    reference.reshape_and_cache(want_k, v, want_k_cache, want_v_cache, slot_mapping)
-    k_before, v_before = k.clone(), v.clone()
-
-    q_out = None if q_in_place else torch.empty_like(q)
-    k_target = {"none": None, "in place": k, "new": torch.empty_like(k)}[k_out]
-    got_q = kernels.rotary_and_cache(q, k, v, cos, sin, positions, k_cache, v_cache,
-                                     slot_mapping, q_out=q_out, k_out=k_target)
-    assert got_q is (q if q_in_place else q_out)
-    tol = tolerance(dtype)
-    torch.testing.assert_close(got_q, want_q, **tol)
-    if k_target is not None:
-        torch.testing.assert_close(k_target, want_k, **tol)
-    if k_out != "in place":
-        assert torch.equal(bits(k), bits(k_before))
-    assert torch.equal(bits(v), bits(v_before))
-    # Written slots hold the rotated keys and the values; every other slot is untouched.
-    written = torch.zeros(num_slots, dtype=torch.bool, device=DEVICE)
-    written[slot_mapping[slot_mapping >= 0]] = True
-    for got, want in ((k_cache, want_k_cache), (v_cache, want_v_cache)):
-        flat_got, flat_want = got.view(num_slots, -1), want.view(num_slots, -1)
-        torch.testing.assert_close(flat_got[written], flat_want[written], **tol)
-        assert torch.equal(bits(flat_got[~written]), bits(flat_want[~written]))
-    assert torch.equal(bits(v_cache.view(num_slots, -1)[written]),
-                       bits(want_v_cache.view(num_slots, -1)[written]))  # values are copied
-
-
-def test_rotary_and_cache_rejects_bad_arguments() -> None:
-    q = torch.zeros(2, 4, 8, device=DEVICE)
-    k = v = torch.zeros(2, 2, 8, device=DEVICE)
-    cos, sin = rope_tables(16, 8)
-    positions = torch.tensor([0, 3], device=DEVICE)
-    k_cache = v_cache = torch.zeros(2, 4, 2, 8, device=DEVICE)
-    slots = torch.tensor([0, 5], device=DEVICE)
-    args = [q, k, v, cos, sin, positions, k_cache, v_cache, slots]
-
-    def call(index: int, value) -> None:
-        bad = list(args)
-        bad[index] = value
-        kernels.rotary_and_cache(*bad)
-
-    with pytest.raises(ValueError, match="head dim must be even"):
-        kernels.rotary_and_cache(q[..., :7], k[..., :7], v[..., :7], cos[:, :7], sin[:, :7],
-                                 positions, k_cache, v_cache, slots)
-    with pytest.raises(ValueError, match="cos and sin"):
-        call(3, cos[:, :5])
-    with pytest.raises(ValueError, match="positions must lie"):
-        call(5, torch.tensor([0, 16], device=DEVICE))
-    with pytest.raises(ValueError, match="slot_mapping has slots outside"):
-        call(8, torch.tensor([0, 8], device=DEVICE))
-    with pytest.raises(ValueError, match="v must be shaped like k"):
-        call(2, q)
