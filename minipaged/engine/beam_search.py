@@ -61,47 +61,36 @@ def advance_beams(
         assigned.append((beam, cand))
     for cand in finishing:
         hypothesis = beams[cand.parent].fork(next(seq_ids))  # no blocks: it is done
-        alternatives = _alternatives(next_logprobs, cand, params.logprobs)
-        hypothesis.append_token(cand.token_id, cand.logprob, alternatives)
+        _append_token(hypothesis, cand, next_logprobs, params.logprobs)
         text_without_stop = len(hypothesis.output_text) - hypothesis.new_char_count
         hypothesis.finish(
             StopDecision(SequenceStatus.FINISHED_STOPPED, cand.token_id, text_without_stop)
         )
         group.add(hypothesis)
     for beam, cand in assigned:
-        alternatives = _alternatives(next_logprobs, cand, params.logprobs)
-        beam.append_token(cand.token_id, cand.logprob, alternatives)
+        _append_token(beam, cand, next_logprobs, params.logprobs)
         # max_tokens or the context: the beam ends as it is (stop tokens were handled above)
         finish_if_stopped(beam, params, (), max_model_len)
-    _prune_hypotheses(scheduler, group, eos_token_ids)
+    # Keep the `beam_width` best finished beams.
+    hypotheses = group.by_beam_score(group.get_finished_seqs(), eos_token_ids)
+    for seq in hypotheses[width:]:
+        scheduler.free_sequence(group, seq)
     if _is_done(group, eos_token_ids):
         for beam in group.get_unfinished_seqs():
             scheduler.free_sequence(group, beam)
 
 
-def _alternatives(
-    next_logprobs: Tensor, cand: BeamCandidate, k: int | None
-) -> dict[int, float] | None:
-    """vLLM's per-token logprobs of a beam's new token: the `k` most likely tokens after its
-    parent, plus the chosen one; None when the request did not ask for them."""
-    if k is None:
-        return None
-    row = next_logprobs[cand.parent]
-    out: dict[int, float] = {}
-    if k > 0:
-        top = torch.topk(row, k)
-        out.update(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-    out[cand.token_id] = float(cand.logprob)
-    return out
-
-
-def _prune_hypotheses(
-    scheduler: Scheduler, group: SequenceGroup, eos_token_ids: Collection[int]
-) -> None:
-    """Keep the `beam_width` best finished beams."""
-    done = group.by_beam_score(group.get_finished_seqs(), eos_token_ids)
-    for seq in done[group.sampling_params.beam_width :]:
-        scheduler.free_sequence(group, seq)
+def _append_token(seq: Sequence, cand: BeamCandidate, next_logprobs: Tensor, k: int | None) -> None:
+    """Append `cand`'s token to `seq` with vLLM's per-token logprobs: the `k` most likely tokens
+    after its parent, plus the chosen one (none when the request did not ask for them)."""
+    alternatives: dict[int, float] | None = None
+    if k is not None:
+        alternatives = {}
+        if k > 0:
+            top = torch.topk(next_logprobs[cand.parent], k)
+            alternatives.update(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+        alternatives[cand.token_id] = float(cand.logprob)
+    seq.append_token(cand.token_id, cand.logprob, alternatives)
 
 
 def _is_done(group: SequenceGroup, eos_token_ids: Collection[int]) -> bool:

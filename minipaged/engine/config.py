@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import types
 import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,13 @@ DTYPE_CHOICES = (*DTYPES, "auto")
 # The largest size or count a setting may give: block tables, positions and token counts are
 # int32 tensors in the attention metadata.
 MAX_INT32 = 2**31 - 1
+# The range of each memory and time setting (besides being finite): its test, and its words.
+FLOAT_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "kv_cache_memory": (lambda value: value > 0, "> 0 GiB"),
+    "gpu_memory_utilization": (lambda value: 0 < value <= 1, "in (0, 1]"),
+    "swap_space": (lambda value: value >= 0, ">= 0 GiB"),
+    "tensor_parallel_timeout": (lambda value: value > 0, "> 0 seconds"),
+}
 
 
 # The x86 CPU flags (Linux's /proc/cpuinfo names) of instructions that multiply bfloat16.
@@ -126,34 +134,19 @@ class EngineConfig:
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
-        for name, choices in (("dtype", DTYPE_CHOICES), ("scheduler", SCHEDULERS)):
-            value = getattr(self, name)
-            if value not in choices:
-                raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
+        check_choice("dtype", self.dtype, sorted(DTYPE_CHOICES))
+        check_choice("scheduler", self.scheduler, sorted(SCHEDULERS))
         if self.mlfq is not None and not needs_cost_model(self.scheduler):
             raise ValueError(f"mlfq settings need an MLFQ scheduler, got {self.scheduler!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        if not self.tensor_parallel_timeout > 0:
-            raise ValueError(
-                f"tensor_parallel_timeout must be > 0 seconds, got {self.tensor_parallel_timeout}"
-            )
-        if self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
-        if self.quantization is not None:
-            if self.quantization not in QUANTIZATIONS:
-                raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got "
-                                 f"{self.quantization!r}")
-            if self.tensor_parallel_size > 1 or self.torch_device.type != "cpu":
-                raise ValueError("quantization 'int8' runs on a CPU on one rank: "
-                                 "tensor_parallel_size must be 1 and the device cpu")
+        check_choice("quantization", self.quantization, QUANTIZATIONS, None)
+        one_cpu_rank = self.tensor_parallel_size == 1 and self.torch_device.type == "cpu"
+        if self.quantization is not None and not one_cpu_rank:
+            raise ValueError("quantization 'int8' runs on a CPU on one rank: "
+                             "tensor_parallel_size must be 1 and the device cpu")
 
     def _check_ranges(self) -> None:
-        """Sizes within int32, memory and time finite, names among their choices."""
+        """Sizes within int32, memory and time finite and in range, names among their
+        choices."""
         sizes = (("block_size", 1, ""), ("num_gpu_blocks", 1, "None or "),
                  ("num_cpu_blocks", 0, "None or "), ("max_num_seqs", 1, ""),
                  ("max_num_batched_tokens", 1, ""), ("long_prefill_token_threshold", 0, ""),
@@ -165,11 +158,12 @@ class EngineConfig:
                 raise ValueError(
                     f"{name} must be {other}an integer in [{low}, 2**31 - 1], got {value}"
                 )
-        for name in ("kv_cache_memory", "gpu_memory_utilization", "swap_space",
-                     "tensor_parallel_timeout"):
+        for name, (in_range, bounds) in FLOAT_RANGES.items():
             value = getattr(self, name)
             if not is_finite(value):
                 raise ValueError(f"{name} must be a finite number, got {shown(value)}")
+            if not in_range(value):
+                raise ValueError(f"{name} must be {bounds}, got {value}")
         if not 0 <= self.seed < MAX_SEED:
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed}")
         if self.device is not None:
@@ -179,17 +173,10 @@ class EngineConfig:
                 raise ValueError(f"device must be None or a torch device, got {self.device!r}: "
                                  f"{exc}") from None
         modes = [mode.value for mode in PreemptionMode]
-        if self.preemption_mode is not None and self.preemption_mode not in modes:
-            raise ValueError(
-                f"preemption_mode must be None or one of {modes}, got {self.preemption_mode!r}"
-            )
+        check_choice("preemption_mode", self.preemption_mode, modes, None)
         if self.scheduler in SCHEDULERS:
             check_preemption_mode(self.scheduler, self.preemption_mode)
-        if self.attention_backend not in (None, "auto", *BACKENDS):
-            raise ValueError(
-                f"attention_backend must be None, 'auto' or one of {list(BACKENDS)}, "
-                f"got {self.attention_backend!r}"
-            )
+        check_choice("attention_backend", self.attention_backend, list(BACKENDS), None, "auto")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -203,6 +190,14 @@ class EngineConfig:
         if self.device is not None:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_choice(name: str, value: object, choices: Sequence[object], *also: object) -> None:
+    """A `ValueError` naming the setting `name` unless `value` is one of `choices` or of `also`
+    (None, say: the message lists those first)."""
+    if value not in (*also, *choices):
+        either = f"{', '.join(map(repr, also))} or " if also else ""
+        raise ValueError(f"{name} must be {either}one of {choices}, got {value!r}")
 
 
 # -- field types ----------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ engine with a runner that advances a cost model's clock instead of running a mod
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import gc
 import itertools
 import logging
@@ -55,7 +56,7 @@ logger = logging.getLogger(__name__)
 # -- the engine -----------------------------------------------------------------------------------
 
 
-class LLMEngine:
+class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
     """Continuous batching over a paged KV cache, one `step()` at a time.
 
     The scheduler is `config.scheduler` by name, or `scheduler`, ready-made with its own KV
@@ -66,7 +67,7 @@ class LLMEngine:
     by: wall time, or a driver's own (CPU time, or a cost model's time in a replay).
     `runner`, ready-made, replaces the one built over `model` (the simulator's cost-model
     runner); `processor` is the class of the `OutputProcessor` (the simulator's makes up
-    tokens).
+    tokens). A `with` block returns the engine and closes it at the end.
     """
 
     def __init__(
@@ -86,10 +87,9 @@ class LLMEngine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         device, dtype = config.torch_device, config.torch_dtype
-        self.max_model_len = min(
-            config.max_model_len or model_config.max_position_embeddings,
-            model_config.max_position_embeddings,
-        )
+        context = model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or context, context)
+        block_size = config.block_size if scheduler is None else scheduler.kv_manager.block_size
         if scheduler is not None:
             self.max_model_len = min(self.max_model_len, scheduler.config.max_model_len)
             num_gpu_blocks = scheduler.kv_manager.num_gpu_blocks
@@ -111,15 +111,13 @@ class LLMEngine:
             runner = build_runner(
                 model,
                 model_config,
-                device=config.torch_device,
-                dtype=config.torch_dtype,
+                device=device,
+                dtype=dtype,
                 tensor_parallel_size=config.tensor_parallel_size,
                 tensor_parallel_timeout=config.tensor_parallel_timeout,
                 attention_backend=config.attention_backend,
                 enforce_eager=config.enforce_eager,
-                block_size=(
-                    config.block_size if scheduler is None else scheduler.kv_manager.block_size
-                ),
+                block_size=block_size,
                 num_gpu_blocks=num_gpu_blocks,
                 num_cpu_blocks=num_cpu_blocks,
                 quantization=config.quantization,
@@ -186,16 +184,13 @@ class LLMEngine:
         path = Path(model) if model is not None else default_model_path()
         if config.tensor_parallel_size > 1:  # every rank reads its own slices
             source, model_config = CheckpointShards(str(path)), checkpoint_config(path, FAMILIES)
-            return cls(source, model_config, Tokenizer.from_pretrained(path), config)
-        nn_model, model_config = load_model(path, dtype=config.torch_dtype, device="cpu")
-        return cls(nn_model, model_config, Tokenizer.from_pretrained(path), config)
+        else:
+            source, model_config = load_model(path, dtype=config.torch_dtype, device="cpu")
+        return cls(source, model_config, Tokenizer.from_pretrained(path), config)
 
     def close(self) -> None:
         """Stop the runner's worker processes, if it has any (tensor parallelism)."""
         self.runner.close()
-
-    def __enter__(self) -> LLMEngine:
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
@@ -261,10 +256,9 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and return its blocks; False when it is unknown or already done."""
         group = self.processor.abort(str(request_id))
-        if group is None:
-            return False
-        self._groups.pop(group.request_id, None)
-        return True
+        if group is not None:
+            self._groups.pop(group.request_id, None)
+        return group is not None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -276,9 +270,7 @@ class LLMEngine:
         """The current output of a running request, or the final one of a request that finished
         in the last step; None for any other id."""
         group = self._groups.get(str(request_id))
-        if group is None:
-            return self._finished.get(str(request_id))
-        return self._request_output(group)
+        return self._finished.get(str(request_id)) if group is None else self._request_output(group)
 
     def get_sampling_params(self, request_id: str) -> SamplingParams | None:
         """The sampling parameters of a running request (None when it is not running)."""
@@ -316,25 +308,17 @@ class LLMEngine:
         changed = {id(g): g for g in update.touched + update.finished}.values()
         outputs = self._publish([self._request_output(g) for g in changed])
         marks.append(time.perf_counter())
-        if self._observers:
-            self._observe(start, plan, num_running, update, marks)
+        if self._observers:  # `marks`: the start, then after scheduling, executing and updating
+            phases = [b - a for a, b in itertools.pairwise(marks)]
+            record = StepRecord(
+                self._num_steps, start, self.clock(), plan, num_running,
+                levels=self.scheduler.queue_levels(), failed=tuple(update.failed),
+                timings=StepTimings(*phases, total_s=marks[-1] - marks[0]),
+            )
+            for observer in list(self._observers):
+                observer(record)
         self._num_steps += 1
         return outputs
-
-    def _observe(
-        self, start: float, plan: SchedulerOutput, num_running: int, update: StepUpdate,
-        marks: list[float],
-    ) -> None:
-        """Hand the step's record to every observer; `marks` are the wall times at the start
-        and after scheduling, executing and updating."""
-        phases = [b - a for a, b in itertools.pairwise(marks)]
-        record = StepRecord(
-            self._num_steps, start, self.clock(), plan, num_running,
-            levels=self.scheduler.queue_levels(), failed=tuple(update.failed),
-            timings=StepTimings(*phases, total_s=marks[-1] - marks[0]),
-        )
-        for observer in list(self._observers):
-            observer(record)
 
     def execute(self, plan: SchedulerOutput) -> tuple[torch.Tensor, StepUpdate]:
         """Run `plan` on the runner. When the forward pass fails, each request's share runs
@@ -369,9 +353,8 @@ class LLMEngine:
         request with an open stream for that stream."""
         self._finished = {o.request_id: o for o in outputs if o.finished}
         for output in outputs:
-            pending = self._streams.get(output.request_id)
-            if pending is not None:
-                pending.append(output)
+            if output.request_id in self._streams:
+                self._streams[output.request_id].append(output)
         return outputs
 
     def _request_output(self, group: SequenceGroup) -> RequestOutput:

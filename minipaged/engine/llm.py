@@ -7,6 +7,7 @@ finish, read their outputs.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from minipaged.sampling.outputs import RequestOutput
 from minipaged.sampling.params import SamplingParams
 
 
-class LLM:
+class LLM(AbstractContextManager["LLM"]):
     """vLLM's offline entry point: `LLM().generate(prompts, params)` and `LLM().chat(messages)`.
 
     `LLM(tensor_parallel_size=N)` splits the model over N processes; `close()` (or a `with`
@@ -37,9 +38,6 @@ class LLM:
     def close(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); nothing else to release."""
         self.engine.close()
-
-    def __enter__(self) -> LLM:
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()

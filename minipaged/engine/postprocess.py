@@ -120,9 +120,8 @@ class OutputProcessor:
         """Everything after the forward pass of `update.plan`, whose sampling sequences' rows
         are `logits` (in plan order); `update` may already hold requests the forward pass
         failed."""
-        plan = update.plan
-        self.scheduler.mark_computed(plan)
-        members = self.scheduler.resolve(s for s in plan.scheduled if s.needs_logits)
+        self.scheduler.mark_computed(update.plan)
+        members = self.scheduler.resolve(s for s in update.plan.scheduled if s.needs_logits)
         now = self.clock()
         touched = list({id(group): group for group, _ in members}.values())
         for group in touched:
