@@ -7,7 +7,7 @@ of two; the rounding is the "external fragmentation" of the paper's Fig. 2.
 
 from __future__ import annotations
 
-from minipaged.kv.interface import KVCacheError, NoFreeBlocksError
+from minipaged.kv.interface import KVCacheError, NoFreeBlocksError, check_count
 
 
 def next_power_of_two(n: int) -> int:
@@ -27,8 +27,7 @@ class BuddyAllocator:
     """
 
     def __init__(self, num_slots: int) -> None:
-        if not isinstance(num_slots, int) or num_slots < 1:
-            raise ValueError(f"num_slots must be a positive integer, got {num_slots!r}")
+        check_count("num_slots", num_slots, 1)
         self.num_slots = num_slots
         top = num_slots.bit_length()
         self._free: list[set[int]] = [set() for _ in range(top)]  # order -> free chunk offsets
@@ -86,8 +85,7 @@ class BuddyAllocator:
         return 1 << orders[-1] if orders else 0
 
     def _order(self, size: int) -> int:
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"size must be a positive integer, got {size!r}")
+        check_count("size", size, 1)
         if size > self.num_slots:
             raise NoFreeBlocksError("buddy", size, self.num_free_slots)
         return (size - 1).bit_length()

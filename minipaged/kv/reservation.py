@@ -187,17 +187,15 @@ class ReservationKVCacheManager:
         """Announce a request before its admission: its first sequence, prompt and output
         lengths (the oracle's knowledge; `max_tokens` with `ignore_eos`) and how many sequences
         it runs at once (parallel samples or beams), each of which gets a chunk."""
-        if width < 1:
-            raise ValueError(f"width must be >= 1, got {width}")
+        check_count("width", width, 1)
         reservation_len(self.policy, prompt_len, output_len, self.max_seq_len)  # validates
         self._expected[seq_id] = _Expected(prompt_len, output_len, width)
 
     def can_allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> bool:
         """Whether all the chunks of the `expect`ed request of `seq_id` fit now."""
         expected = self._expectation(seq_id)
-        return self.allocator.num_free_chunks(self._reservation_blocks(expected)) >= (
-            expected.width
-        )
+        blocks = self._reservation_blocks(expected)
+        return self.allocator.num_free_chunks(blocks) >= expected.width
 
     def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
         """Reserve the expected request's chunks and place the prompt in the first one.
@@ -290,10 +288,9 @@ class ReservationKVCacheManager:
     def swap_out(self, seq_ids: SeqId | Sequence[SeqId]) -> list[BlockCopy]:
         raise KVCacheError("contiguous reservations are not swapped (no CPU pool)")
 
-    def num_blocks_to_swap_in(self, num_tokens: Mapping[SeqId, int]) -> int:
-        raise KVCacheError("contiguous reservations are not swapped (no CPU pool)")
+    swap_in = swap_out
 
-    def swap_in(self, seq_ids: SeqId | Sequence[SeqId]) -> list[BlockCopy]:
+    def num_blocks_to_swap_in(self, num_tokens: Mapping[SeqId, int]) -> int:
         raise KVCacheError("contiguous reservations are not swapped (no CPU pool)")
 
     # -- accounting -------------------------------------------------------------------------------
@@ -325,8 +322,7 @@ class ReservationKVCacheManager:
     def check_invariants(self) -> None:
         """Chunks are disjoint, inside the pool, account for every used block, and hold their
         sequences' tokens; raise AssertionError describing the first broken invariant."""
-        covered = [0] * self.num_gpu_blocks
-        chunk_blocks = 0
+        covered = [0] * self.num_gpu_blocks  # chunks over each block
         for request in self._live_requests() + self._dead:
             assert len(request.chunks) == request.expected.width, "a request lost a chunk"
             assert len(request.members) + len(request.spare) == len(request.chunks), (
@@ -341,7 +337,6 @@ class ReservationKVCacheManager:
                 assert 0 <= chunk.offset and chunk.offset + chunk.num_blocks <= self.num_gpu_blocks
                 for b in range(chunk.offset, chunk.offset + chunk.num_blocks):
                     covered[b] += 1
-                chunk_blocks += chunk.num_blocks
             for seq_id in request.members:
                 member = self._members[seq_id]
                 assert member.request is request
@@ -350,7 +345,7 @@ class ReservationKVCacheManager:
         assert not self._dead or self.static_batch, "dead chunks outside a static batch"
         assert all(c <= 1 for c in covered), "two chunks overlap"
         used = self.num_gpu_blocks - self.num_free_blocks
-        assert chunk_blocks == used, f"chunks cover {chunk_blocks} blocks, the allocator {used}"
+        assert sum(covered) == used, f"chunks cover {sum(covered)} blocks, the allocator {used}"
 
     # -- internals --------------------------------------------------------------------------------
 

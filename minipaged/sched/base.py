@@ -221,10 +221,8 @@ class Scheduler(ABC):
 
         Call after the engine appended the sampled tokens and marked finished sequences.
         """
-        for group in self.running:
-            for seq in group.seqs:
-                if seq.is_finished():
-                    self._release(seq)
+        for seq in (s for group in self.running for s in group.seqs if s.is_finished()):
+            self._release(seq)
         finished = [g for g in self.running if g.is_finished()]
         self.running[:] = [g for g in self.running if not g.is_finished()]
         return finished
@@ -437,10 +435,7 @@ class Scheduler(ABC):
         for seq in seqs:
             seq.status = to
         queue = self.states[to].queue
-        if front:
-            queue.insert(0, group)
-        else:
-            queue.append(group)
+        queue.insert(0 if front else len(queue), group)
 
     def _release(self, seq: Sequence) -> None:
         if seq.seq_id in self.kv_manager:

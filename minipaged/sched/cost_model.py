@@ -48,12 +48,8 @@ class StepShape:
     @property
     def features(self) -> tuple[float, float, float, float]:
         """The regressors of the linear model: intercept, prefill, decode, context."""
-        return (
-            1.0,
-            float(self.prefill_tokens),
-            float(self.decode_seqs),
-            float(self.context_tokens),
-        )
+        counts = (self.prefill_tokens, self.decode_seqs, self.context_tokens)
+        return (1.0, *map(float, counts))
 
 
 @dataclass(frozen=True)

@@ -185,10 +185,8 @@ class SkipJoinMLFQScheduler(Scheduler):
     def abort(
         self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED
     ) -> SequenceGroup | None:
-        group = super().abort(request_id, status)
-        if group is not None:
-            self.jobs.pop(request_id, None)
-        return group
+        self.jobs.pop(request_id, None)  # nothing to pop for an unknown request
+        return super().abort(request_id, status)
 
     def finish_step(self) -> list[SequenceGroup]:
         finished = super().finish_step()
@@ -247,10 +245,7 @@ class SkipJoinMLFQScheduler(Scheduler):
             job.used += duration
             job.last_served = now
             if self._should_demote(group, job):
-                job.level = max(job.level + 1, self.level_covering(job.used))
-                job.used = 0.0
-                job.order = next(self._orders)  # the back of the lower queue
-                job.promoted = False
+                self._requeue(job, max(job.level + 1, self.level_covering(job.used)))
                 self.num_demotions += 1
         self._last_batch = []
 
@@ -267,16 +262,20 @@ class SkipJoinMLFQScheduler(Scheduler):
         bound = self.mlfq.starvation_bound
         if bound is None:
             return
-        starving = []
-        for group in self.groups():
-            job = self.jobs[group.request_id]
-            if not job.promoted and now - job.last_served > bound:
-                starving.append((job.last_served, group.request_id))
-        for _, request_id in sorted(starving):  # the longest waiting first
-            job = self.jobs[request_id]
-            job.level, job.used, job.promoted = 0, 0.0, True
-            job.order = next(self._orders)
+        starving = sorted(
+            (job.last_served, request_id)
+            for request_id, job in self.jobs.items()
+            if not job.promoted and now - job.last_served > bound
+        )
+        for _, request_id in starving:  # the longest waiting first
+            self._requeue(self.jobs[request_id], 0, promoted=True)
             self.num_promotions += 1
+
+    def _requeue(self, job: JobState, level: int, promoted: bool = False) -> None:
+        """Put `job` at the back of queue `level` with the whole of its quantum to use (a
+        `promoted` job at the back of the promoted jobs, ahead of the others)."""
+        job.level, job.used, job.promoted = level, 0.0, promoted
+        job.order = next(self._orders)
 
     # -- memory: making room, bringing in, swapping ahead ------------------------------------------
 
@@ -295,12 +294,11 @@ class SkipJoinMLFQScheduler(Scheduler):
         if self.fits(seqs):
             return True
         job = self.jobs[group.request_id]
+        resident = [g for g in lower if g in self.running]
         if job.promoted or seqs[0].status is SequenceStatus.RUNNING:
-            victims = [g for g in lower if g in self.running]
+            victims = resident
         elif group.metrics.first_scheduled_time is None:  # new: never ran
-            victims = [
-                g for g in lower if g in self.running and self.jobs[g.request_id].level > job.level
-            ]
+            victims = [g for g in resident if self.jobs[g.request_id].level > job.level]
         else:
             return False
         swaps = any(self.preemption_mode(g) is PreemptionMode.SWAP for g in victims)

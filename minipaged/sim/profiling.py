@@ -20,7 +20,7 @@ from minipaged.engine.record import StepRecord
 from minipaged.runner.profiler import geometric_levels, measure_swap_time
 from minipaged.sampling.params import SamplingParams
 from minipaged.sched.cost_model import CostModel, StepShape
-from minipaged.sim.simulator import RequestResult, SimulationResult
+from minipaged.sim.simulator import RequestResult, SimulationResult, StepTally
 from minipaged.sim.traces import TraceRequest
 
 CALIBRATION_STEPS_PER_LEVEL = 48  # engine steps timed at each concurrency level
@@ -115,9 +115,10 @@ def replay_on_engine(
 
     requests: dict[str, TraceRequest] = {}
     first_token: dict[str, float] = {}
-    finished: dict[str, tuple[float, int, int]] = {}  # time, output tokens, preemptions
-    records: list[StepRecord] = []
-    engine.add_step_observer(records.append)
+    # output tokens, first token time, finished time, preemptions: `RequestResult`'s order
+    finished: dict[str, tuple[int, float, float, int]] = {}
+    tally = StepTally(keep=True)
+    engine.add_step_observer(tally)
     try:
         while pending or engine.has_unfinished_requests():
             while pending and pending[-1][1].arrival_time <= now():
@@ -138,29 +139,14 @@ def replay_on_engine(
                 if output.finished:
                     num_preemptions = output.metrics.num_preemptions if output.metrics else 0
                     tokens = len(output.outputs[0].token_ids)
-                    finished[output.request_id] = (t, tokens, num_preemptions)
+                    first = first_token[output.request_id]
+                    finished[output.request_id] = (tokens, first, t, num_preemptions)
     finally:
-        engine.remove_step_observer(records.append)
+        engine.remove_step_observer(tally)
     results = [
-        RequestResult(
-            rid,
-            request.arrival_time,
-            request.prompt_len,
-            finished[rid][1],
-            first_token[rid],
-            finished[rid][0],
-            finished[rid][2],
-        )
+        RequestResult(rid, request.arrival_time, request.prompt_len, *finished[rid])
         for rid, request in requests.items()
     ]
     results.sort(key=lambda r: int(r.request_id))
-    return SimulationResult(
-        requests=results,
-        makespan=now(),
-        num_steps=len(records),
-        swapped_out_blocks=sum(len(r.plan.swap_out) for r in records),
-        swapped_in_blocks=sum(len(r.plan.swap_in) for r in records),
-        swap_blocks_ahead=sum(r.plan.num_swap_blocks_ahead for r in records),
-        num_preemptions=sum(len(r.plan.preempted) for r in records),
-        steps=records,
-    )
+    num_preemptions = sum(len(r.plan.preempted) for r in tally.steps)
+    return tally.result(results, now(), num_preemptions)

@@ -199,9 +199,8 @@ class SimulatedOutputProcessor(OutputProcessor):
         self, members: list[GroupMember], logits: Tensor, update: StepUpdate
     ) -> None:
         requests = self.requests_of(members)  # forks a finished prompt's parallel samples
-        for request in requests:
-            for seq in request.seqs:
-                seq.append_token(0, 0.0)
+        for seq in (s for request in requests for s in request.seqs):
+            seq.append_token(0, 0.0)
         if self.on_sample is not None:
             self.on_sample(self.scheduler, members, self.seq_ids)
         for group, _, _ in requests:  # forked samples and beams included
@@ -224,6 +223,21 @@ class StepTally:
         self.ahead += record.plan.num_swap_blocks_ahead
         if self.keep:
             self.steps.append(record)
+
+    def result(
+        self, requests: list[RequestResult], makespan: float, num_preemptions: int
+    ) -> SimulationResult:
+        """What a run measured: its requests and makespan, and the steps tallied here."""
+        return SimulationResult(
+            requests=requests,
+            makespan=makespan,
+            num_steps=self.num_steps,
+            swapped_out_blocks=self.swapped_out,
+            swapped_in_blocks=self.swapped_in,
+            swap_blocks_ahead=self.ahead,
+            num_preemptions=num_preemptions,
+            steps=self.steps,
+        )
 
 
 # -- the simulation -------------------------------------------------------------------------------
@@ -300,16 +314,7 @@ def simulate(
     position = {g.request_id: i for i, g in enumerate(requests)}
     results = sorted(map(request_result, processor.finished), key=lambda r: position[r.request_id])
     first_arrival = min((g.arrival_time for g in requests), default=0.0)
-    return SimulationResult(
-        requests=results,
-        makespan=clock.now - first_arrival,
-        num_steps=tally.num_steps,
-        swapped_out_blocks=tally.swapped_out,
-        swapped_in_blocks=tally.swapped_in,
-        swap_blocks_ahead=tally.ahead,
-        num_preemptions=sched.num_preemptions,
-        steps=tally.steps,
-    )
+    return tally.result(results, clock.now - first_arrival, sched.num_preemptions)
 
 
 def simulated_model(max_model_len: int) -> ModelConfig:

@@ -20,7 +20,7 @@ returns requests sorted by arrival time.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -80,10 +80,7 @@ def with_arrivals(trace: Sequence[TraceRequest], arrivals: np.ndarray) -> list[T
     """The same requests at new arrival times."""
     if len(arrivals) != len(trace):
         raise ValueError(f"{len(arrivals)} arrival times for {len(trace)} requests")
-    return [
-        TraceRequest(float(t), r.prompt_len, r.output_len)
-        for t, r in zip(arrivals, trace, strict=True)
-    ]
+    return [replace(r, arrival_time=float(t)) for t, r in zip(arrivals, trace, strict=True)]
 
 
 def sharegpt_like(
@@ -91,15 +88,11 @@ def sharegpt_like(
 ) -> list[TraceRequest]:
     """A ShareGPT-shaped trace: long, heavy-tailed prompts and long outputs."""
     rng = _rng(num_requests, max_seq_len, seed)
-    body = np.round(
-        rng.lognormal(np.log(_SHAREGPT_PROMPT_MEDIAN), _SHAREGPT_PROMPT_SIGMA, num_requests)
-    )
+    body = _lognormal(rng, _SHAREGPT_PROMPT_MEDIAN, _SHAREGPT_PROMPT_SIGMA, num_requests)
     long_prompts = rng.integers(*_SHAREGPT_LONG_PROMPT_RANGE, num_requests)
     is_long = rng.random(num_requests) < _SHAREGPT_LONG_PROMPT_FRACTION
     prompt = np.where(is_long, long_prompts, body).clip(1, max_seq_len - 1).astype(int)
-    output = np.round(
-        rng.lognormal(np.log(_SHAREGPT_OUTPUT_MEDIAN), _SHAREGPT_OUTPUT_SIGMA, num_requests)
-    )
+    output = _lognormal(rng, _SHAREGPT_OUTPUT_MEDIAN, _SHAREGPT_OUTPUT_SIGMA, num_requests)
     output = np.minimum(output.clip(1, None), max_seq_len - prompt).astype(int)
     return _assemble(poisson_arrival_times(num_requests, rate, rng), prompt, output)
 
@@ -135,9 +128,9 @@ def heavy_tailed(
         prompts = sharegpt_like(num_requests, seed=seed, max_seq_len=max_seq_len)
         prompt_lens = [r.prompt_len for r in prompts]
     else:
-        drawn = np.round(rng.lognormal(np.log(prompt_median), prompt_sigma, num_requests))
+        drawn = _lognormal(rng, prompt_median, prompt_sigma, num_requests)
         prompt_lens = [int(p) for p in drawn.clip(1, max_seq_len - 1)]
-    outputs = np.round(rng.lognormal(np.log(output_median), output_sigma, num_requests))
+    outputs = _lognormal(rng, output_median, output_sigma, num_requests)
     return [
         TraceRequest(0.0, p, int(min(max(o, 1), max_seq_len - p)))
         for p, o in zip(prompt_lens, outputs, strict=True)
@@ -155,9 +148,14 @@ def _rng(num_requests: int, max_seq_len: int, seed: int) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
+def _lognormal(rng: np.random.Generator, median: float, sigma: float, n: int) -> np.ndarray:
+    """`n` log-normal lengths of `median` and `sigma`, rounded to whole tokens."""
+    return np.round(rng.lognormal(np.log(median), sigma, n))
+
+
 def _lognormal_with_mean(rng: np.random.Generator, mean: float, sigma: float, n: int) -> np.ndarray:
     median = mean / np.exp(sigma**2 / 2)
-    return np.round(rng.lognormal(np.log(median), sigma, n)).clip(1, None).astype(int)
+    return _lognormal(rng, median, sigma, n).clip(1, None).astype(int)
 
 
 def _assemble(arrivals: np.ndarray, prompt: np.ndarray, output: np.ndarray) -> list[TraceRequest]:
