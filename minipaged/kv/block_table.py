@@ -74,8 +74,7 @@ class BlockTable:
             return copies
         if self.last_block_is_shared_and_partial:
             src = self.blocks[-1]
-            dst = pool.take_free()
-            pool.set_num_tokens(dst, pool.blocks[src].num_tokens)
+            dst = pool.take_free(num_tokens=pool.blocks[src].num_tokens)
             pool.release(src)
             self.blocks[-1] = dst
             copies.append((src, dst))
@@ -83,20 +82,17 @@ class BlockTable:
         if self.blocks:
             pool.set_num_tokens(self.blocks[-1], min(bs, num_tokens - (len(self.blocks) - 1) * bs))
         for index in range(len(self.blocks), math.ceil(num_tokens / bs)):
-            block_id = pool.take_free()
-            pool.set_num_tokens(block_id, min(bs, num_tokens - index * bs))
-            self.blocks.append(block_id)
+            self.blocks.append(pool.take_free(num_tokens=min(bs, num_tokens - index * bs)))
         return copies
 
     def register_computed(self, computed: Sequence[int]) -> None:
         """Hash the full blocks of the computed prefix `computed` and offer them to the cache."""
         bs = self.gpu.block_size
         num_full = len(computed) // bs
-        if len(self.block_hashes) < num_full:
-            start = len(self.block_hashes)
-            parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
-            new_tokens = as_token_ids(computed[start * bs : num_full * bs], "computed_token_ids")
-            self.block_hashes.extend(chained_hashes(new_tokens, bs, 0, parent))
+        start = len(self.block_hashes)  # the hashes of blocks [start, num_full) are new
+        parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+        new_tokens = as_token_ids(computed[start * bs : num_full * bs], "computed_token_ids")
+        self.block_hashes.extend(chained_hashes(new_tokens, bs, 0, parent))
         for index in range(self.num_registered_blocks, num_full):
             parent = self.block_hashes[index - 1] if index else ROOT_HASH
             tokens = computed[index * bs : (index + 1) * bs]
@@ -133,21 +129,14 @@ class BlockTable:
                 f"sequence {name}: block {block_id} at position {index} holds {fill} of {bs} "
                 "slots (every block but the last is full, the last is not empty)"
             )
-        assert self.num_registered_blocks <= len(self.block_hashes) <= self.num_slots // bs, (
-            f"sequence {name}: hashes or registered blocks beyond its full blocks"
-        )
-        if self.on_cpu:
-            for block_id in self.blocks:
+            if self.on_cpu:
                 cpu_refs[block_id] += 1
-            return
-        for index, block_id in enumerate(self.blocks):
+                continue
             refs[block_id] += 1
-            fills[block_id] = self.fill(block_id)
+            fills[block_id] = fill
             block = self.gpu.blocks[block_id]
-            if fills[block_id] < bs and block.ref_count > 1:
-                assert index == len(self.blocks) - 1, (
-                    f"shared partial block {block_id} is not last in {name}'s table"
-                )
+            if fill < bs and block.ref_count > 1:
+                assert last, f"shared partial block {block_id} is not last in {name}'s table"
             if block.block_hash is not None:
                 assert index < len(self.block_hashes), f"block {block_id}: unhashed position"
                 parent = self.block_hashes[index - 1] if index else ROOT_HASH
@@ -155,3 +144,6 @@ class BlockTable:
                     self.block_hashes[index],
                     parent,
                 ), f"cached block {block_id} holds another prefix than {name}'s"
+        assert self.num_registered_blocks <= len(self.block_hashes) <= self.num_slots // bs, (
+            f"sequence {name}: hashes or registered blocks beyond its full blocks"
+        )

@@ -153,12 +153,11 @@ class KVCacheManager:
 
     def memory_usage(self) -> MemoryUsage:
         """GPU slots holding tokens; the rest of the used blocks is internal fragmentation."""
-        used_slots = self.num_used_blocks * self.block_size
         token_slots = self._gpu.num_token_slots
         return MemoryUsage(
             total_slots=self.num_gpu_blocks * self.block_size,
             token_slots=token_slots,
-            internal_fragmentation_slots=used_slots - token_slots,
+            internal_fragmentation_slots=self.num_used_blocks * self.block_size - token_slots,
         )
 
     # -- admission and growth ---------------------------------------------------------------------
@@ -179,10 +178,9 @@ class KVCacheManager:
         tokens, hashes, hits, needed = self._plan_prompt(seq_id, token_ids)
         if needed > self.num_free_blocks:
             raise NoFreeBlocksError("GPU", needed, self.num_free_blocks)
-        if self.enable_prefix_caching:
-            eligible = (len(tokens) - 1) // self.block_size
+        if self.enable_prefix_caching:  # looked up: the full blocks before the last token
             self.prefix_cache_hits += len(hits)
-            self.prefix_cache_misses += eligible - len(hits)
+            self.prefix_cache_misses += (len(tokens) - 1) // self.block_size - len(hits)
         for block_id in hits:
             self._gpu.take_shared(block_id)
         table = BlockTable(self._gpu, self._cpu, list(hits), hashes, len(hits))
@@ -248,8 +246,7 @@ class KVCacheManager:
     # -- swapping ---------------------------------------------------------------------------------
 
     def can_swap_out(self, seq_ids: SeqId | Sequence[SeqId]) -> bool:
-        group = self._group(seq_ids, on_cpu=False)
-        return len(distinct_blocks(t.blocks for t in group)) <= self.num_free_cpu_blocks
+        return len(self._group(seq_ids, on_cpu=False)[1]) <= self.num_free_cpu_blocks
 
     def swap_out(self, seq_ids: SeqId | Sequence[SeqId]) -> list[BlockCopy]:
         """Move a sequence, or a group sharing blocks (pass a list), to the CPU pool.
@@ -257,10 +254,9 @@ class KVCacheManager:
         Each distinct GPU block is copied once; returns the (GPU, CPU) copies to perform. GPU
         blocks left unreferenced are freed (cached ones stay findable).
         """
-        group = self._group(seq_ids, on_cpu=False)
-        needed = len(distinct_blocks(t.blocks for t in group))
-        if needed > self.num_free_cpu_blocks:
-            raise NoFreeBlocksError("CPU", needed, self.num_free_cpu_blocks)
+        group, uses = self._group(seq_ids, on_cpu=False)
+        if len(uses) > self.num_free_cpu_blocks:
+            raise NoFreeBlocksError("CPU", len(uses), self.num_free_cpu_blocks)
         cpu_tables, copies = self._cpu.move_out([t.blocks for t in group], self._gpu)
         for table, blocks in zip(group, cpu_tables, strict=True):
             table.blocks, table.on_cpu = blocks, True
@@ -268,15 +264,14 @@ class KVCacheManager:
 
     def can_swap_in(self, seq_ids: SeqId | Sequence[SeqId]) -> bool:
         """Whether `swap_in` would leave at least the watermark's blocks free."""
-        needed = len(distinct_blocks(t.blocks for t in self._group(seq_ids, on_cpu=True)))
+        needed = len(self._group(seq_ids, on_cpu=True)[1])
         return self.num_free_blocks - needed >= self.watermark_blocks
 
     def num_blocks_to_swap_in(self, num_tokens: Mapping[SeqId, int]) -> int:
         """Free GPU blocks a swapped-out group (its ids -> the tokens each must then cover)
         takes to come back and grow: each shared CPU block once, plus new blocks and at most one
         copy-on-write copy a sequence (its last block, partly filled and shared)."""
-        group = self._group(list(num_tokens), on_cpu=True)
-        uses = distinct_blocks(t.blocks for t in group)
+        group, uses = self._group(list(num_tokens), on_cpu=True)
         growth = 0
         for table, wanted in zip(group, num_tokens.values(), strict=True):
             covered = self._check_growth(table, wanted)
@@ -290,10 +285,9 @@ class KVCacheManager:
 
         The swapped-in blocks are offered to the prefix cache again at the next `mark_computed`.
         """
-        group = self._group(seq_ids, on_cpu=True)
-        needed = len(distinct_blocks(t.blocks for t in group))
-        if needed > self.num_free_blocks:
-            raise NoFreeBlocksError("GPU", needed, self.num_free_blocks)
+        group, uses = self._group(seq_ids, on_cpu=True)
+        if len(uses) > self.num_free_blocks:
+            raise NoFreeBlocksError("GPU", len(uses), self.num_free_blocks)
         gpu_tables, copies = self._cpu.move_in([t.blocks for t in group], self._gpu)
         for table, blocks in zip(group, gpu_tables, strict=True):
             table.blocks, table.on_cpu, table.num_registered_blocks = blocks, False, 0
@@ -356,7 +350,11 @@ class KVCacheManager:
         needed = self._gpu.num_to_take(self.num_blocks_for(len(tokens)) - len(hits), hits)
         return tokens, hashes, hits, needed
 
-    def _group(self, seq_ids: SeqId | Sequence[SeqId], on_cpu: bool) -> list[BlockTable]:
+    def _group(
+        self, seq_ids: SeqId | Sequence[SeqId], on_cpu: bool
+    ) -> tuple[list[BlockTable], dict[int, int]]:
+        """The tables of a group all `on_cpu` (or all not), and its distinct blocks -> their
+        references from within the group (`distinct_blocks`)."""
         ids = list(seq_ids) if isinstance(seq_ids, (list, tuple)) else [seq_ids]
         if not ids:
             raise KVCacheError("empty sequence group")
@@ -367,4 +365,4 @@ class KVCacheManager:
             if table.on_cpu != on_cpu:
                 where = "swapped out" if table.on_cpu else "in the GPU pool"
                 raise KVCacheError(f"sequence {seq_id!r} is already {where}")
-        return group
+        return group, distinct_blocks(t.blocks for t in group)

@@ -109,14 +109,16 @@ class GPUPool:
         self.cache: dict[bytes, int] = {}  # registered hash -> block id
         self.num_token_slots = 0  # sum of num_tokens over used blocks
 
-    def take_free(self) -> int:
-        """Pop the front of the free queue, evicting its cached hash; returns it empty, ref 1."""
+    def take_free(self, ref_count: int = 1, num_tokens: int = 0) -> int:
+        """Pop the front of the free queue, evicting its cached hash; returns it with
+        `ref_count` references and `num_tokens` slots filled."""
         block = self.blocks[self.free.pop_front()]
         if block.block_hash is not None:
             del self.cache[block.block_hash]
             block.block_hash = block.parent_hash = block.token_ids = None
-        block.ref_count = 1
-        block.num_tokens = 0
+        block.ref_count = ref_count
+        block.num_tokens = num_tokens
+        self.num_token_slots += num_tokens
         return block.block_id
 
     def take_shared(self, block_id: int) -> None:
@@ -254,12 +256,10 @@ class CPUPool:
     ) -> tuple[list[list[int]], list[tuple[int, int]]]:
         """The reverse: fresh GPU blocks for a group's CPU tables (the caller checked there is
         room); returns the GPU tables and the (CPU, GPU) copies."""
-        mapping: dict[int, int] = {}
-        for cpu_block, refs in distinct_blocks(tables).items():
-            block_id = gpu.take_free()
-            gpu.blocks[block_id].ref_count = refs
-            gpu.set_num_tokens(block_id, self.num_tokens[cpu_block])
-            mapping[cpu_block] = block_id
+        mapping = {
+            cpu_block: gpu.take_free(refs, self.num_tokens[cpu_block])
+            for cpu_block, refs in distinct_blocks(tables).items()
+        }
         for table in tables:
             for cpu_block in table:
                 self.release(cpu_block)

@@ -130,8 +130,8 @@ class OpenAIServing:
         self, request: Request, prepare: Callable[[bytes], Prepared], prefix: str, prompt_field: str
     ) -> tuple[Any, Submission, int]:
         """Read the body, `prepare` it on the worker pool and hand its prompts to the engine
-        loop (the engine's refusal is the client's 400); return the body, the submission and
-        the response's creation time."""
+        loop (the engine's refusal is the client's 400; a stopped loop's `EngineLoopError` is
+        the app's 503); return the body, the submission and the response's creation time."""
         arrival = time.monotonic()
         raw = await read_body(request, self.max_request_body_bytes)
         prepared = await self.preprocessor.run(prepare, raw)
@@ -139,8 +139,6 @@ class OpenAIServing:
             submission = await self.loop.submit(
                 new_id(prefix), prepared.prompts, prepared.params, arrival, prepared.texts
             )
-        except EngineLoopError as exc:
-            raise service_unavailable(str(exc)) from None
         except (ValueError, TypeError) as exc:  # empty, outside the vocabulary, too wide, ...
             raise RequestError(str(exc), _engine_field(str(exc), prompt_field)) from None
         return prepared.body, submission, now()
@@ -197,7 +195,7 @@ class OpenAIServing:
 
     async def _until_disconnected(self, request: Request, work: Awaitable[Any]) -> Any:
         """`work`'s result, unless the client disconnects first (then `work` is cancelled,
-        which aborts its request)."""
+        which aborts its request); an `EngineLoopError` is the app's 503."""
         task = asyncio.ensure_future(work)
         gone = asyncio.ensure_future(_disconnect(request))
         try:
@@ -207,10 +205,7 @@ class OpenAIServing:
                 pending.cancel()
         if not task.done() or task.cancelled():
             raise ClientDisconnected
-        try:
-            return task.result()
-        except EngineLoopError as exc:
-            raise service_unavailable(str(exc)) from None
+        return task.result()
 
 
 # -- the application ------------------------------------------------------------------------------
@@ -249,6 +244,7 @@ def build_app(
     app.add_api_route("/metrics", serving.metrics, methods=["GET"])
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(EngineLoopError, _engine_stopped)
     app.add_exception_handler(ClientDisconnected, _client_gone)
     app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(Exception, _internal_error)
@@ -267,6 +263,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     kind = "NotFoundError" if status == HTTPStatus.NOT_FOUND else status.phrase.replace(" ", "")
     error = RequestError(f"{request.method} {request.url.path}: {exc.detail}", None, status, kind)
     return await _request_error(request, error)
+
+
+async def _engine_stopped(request: Request, exc: Exception) -> Response:
+    """The engine loop stopped (a shutdown, or the engine failed) before the answer: 503."""
+    return await _request_error(request, service_unavailable(str(exc)))
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:

@@ -172,10 +172,7 @@ class EngineLoop:
 
     async def results(self, submission: Submission) -> list[RequestOutput]:
         """The final output of each prompt, in prompt order."""
-        finals: dict[int, RequestOutput] = {}
-        async for index, output in self.stream(submission):
-            if output.finished:
-                finals[index] = output
+        finals = {i: output async for i, output in self.stream(submission) if output.finished}
         return [finals[i] for i in range(len(submission.engine_ids))]
 
     def abort(self, submission: Submission) -> None:

@@ -15,7 +15,7 @@ Each server has its own registry, so several can run in one process (tests, note
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -94,21 +94,17 @@ class ServerMetrics:
             "Time from a request's arrival to its last output token.",
             E2E_BUCKETS,
         )
-        self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=self.registry
-        )
-        self.generation_tokens = Counter(
-            PREFIX + "generation_tokens", "Tokens generated.", registry=self.registry
-        )
-        self.requests = Counter(
-            PREFIX + "request_success",
-            "Finished requests, by finish reason.",
-            ["finished_reason"],
-            registry=self.registry,
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = self._counter("generation_tokens", "Tokens generated.")
+        self.requests = self._counter(
+            "request_success", "Finished requests, by finish reason.", ["finished_reason"]
         )
 
     def _histogram(self, name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(PREFIX + name, text, buckets=buckets, registry=self.registry)
+
+    def _counter(self, name: str, text: str, labels: Sequence[str] = ()) -> Counter:
+        return Counter(PREFIX + name, text, labels, registry=self.registry)
 
     def observe_finished(self, output: RequestOutput) -> None:
         """A request finished (stopped or ran to its length): record its latencies. Its reason
@@ -143,9 +139,5 @@ class ServerMetrics:
 
 def parse_metrics(text: str) -> dict[str, float]:
     """Samples of a `/metrics` page by name (labels kept in the name), for tests and notebooks."""
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)}

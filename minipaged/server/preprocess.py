@@ -130,17 +130,12 @@ class Preprocessor:
 
     def completion(self, raw: bytes) -> Prepared:
         body = self._parse(CompletionRequest, raw)
-        prompts, texts = [], []
-        for prompt in body.prompts():
-            if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise RequestError("text prompts need a tokenizer; pass token ids", "prompt")
-                self.check_text(prompt, "prompt")
-                prompts.append(self._encode(prompt, True, "prompt"))
-                texts.append(prompt)
-            else:
-                prompts.append(prompt)
-                texts.append(None)
+        texts = [p if isinstance(p, str) else None for p in body.prompts()]
+        if self.tokenizer is None and any(text is not None for text in texts):
+            raise RequestError("text prompts need a tokenizer; pass token ids", "prompt")
+        prompts = [
+            self._encode(p, True, "prompt") if isinstance(p, str) else p for p in body.prompts()
+        ]
         params = body.sampling_params([len(p) for p in prompts], self.max_model_len)
         return Prepared(body, params, prompts, texts)
 
@@ -154,7 +149,6 @@ class Preprocessor:
             )
         except ValueError as exc:  # the template refused the conversation (TokenizerError too)
             raise RequestError(f"messages: {exc}", "messages") from None
-        self.check_text(text, "messages")
         prompt = self._encode(text, False, "messages")  # templates write their own bos
         params = body.sampling_params(len(prompt), self.max_model_len)
         return Prepared(body, params, [prompt], [text])
@@ -185,7 +179,9 @@ class Preprocessor:
         check_context(bound, None, self.max_model_len, prompt_field, "", "at least ")
 
     def _encode(self, text: str, add_special_tokens: bool, field: str) -> list[int]:
-        """`text`'s token ids (the callers have refused text without a tokenizer)."""
+        """`text`'s token ids, once `check_text` has passed it (the callers have refused text
+        without a tokenizer)."""
+        self.check_text(text, field)
         try:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except UnicodeEncodeError as exc:  # JSON may spell lone surrogates, UTF-8 cannot

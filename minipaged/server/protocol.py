@@ -223,8 +223,7 @@ class CompletionRequest(_SamplingRequest):
             raise RequestError("echo is not supported", "echo")
         if self.suffix is not None:
             raise RequestError("suffix is not supported", "suffix")
-        if self.logprobs is not None:
-            _check_logprobs(self.logprobs, "logprobs")
+        _check_logprobs(self.logprobs, "logprobs")
         for prompt_len in prompt_lens:
             check_context(prompt_len, self.max_tokens, max_model_len, "prompt", "max_tokens")
         max_tokens = self.max_tokens
@@ -285,13 +284,10 @@ class ChatCompletionRequest(_SamplingRequest):
             raise RequestError("tools are not supported", "tools")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise RequestError("only the text response_format is supported", "response_format")
-        if self.top_logprobs is not None:
-            if not self.logprobs:
-                raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
-            _check_logprobs(self.top_logprobs, "top_logprobs")
-        max_tokens = self.max_completion_tokens
-        if max_tokens is None:
-            max_tokens = self.max_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+        _check_logprobs(self.top_logprobs, "top_logprobs")
+        max_tokens = getattr(self, self.max_tokens_field())
         check_context(prompt_len, max_tokens, max_model_len, "messages", self.max_tokens_field())
         if max_tokens is None:  # whatever the context leaves
             max_tokens = max_model_len - prompt_len
@@ -355,16 +351,15 @@ def parse_body(model: type[_SamplingRequest], body: bytes) -> Any:
 _REQUIRED = frozenset({"prompt", "messages"})
 
 
-def _check_logprobs(count: int, param: str) -> None:
-    if not 0 <= count <= MAX_LOGPROBS:
+def _check_logprobs(count: int | None, param: str) -> None:
+    """Refuse a count of alternatives per token (when given) outside [0, `MAX_LOGPROBS`]."""
+    if count is not None and not 0 <= count <= MAX_LOGPROBS:
         raise RequestError(f"{param} must be between 0 and {MAX_LOGPROBS}, got {count}", param)
 
 
 def _is_prompt(value: Any) -> bool:
     """A single prompt: text, or a non-empty list of token ids."""
-    if isinstance(value, str):
-        return True
-    return (
+    return isinstance(value, str) or (
         isinstance(value, list)
         and bool(value)
         and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
