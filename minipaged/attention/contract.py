@@ -86,8 +86,8 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         raise ValueError(f"query heads ({num_heads}) not a multiple of KV heads ({num_kv_heads})")
     group = num_heads // num_kv_heads
     qf = q.float().transpose(0, 1)  # [H, n, D]
-    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
-    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    # K and V repeated per query head: [H, L, D] each
+    kf, vf = (t.float().repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
     scores = (qf @ kf.transpose(1, 2)) * scale  # [H, n, L]
     query_pos = torch.arange(context_len - n, context_len, device=q.device)[:, None]
     key_pos = torch.arange(context_len, device=q.device)[None, :]

@@ -196,14 +196,13 @@ def check_plan_covers(num_queries: int, q: Tensor) -> None:
 def _attend_chunk(q: Tensor, k_cache: Tensor, v_cache: Tensor, chunk: AttentionChunk,
                   scale: float) -> Tensor:
     """`paged_attention` over one chunk; q: `[B * Q, H, D]`, sequence after sequence."""
-    num_tokens, num_heads, head_dim = q.shape
     keys, values = gather_context(k_cache, v_cache, chunk)
     out = F.scaled_dot_product_attention(  # GQA: query heads share KV heads
-        q.float().view(len(chunk.seqs), chunk.query_len, num_heads, head_dim).transpose(1, 2),
+        q.float().view(len(chunk.seqs), chunk.query_len, *q.shape[1:]).transpose(1, 2),
         keys.transpose(1, 2), values.transpose(1, 2),
         attn_mask=chunk.visible, scale=scale, enable_gqa=True,
     )  # [B, H, Q, D]
-    return out.transpose(1, 2).reshape(num_tokens, num_heads, head_dim).to(q.dtype)
+    return out.transpose(1, 2).reshape(q.shape).to(q.dtype)
 
 
 def gather_context(k_cache: Tensor, v_cache: Tensor, chunk: AttentionChunk,
@@ -228,11 +227,10 @@ def gather_context(k_cache: Tensor, v_cache: Tensor, chunk: AttentionChunk,
 def _gather_blocks(cache: Tensor, block_ids: Tensor, out: Tensor) -> Tensor:
     """Blocks `block_ids [B, n]` of `cache` copied into `out`, viewed `[B, n * block_size, ...]`."""
     num_seqs, num_blocks = block_ids.shape
-    _, block_size, num_kv_heads, head_dim = cache.shape
     flat_cache = cache.view(cache.shape[0], -1)  # a row per block
     rows = out.view(num_seqs * num_blocks, flat_cache.shape[1])
     torch.index_select(flat_cache, 0, block_ids.reshape(-1), out=rows)
-    return out.view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    return out.view(num_seqs, num_blocks * cache.shape[1], *cache.shape[2:])
 
 
 # The chunks are copied into a reused buffer rather than a fresh tensor per call: on CPU a fresh

@@ -56,16 +56,15 @@ def beam_search_candidates(
         raise ValueError(f"num_candidates must be >= 1, got {num_candidates}")
     vocab_size = next_logprobs.shape[1]
     scores = (cumulative_logprobs[:, None] + next_logprobs).flatten()
+    flat_logprobs = next_logprobs.flatten()
     # A stable descending sort keeps equal scores in (beam, token) order.
     order = scores.sort(descending=True, stable=True).indices[:num_candidates].tolist()
-    candidates = []
-    for flat in order:
-        score = float(scores[flat])
-        if score == -math.inf:
-            break
-        beam, token = divmod(flat, vocab_size)
-        candidates.append(BeamCandidate(beam, token, float(next_logprobs[beam, token]), score))
-    return candidates
+    # Sorted best first, so the impossible continuations (-inf) are the last ones.
+    return [
+        BeamCandidate(*divmod(flat, vocab_size), float(flat_logprobs[flat]), float(scores[flat]))
+        for flat in order
+        if float(scores[flat]) != -math.inf
+    ]
 
 
 def beam_search_is_done(

@@ -112,11 +112,9 @@ class SamplingParams:
         )
         _check_bool("use_beam_search", self.use_beam_search)
         _check_int("beam_width", self.beam_width, low=1)
-        bound = MAX_LENGTH_PENALTY
-        _check_float(
-            "length_penalty", self.length_penalty, f"|length_penalty| <= {bound}",
-            lambda x: abs(x) <= bound,
-        )
+        _check_float("length_penalty", self.length_penalty,
+                     f"|length_penalty| <= {MAX_LENGTH_PENALTY}",
+                     lambda x: abs(x) <= MAX_LENGTH_PENALTY)
         if self.use_beam_search:
             self._check_beam_search()
         else:
@@ -170,19 +168,16 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
+        penalties = (self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
+        return penalties != (0.0, 0.0, 1.0)
 
 
 def _check_int(
     name: str, value: object, low: int, high: int = MAX_INT64, allowed: str | None = None
 ) -> None:
     """`value` is an int (not a bool) in [low, high], else a ValueError naming `name`."""
-    if allowed is None:  # every bounded call names its range itself
-        allowed = f"an integer >= {low} that fits an int64 (<= 2**63 - 1)"
+    # Every bounded call names its range itself.
+    allowed = allowed or f"an integer >= {low} that fits an int64 (<= 2**63 - 1)"
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name} must be {allowed}, got {shown(value)}")
 

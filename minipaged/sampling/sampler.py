@@ -73,8 +73,7 @@ class SamplerOutput:
             return None
         out: dict[int, float] = {}
         if k > 0 and self.top_token_ids is not None and self.top_logprobs is not None:
-            ids = self.top_token_ids[row, :k].tolist()
-            lps = self.top_logprobs[row, :k].tolist()
+            ids, lps = self.top_token_ids[row, :k].tolist(), self.top_logprobs[row, :k].tolist()
             out.update(zip(ids, lps, strict=True))
         out[int(self.token_ids[row])] = float(self.logprobs[row])
         return out
@@ -171,10 +170,9 @@ def apply_penalties(
     vocab_size = logits.shape[1]
     output_counts = token_counts(output_token_ids, vocab_size, logits.device)
     prompt_seen = token_counts(prompt_token_ids, vocab_size, logits.device) > 0
-    seen = prompt_seen | (output_counts > 0)
     rep = repetition_penalty[:, None].to(logits.device, logits.dtype)
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    out = torch.where(seen, penalised, logits)
+    out = torch.where(prompt_seen | (output_counts > 0), penalised, logits)
     frequency = frequency_penalty[:, None].to(logits.device, logits.dtype)
     presence = presence_penalty[:, None].to(logits.device, logits.dtype)
     out = out - frequency * output_counts.to(logits.dtype)
@@ -236,6 +234,7 @@ def finite_logits(logits: Tensor, fallback: Tensor) -> Tensor:
 # --- the sampler -------------------------------------------------------------------------------
 
 
+@dataclass(eq=False)
 class Sampler:
     """Samples one token per row of a [B, V] logits batch; see the module docstring for the order.
 
@@ -246,11 +245,8 @@ class Sampler:
     call: each row's argmax and its log-probability, or None to leave them to PyTorch.
     """
 
-    def __init__(self, generator: torch.Generator | None = None,
-                 greedy_tokens: Callable[[Tensor], tuple[Tensor, Tensor] | None] | None = None,
-                 ) -> None:
-        self.generator = generator
-        self.greedy_tokens = greedy_tokens
+    generator: torch.Generator | None = None
+    greedy_tokens: Callable[[Tensor], tuple[Tensor, Tensor] | None] | None = None
 
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         greedy = self._greedy_only(logits, rows)
@@ -291,9 +287,7 @@ class Sampler:
         chosen = self.greedy_tokens(logits)
         if chosen is None:  # a NaN or an infinity: `finite_logits` decides
             return None
-        token_ids, logprobs = chosen
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs,
-                             num_logprobs=[row.params.logprobs for row in rows])
+        return SamplerOutput(*chosen, num_logprobs=[row.params.logprobs for row in rows])
 
     def process_logits(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
         """Bans and penalties: the logits every row's choice and reported logprobs start from."""

@@ -294,12 +294,11 @@ class SequenceGroup:
     # sampling
     def generator_for(self, sample_index: int) -> torch.Generator | None:
         """The seeded generator of sample `sample_index` (None unless the request is seeded)."""
-        if self.sampling_params.sampling_type != SamplingType.RANDOM_SEED:
+        params = self.sampling_params
+        if params.sampling_type != SamplingType.RANDOM_SEED or params.seed is None:
             return None
         if sample_index not in self._generators:
-            seed = self.sampling_params.seed
-            assert seed is not None
-            self._generators[sample_index] = make_generator(seed, sample_index)
+            self._generators[sample_index] = make_generator(params.seed, sample_index)
         return self._generators[sample_index]
 
     def sampling_row(self, seq: Sequence, eos_token_ids: Collection[int] = ()) -> SamplingRow:

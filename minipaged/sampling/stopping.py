@@ -71,10 +71,6 @@ def find_stop_string(
     """
     if new_char_count <= 0 or not stops:
         return None
-    best: tuple[str, int] | None = None
     first_new = len(text) - new_char_count
-    for stop in stops:
-        index = text.find(stop, max(0, first_new - len(stop) + 1))
-        if index != -1 and (best is None or index < best[1]):
-            best = (stop, index)
-    return best
+    found = [(stop, text.find(stop, max(0, first_new - len(stop) + 1))) for stop in stops]
+    return min((f for f in found if f[1] != -1), key=lambda f: f[1], default=None)

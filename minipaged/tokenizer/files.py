@@ -101,19 +101,14 @@ def read_gguf(path: str | os.PathLike[str]) -> TokenizerSpec:
         raise TokenizerError(f"{path}: the GGUF file has no tokenizer metadata")
     if model != "gpt2":
         raise TokenizerError(
-            f"{path}: tokenizer.ggml.model is {model!r}; only byte-level BPE ('gpt2') is "
-            "supported"
+            f"{path}: tokenizer.ggml.model is {model!r}; only byte-level BPE ('gpt2') is supported"
         )
     if "tokenizer.ggml.merges" not in fields:
         raise TokenizerError(f"{path}: the GGUF BPE vocabulary has no tokenizer.ggml.merges")
     tokens: list[str] = fields["tokenizer.ggml.tokens"]
-    types: list[int] = fields.get("tokenizer.ggml.token_type") or [GGUF_TOKEN_NORMAL] * len(
-        tokens
-    )
+    types: list[int] = fields.get("tokenizer.ggml.token_type") or [GGUF_TOKEN_NORMAL] * len(tokens)
     if len(types) != len(tokens):
-        raise TokenizerError(
-            f"{path}: {len(tokens)} tokens but {len(types)} entries in token_type"
-        )
+        raise TokenizerError(f"{path}: {len(tokens)} tokens but {len(types)} entries in token_type")
     vocab: dict[str, int] = {}
     added: list[AddedToken] = []
     for i, (token, token_type) in enumerate(zip(tokens, types, strict=True)):
@@ -309,9 +304,7 @@ def _pre_tokenizer_from_json(spec: dict[str, Any] | None, path: Any) -> PreToken
     raise TokenizerError(f"{path}: no ByteLevel pre-tokenizer; only byte-level BPE is supported")
 
 
-def _post_processor_specials(
-    spec: dict[str, Any] | None, path: Any
-) -> tuple[list[int], list[int]]:
+def _post_processor_specials(spec: dict[str, Any] | None, path: Any) -> tuple[list[int], list[int]]:
     """The special ids a post-processor puts before and after one sequence.
 
     ByteLevel post-processing only adjusts offsets; TemplateProcessing (``"single":

@@ -163,13 +163,7 @@ def _checked_and_read(
     """Check every tensor against the family's table, then read each (in the file's order, with
     `read` when given) and cast it to `dtype`."""
     check_tensors(config, pending, file)
-    bar = tqdm(
-        pending.items(),
-        total=len(pending),
-        desc=f"loading {file.name}",
-        unit="tensor",
-        disable=not progress,
-    )
+    bar = tqdm(pending.items(), desc=f"loading {file.name}", unit="tensor", disable=not progress)
     return {
         name: (item.read() if read is None else read(config, name, item)).to(dtype).contiguous()
         for name, item in bar

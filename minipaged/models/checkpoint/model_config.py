@@ -212,9 +212,7 @@ def check_token_ids(vocab_size: int, ids: Iterable[tuple[str, int | None]]) -> N
         if token is None:
             continue
         if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
-            raise ValueError(
-                f"{name} {token!r} is outside the vocabulary of {vocab_size} tokens"
-            )
+            raise ValueError(f"{name} {token!r} is outside the vocabulary of {vocab_size} tokens")
 
 
 # Token ids, positions and lengths are int32 in the attention contract's metadata: no size of a
@@ -234,9 +232,8 @@ def _check_hf_key_types(cfg: dict[str, Any], key_types: Mapping[str, str]) -> No
 
     def fits(value: Any, kind: str) -> bool:
         if kind == "int or list of int":
-            return fits(value, "int") or (
-                isinstance(value, list) and all(fits(v, "int") for v in value)
-            )
+            values = value if isinstance(value, list) else [value]
+            return all(fits(v, "int") for v in values)
         if isinstance(value, bool):
             return kind == "bool"
         expected = {"int": int, "number": (int, float), "bool": bool, "object": dict,
