@@ -90,9 +90,10 @@ class BlockTable:
         bs = self.gpu.block_size
         num_full = len(computed) // bs
         start = len(self.block_hashes)  # the hashes of blocks [start, num_full) are new
-        parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
-        new_tokens = as_token_ids(computed[start * bs : num_full * bs], "computed_token_ids")
-        self.block_hashes.extend(chained_hashes(new_tokens, bs, 0, parent))
+        if start < num_full:  # most steps fill no block: nothing to hash
+            parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+            new_tokens = as_token_ids(computed[start * bs : num_full * bs], "computed_token_ids")
+            self.block_hashes.extend(chained_hashes(new_tokens, bs, 0, parent))
         for index in range(self.num_registered_blocks, num_full):
             parent = self.block_hashes[index - 1] if index else ROOT_HASH
             tokens = computed[index * bs : (index + 1) * bs]

@@ -67,14 +67,13 @@ def as_token_ids(token_ids: Iterable[int], what: str) -> list[int]:
     return [int(t) for t in tokens]
 
 
-def check_computed(seq_id: SeqId, num_computed: int, num_slots: int) -> None:
-    """`mark_computed`'s check: a computed prefix of `num_computed` tokens lies within the
-    `num_slots` slots appended to the sequence, or a `KVCacheError` says otherwise."""
-    if num_computed > num_slots:
-        raise KVCacheError(
-            f"sequence {seq_id!r}: {num_computed} computed tokens but only {num_slots} slots "
-            "(num_computed_tokens must not exceed the slots appended)"
-        )
+def too_many_computed(seq_id: SeqId, num_computed: int, num_slots: int) -> KVCacheError:
+    """`mark_computed`'s error where a computed prefix of `num_computed` tokens runs past the
+    `num_slots` slots appended to the sequence (the check itself stays in the step's path)."""
+    return KVCacheError(
+        f"sequence {seq_id!r}: {num_computed} computed tokens but only {num_slots} slots "
+        "(num_computed_tokens must not exceed the slots appended)"
+    )
 
 
 # -- accounting -----------------------------------------------------------------------------------

@@ -52,8 +52,8 @@ from minipaged.kv.interface import (
     NoFreeBlocksError,
     SeqId,
     as_token_ids,
-    check_computed,
     check_count,
+    too_many_computed,
 )
 from minipaged.kv.pool import CPUPool, GPUPool, chained_hashes, distinct_blocks
 
@@ -221,7 +221,8 @@ class KVCacheManager:
         """Record that the K/V of the sequence's computed prefix `computed_token_ids` (from its
         owner) is written, and publish the hashes of the full blocks wholly inside it."""
         table = self._gpu_table(seq_id)
-        check_computed(seq_id, len(computed_token_ids), table.num_slots)
+        if len(computed_token_ids) > table.num_slots:
+            raise too_many_computed(seq_id, len(computed_token_ids), table.num_slots)
         if self.enable_prefix_caching:
             table.register_computed(computed_token_ids)
 

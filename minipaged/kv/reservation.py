@@ -32,8 +32,8 @@ from minipaged.kv.interface import (
     MemoryUsage,
     NoFreeBlocksError,
     SeqId,
-    check_computed,
     check_count,
+    too_many_computed,
 )
 
 POLICIES = ("max", "pow2", "oracle")
@@ -242,7 +242,9 @@ class ReservationKVCacheManager:
 
     def mark_computed(self, seq_id: SeqId, computed_token_ids: Sequence[int]) -> None:
         """Nothing to publish (no prefix cache); checks the prefix fits the sequence's slots."""
-        check_computed(seq_id, len(computed_token_ids), self._member(seq_id).num_slots)
+        num_slots = self._member(seq_id).num_slots
+        if len(computed_token_ids) > num_slots:
+            raise too_many_computed(seq_id, len(computed_token_ids), num_slots)
 
     # -- fork and free ----------------------------------------------------------------------------
 
