@@ -35,7 +35,7 @@ from minipaged.engine.postprocess import OutputProcessor, StepUpdate
 from minipaged.engine.record import StepRecord, StepTimings
 from minipaged.engine.requests import RequestStream, check_params, prompt_token_ids
 from minipaged.models.checkpoint.model_config import ModelConfig
-from minipaged.runner.model_runner import GiB, ModelRunner, blocks_that_fit, num_blocks_for_memory
+from minipaged.runner.model_runner import GiB, ModelRunner, num_blocks_for_memory
 from minipaged.runner.parallel.runner import WorkerDiedError, build_runner
 from minipaged.runner.parallel.worker import CheckpointShards, ShardSource
 from minipaged.runner.platforms import Platform
@@ -95,13 +95,8 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
             num_gpu_blocks = scheduler.kv_manager.num_gpu_blocks
             num_cpu_blocks = scheduler.kv_manager.num_cpu_blocks
         else:
-            # Without a size, a runner built here sizes its cache once its weights are placed.
+            # Without a size, the runner sizes its cache once its weights are placed.
             num_gpu_blocks = config.num_gpu_blocks
-            if num_gpu_blocks is None and runner is not None:
-                num_gpu_blocks = blocks_that_fit(
-                    model_config, config.block_size, dtype, device,
-                    config.gpu_memory_utilization, config.kv_cache_memory,
-                )
             num_cpu_blocks = config.num_cpu_blocks
             if num_cpu_blocks is None:
                 num_cpu_blocks = num_blocks_for_memory(
@@ -127,7 +122,7 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
                 gpu_memory_utilization=config.gpu_memory_utilization,
                 kv_cache_memory=config.kv_cache_memory,
             )
-            num_gpu_blocks = runner.num_gpu_blocks
+        num_gpu_blocks = runner.num_gpu_blocks  # the cache the runner holds
         self.runner = runner
         if scheduler is None:
             # Skip-join MLFQ predicts prefill times (FastServe §4.1): measured before it is built.
@@ -170,7 +165,11 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         self._num_steps = 0
         # What start-up made (the model's modules, the tokenizer's tables, captured steps) lives
         # as long as the engine: frozen out of the collector's generations, so that a collection
-        # during serving scans only what steps make (vLLM does the same after start-up).
+        # during serving scans only what steps make (vLLM does the same after start-up). What an
+        # earlier engine froze is let go of first: one dropped since (a notebook's, a test's) is
+        # collected here rather than kept forever.
+        gc.unfreeze()
+        gc.collect()
         gc.freeze()
 
     @classmethod

@@ -7,6 +7,7 @@ outputs must equal `generate_dense`'s token for token, whatever the scheduler di
 from __future__ import annotations
 
 import random
+import weakref
 
 import pytest
 import torch
@@ -419,3 +420,16 @@ def test_chat_outputs_carry_the_rendered_prompt(bundled_model, bundled_tokenizer
     assert "".join(llm.chat_stream(messages, params)) == out.outputs[0].text
     with pytest.raises(ValueError, match="prompt_text"):
         llm.engine.add_request(None, "Hi", params, prompt_text="Hi")
+
+
+def test_an_engine_dropped_is_collected_when_the_next_one_is_built(tiny):
+    """Start-up freezes what it made out of the garbage collector (steps then scan only what
+    they make); an engine dropped since, whose objects hold cycles, must not stay frozen when
+    another is built, or a notebook or a test suite that builds many keeps them all."""
+    engine = make_engine(tiny)
+    run_greedy(engine, random_prompts(2, seed=0), max_tokens=3)
+    engine.observer_of_itself = engine  # a cycle, as a spy or an observer may make
+    gone = weakref.ref(engine.runner.kv_caches[0])
+    del engine
+    make_engine(tiny)
+    assert gone() is None
