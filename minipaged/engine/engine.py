@@ -95,8 +95,11 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
             num_gpu_blocks = scheduler.kv_manager.num_gpu_blocks
             num_cpu_blocks = scheduler.kv_manager.num_cpu_blocks
         else:
-            # Without a size, the runner sizes its cache once its weights are placed.
+            # Without a size, the runner sizes its cache once its weights are placed; a runner
+            # given ready holds its own.
             num_gpu_blocks = config.num_gpu_blocks
+            if num_gpu_blocks is None and runner is not None:
+                num_gpu_blocks = runner.num_gpu_blocks
             num_cpu_blocks = config.num_cpu_blocks
             if num_cpu_blocks is None:
                 num_cpu_blocks = num_blocks_for_memory(
@@ -122,7 +125,7 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
                 gpu_memory_utilization=config.gpu_memory_utilization,
                 kv_cache_memory=config.kv_cache_memory,
             )
-        num_gpu_blocks = runner.num_gpu_blocks  # the cache the runner holds
+            num_gpu_blocks = runner.num_gpu_blocks
         self.runner = runner
         if scheduler is None:
             # Skip-join MLFQ predicts prefill times (FastServe §4.1): measured before it is built.
