@@ -208,11 +208,10 @@ def specialise(launch: KernelLaunch, capability: int) -> tuple[dict, dict, dict]
 def compile_launch(launch: KernelLaunch, capability: int) -> Any:
     """`launch`'s program compiled for compute capability `capability`, down to a cubin."""
     signature, constexprs, attrs = specialise(launch, capability)
-    options = {"num_warps": launch.num_warps}
-    if launch.num_stages is not None:
-        options["num_stages"] = launch.num_stages
+    stages = {} if launch.num_stages is None else {"num_stages": launch.num_stages}
     return triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs),
-                          target=GPUTarget("cuda", capability, 32), options=options)
+                          target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": launch.num_warps, **stages})
 
 
 def program_key(launch: KernelLaunch, arch: str) -> str:
@@ -306,11 +305,10 @@ def plan_programs(configs: Sequence[Configuration], archs: Iterable[str]) -> lis
         for config in configs:
             for launch in configuration_launches(config):
                 key = program_key(launch, arch)
-                if key not in programs:
-                    programs[key] = Program(
-                        key, launch.name, arch,
-                        {k: str(v) for k, v in launch.constexprs.items()}, launch.num_warps)
-                programs[key].configurations.append(config.name)
+                constexprs = {k: str(v) for k, v in launch.constexprs.items()}
+                program = programs.setdefault(
+                    key, Program(key, launch.name, arch, constexprs, launch.num_warps))
+                program.configurations.append(config.name)
     return list(programs.values())
 
 

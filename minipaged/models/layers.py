@@ -118,8 +118,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         if residual is not None:
-            x = x + residual
-            residual = x
+            x = residual = x + residual
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         normed = self.weight * xf.to(x.dtype)

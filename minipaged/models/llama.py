@@ -252,9 +252,8 @@ def _hf_rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return None
-    return {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")} | {
-        "rope_type": kind
-    }
+    scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")}
+    return scaling | {"rope_type": kind}
 
 
 def llama_config_from_gguf(meta: GGUFMetadata, qkv_bias: bool = False,

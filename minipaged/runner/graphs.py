@@ -37,6 +37,9 @@ from minipaged.runner.platforms.base import CaptureUnsupported, Platform, Replay
 FIELDS = (("input_ids", torch.int64), ("positions", torch.int64),
           ("slot_mapping", torch.int64), ("seq_lens", torch.int32),
           ("query_start_loc", torch.int32), ("block_tables", torch.int32))
+# What a padded row holds (module docstring): token 0 at position 0 of a one-token context,
+# writing no K/V (slot -1); its block table's first entry is block 0.
+PADDING = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "seq_lens": 1}
 
 
 @dataclass
@@ -75,37 +78,24 @@ class StaticBatch:
         self.c = {name: _c_array(self.host[name]) for name, _ in FIELDS}
         self.rows, self.max_blocks = rows, max_blocks
         self.c["query_start_loc"][:] = list(range(rows + 1))
-        self.c["slot_mapping"][:] = [-1] * rows
-        self.c["seq_lens"][:] = [1] * rows
+        for name, value in PADDING.items():
+            self.c[name][:] = [value] * rows
         self._sync()
 
     def write(self, batch: FlatBatch, rows: int) -> None:
-        """`batch`'s decodes into the first rows, the rest of `rows` padded (module docstring),
-        then one copy to the device."""
+        """`batch`'s decodes into the first rows, the rest of `rows` padded (`PADDING`), then
+        one copy to the device."""
         n, c, width = len(batch.input_ids), self.c, self.max_blocks
-        c["input_ids"][:n] = batch.input_ids
-        c["positions"][:n] = batch.positions
-        c["slot_mapping"][:n] = batch.slot_mapping
-        c["seq_lens"][:n] = batch.seq_lens
+        for name, value in PADDING.items():
+            c[name][:n] = getattr(batch, name)
+            c[name][n:rows] = [value] * (rows - n)
         tables = c["block_tables"]
         for row, table in enumerate(batch.block_tables):  # a table may run past the context
             used = min(len(table), width)
             tables[row * width:row * width + used] = table[:used]
-        self._pad(n, rows)
+        for row in range(n, rows):
+            tables[row * width] = 0
         self._sync()
-
-    def _pad(self, start: int, rows: int) -> None:
-        """Rows `start` to `rows` padded (module docstring): token 0 at position 0 of a
-        one-token context in block 0, writing no K/V (slot -1)."""
-        if rows <= start:
-            return
-        c, pad, width = self.c, rows - start, self.max_blocks
-        c["input_ids"][start:rows] = [0] * pad
-        c["positions"][start:rows] = [0] * pad
-        c["slot_mapping"][start:rows] = [-1] * pad
-        c["seq_lens"][start:rows] = [1] * pad
-        for row in range(start, rows):
-            c["block_tables"][row * width] = 0
 
     def _sync(self) -> None:
         if self.device_memory is not self.host_memory:

@@ -128,12 +128,11 @@ class DenseKVCache:
             capacity = max(seq_len, old.shape[2] if old.shape[2] >= seq_len else 2 * old.shape[2])
         shape = (rows, like.shape[1], capacity, like.shape[2])
         # Zeros, not empty: a masked-out slot gets weight 0, and 0 * garbage could be NaN.
-        new_k, new_v = like.new_zeros(shape), like.new_zeros(shape)
-        if old is not None:
-            old_v = self.values[layer_idx]
-            new_k[:old.shape[0], :, :old.shape[2]] = old
-            new_v[:old.shape[0], :, :old.shape[2]] = old_v
-        self.keys[layer_idx], self.values[layer_idx] = new_k, new_v
+        for tensors in (self.keys, self.values):
+            new = like.new_zeros(shape)
+            if old is not None:
+                new[:old.shape[0], :, :old.shape[2]] = tensors[layer_idx]
+            tensors[layer_idx] = new
 
 
 class DenseAttentionBackend:
@@ -181,12 +180,10 @@ class DenseAttentionBackend:
         if self.is_decode:
             return self._decode(layer_idx, q, k, v, scale)
         outputs = []
-        start = 0
-        for seq_id, n in zip(self.seq_ids, self.query_lens, strict=True):
-            end = start + n
-            keys, values = self.cache.append(seq_id, layer_idx, k[start:end], v[start:end])
-            outputs.append(dense_attention(q[start:end], keys, values, scale))
-            start = end
+        pieces = zip(self.seq_ids, *(t.split(self.query_lens) for t in (q, k, v)), strict=True)
+        for seq_id, q_seq, k_seq, v_seq in pieces:
+            keys, values = self.cache.append(seq_id, layer_idx, k_seq, v_seq)
+            outputs.append(dense_attention(q_seq, keys, values, scale))
         return torch.cat(outputs)
 
     def _decode(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -261,11 +258,8 @@ def generate_dense(
     pending = {i: list(p) for i, p in enumerate(prompts)} if max_new_tokens > 0 else {}
     while pending:
         seq_ids = list(pending)
-        input_ids, positions = [], []
-        for i in seq_ids:
-            start = cache.length(i)
-            input_ids += pending[i]
-            positions += range(start, start + len(pending[i]))
+        input_ids = [token for i in seq_ids for token in pending[i]]
+        positions = [cache.length(i) + j for i in seq_ids for j in range(len(pending[i]))]
         query_lens = [len(pending[i]) for i in seq_ids]
         backend = DenseAttentionBackend(cache, seq_ids, query_lens)
         hidden = model(

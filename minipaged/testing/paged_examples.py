@@ -103,8 +103,7 @@ def random_block_tables(
     tables = torch.full((len(seq_lens), max(blocks_per_seq) + extra_table_columns), -1,
                         dtype=torch.int32)
     for i, n in enumerate(blocks_per_seq):
-        for j in range(n):
-            tables[i, j] = physical.pop()
+        tables[i, :n] = torch.tensor([physical.pop() for _ in range(n)], dtype=torch.int32)
     return tables, num_blocks
 
 
@@ -144,11 +143,9 @@ def make_paged_cache(
     k_cache = torch.full(shape, garbage, dtype=dtype, device=device)
     v_cache = torch.full(shape, garbage, dtype=dtype, device=device)
     for i, (k, v) in enumerate(zip(keys, values, strict=True)):
-        for j in range(-(-seq_lens[i] // block_size)):
-            block_id = int(block_tables[i, j])
-            lo, hi = j * block_size, min((j + 1) * block_size, seq_lens[i])
-            k_cache[block_id, : hi - lo] = k[lo:hi]
-            v_cache[block_id, : hi - lo] = v[lo:hi]
+        slots = slot_mapping(block_tables, block_size, i, range(seq_lens[i])).to(device)
+        k_cache.flatten(0, 1)[slots] = k  # flatten: a view of the slots, [blocks * size, H_kv, D]
+        v_cache.flatten(0, 1)[slots] = v
     return PagedCache(
         k_cache=k_cache,
         v_cache=v_cache,
@@ -181,16 +178,13 @@ def make_attention_case(
     keys = [randn(n, num_kv_heads, head_dim) for n in seq_lens]
     values = [randn(n, num_kv_heads, head_dim) for n in seq_lens]
     q = randn(sum(query_lens), num_heads, head_dim)
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
     cache = make_paged_cache(keys, values, block_size, garbage=garbage, generator=gen)
     return AttentionCase(
         q=q,
         keys=keys,
         values=values,
         cache=cache,
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, *query_lens], device=device).cumsum(0, dtype=torch.int32),
         scale=head_dim**-0.5,
     )
 
@@ -198,10 +192,8 @@ def make_attention_case(
 def dense_reference(case: AttentionCase) -> Tensor:
     """The oracle's answer for a case: `dense_attention` per sequence, concatenated ([T, H, D])."""
     starts = case.query_start_loc.tolist()
-    outs = [
-        dense_attention(case.q[starts[i] : starts[i + 1]], k, v, case.scale)
-        for i, (k, v) in enumerate(zip(case.keys, case.values, strict=True))
-    ]
+    bounds = zip(starts[:-1], starts[1:], case.keys, case.values, strict=True)
+    outs = [dense_attention(case.q[lo:hi], k, v, case.scale) for lo, hi, k, v in bounds]
     return torch.cat(outs, dim=0)
 
 

@@ -128,11 +128,6 @@ def few_rows_product(path: FewRows | None, x: Tensor, logits: bool = False) -> T
         return out
 
 
-def multiplied_weight(layer: nn.Linear) -> Tensor | Int8Weight:
-    """The weight `layer` multiplies: its int8 weights if quantised, else `weight`."""
-    return layer.int8 if isinstance(layer, Int8Linear) else layer.weight
-
-
 def choose_few_rows(layer: CPULinear | Int8Linear, max_rows: int | None = None) -> None:
     """Set `layer.few_rows`: the kernel up to `max_rows` rows where given (0: never), else up
     to the rows it measured faster than the GEMM `linear` uses for this weight's shape
@@ -141,16 +136,16 @@ def choose_few_rows(layer: CPULinear | Int8Linear, max_rows: int | None = None) 
     layer.few_rows = None
     if not gemv_available():
         return
-    weight = multiplied_weight(layer)
+    weight = layer.int8 if isinstance(layer, Int8Linear) else layer.weight  # what it multiplies
     dtype = torch.float32 if isinstance(weight, Int8Weight) else weight.dtype
     try:
         plan = GemvPlan([weight], [layer.bias], dtype)
     except ValueError:
         return
-    if isinstance(weight, Int8Weight):
-        limit = INT8_GEMV_ROWS if max_rows is None else max_rows
-    elif max_rows is not None:
+    if max_rows is not None:
         limit = max_rows
+    elif isinstance(weight, Int8Weight):
+        limit = INT8_GEMV_ROWS
     elif may_use_onednn(weight) and onednn_is_faster(*weight.shape, dtype):
         limit = gemv_row_limit((tuple(weight.shape),), dtype, onednn_linear, packed_copy)
     else:

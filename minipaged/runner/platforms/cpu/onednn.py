@@ -103,8 +103,7 @@ def onednn_is_faster(out_features: int, in_features: int, dtype: torch.dtype) ->
     cost per call is higher, so tiny weights keep `F.linear`.
     """
     gen = torch.Generator().manual_seed(0)
-    element_bytes = torch.tensor([], dtype=dtype).element_size()
-    copies = max(1, min(64, GEMM_PROBE_BYTES // (out_features * in_features * element_bytes)))
+    copies = max(1, min(64, GEMM_PROBE_BYTES // (out_features * in_features * dtype.itemsize)))
     weights = [torch.randn(out_features, in_features, generator=gen).to(dtype)
                for _ in range(copies)]
     inputs = [torch.randn(n, in_features, generator=gen).to(dtype) for n in GEMM_PROBE_ROWS]

@@ -58,8 +58,5 @@ def quantize_model(model: CausalLM, quantization: str, group_size: int = GROUP_S
         module.int8, module.few_rows = int8, None
         module.weight = None  # the int8 values stand for it: no float copy is kept
     if tied:
-        int8_embedding = Int8Embedding(model.lm_head.int8, dtype)
-        for name, module in model.named_modules():
-            if module is embedding:
-                model.set_submodule(name, int8_embedding)
-                break
+        name = next(name for name, module in model.named_modules() if module is embedding)
+        model.set_submodule(name, Int8Embedding(model.lm_head.int8, dtype))

@@ -41,6 +41,15 @@ def _tensors(value: nn.Parameter | Int8Weight) -> list[Tensor]:
     return [value.data, value.scales] if isinstance(value, Int8Weight) else [value]
 
 
+def _copied(value: nn.Parameter | Int8Weight,
+            copies: dict[int, Tensor]) -> nn.Parameter | Int8Weight:
+    """`value` over the copies of its tensors (`copies`, by the originals' ids)."""
+    if isinstance(value, Int8Weight):
+        return dataclasses.replace(
+            value, data=copies[id(value.data)], scales=copies[id(value.scales)])
+    return nn.Parameter(copies[id(value)], requires_grad=value.requires_grad)
+
+
 def lay_out_weights(model: nn.Module) -> int:
     """Copy every parameter and int8 weight of a CPU `model` into one buffer, in registration
     order, each on a cache line, and give the modules the copies (module docstring); return the
@@ -55,21 +64,13 @@ def lay_out_weights(model: nn.Module) -> int:
     offsets, size = [], 0
     for tensor in tensors:
         offsets.append(size)
-        size += -(-tensor.numel() * tensor.element_size() // ALIGNMENT) * ALIGNMENT
+        size += -(-tensor.nbytes // ALIGNMENT) * ALIGNMENT
     raw = huge_page_buffer(size)  # starts on a huge page, so on a cache line
     copies: dict[int, Tensor] = {}
     for tensor, offset in zip(tensors, offsets, strict=True):
-        nbytes = tensor.numel() * tensor.element_size()
-        view = raw[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        view = raw[offset:offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
         copies[id(tensor)] = view.copy_(tensor)
-    replacement: dict[int, nn.Parameter | Int8Weight] = {}
-    for value in originals:
-        if isinstance(value, Int8Weight):
-            replacement[id(value)] = dataclasses.replace(
-                value, data=copies[id(value.data)], scales=copies[id(value.scales)])
-        else:
-            replacement[id(value)] = nn.Parameter(copies[id(value)],
-                                                  requires_grad=value.requires_grad)
+    replacement = {id(value): _copied(value, copies) for value in originals}
     for module, name, value in held:
         setattr(module, name, replacement[id(value)])
     return size
