@@ -248,11 +248,11 @@ class GemvPlan:
         if ahead is None:
             ahead = (rows > 0 and self.fetch_ahead_matters(level)
                      and fetch_ahead(self.weight_dtype, rows))
-        arrays = [ctypes.addressof(array) for array in self._arrays]
-        args = GemvArgs(x.data_ptr(), rows, self.in_features, int(self.dtype == torch.bfloat16),
-                        len(self.weights), *arrays, out.data_ptr(), level, int(ahead),
-                        torch.get_num_threads())
-        return KernelCall(library.gemv_call, args, keep=self)  # the plan holds the arrays
+        # keep=self: the plan holds the arrays the struct points into
+        return KernelCall(library.gemv_call, GemvArgs(
+            x.data_ptr(), rows, self.in_features, int(self.dtype == torch.bfloat16),
+            len(self.weights), *(ctypes.addressof(array) for array in self._arrays),
+            out.data_ptr(), level, int(ahead), torch.get_num_threads()), keep=self)
 
 
 def gemv(x: Tensor, weights: Sequence[Tensor | Int8Weight],

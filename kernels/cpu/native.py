@@ -69,11 +69,10 @@ def native_decode_supports(k_cache: Tensor, num_heads: int | None = None) -> boo
     """Whether the kernel takes this cache (a CPU tensor of one of `DTYPES`, head and block
     sizes within its buffers) and, given `num_heads`, that many query heads on it."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    group_fits = num_heads is None or (
-        num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
-    )
     return (
-        k_cache.device.type == "cpu" and k_cache.dtype in DTYPES and group_fits
+        (num_heads is None or (num_heads % num_kv_heads == 0
+                               and num_heads // num_kv_heads <= MAX_GROUP))
+        and k_cache.device.type == "cpu" and k_cache.dtype in DTYPES
         and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK
     )
 

@@ -165,17 +165,8 @@ def split_count(
 ) -> int:
     """Enough partitions to give a GPU about two programs per multiprocessor, no more; each
     partition keeps at least one key tile."""
-    programs = num_seqs * num_kv_heads
-    splits = triton.cdiv(2 * multiprocessors, max(programs, 1))
+    splits = triton.cdiv(2 * multiprocessors, max(num_seqs * num_kv_heads, 1))
     return max(1, min(splits, triton.cdiv(max_seq_len, key_tile), MAX_SPLITS))
-
-
-def decode_warps(dtype: torch.dtype, head_dim_pad: int) -> int:
-    """Warps of a stage-1 program: 4, or 8 for float32 caches at head dims above 128, whose
-    [16, head dim] accumulator and tf32x3 operands (two TF32 parts each) spill out of 4 warps'
-    registers on sm_90 (24-56 bytes of stack at head dim 256, with 16- or 32-key tiles;
-    `minipaged.kernels.triton.aot`)."""
-    return 8 if dtype == torch.float32 and head_dim_pad > 128 else 4
 
 
 def paged_decode_attention(
@@ -256,7 +247,11 @@ def decode_launches(
         dict(GROUP=group, GROUP_PAD=pow2_at_least(group, MIN_DOT_SIZE),
              HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
              BLOCK_SIZE=block_size, KEY_TILE=key_tile, UPCAST=interpreting()),
-        num_warps=decode_warps(k_cache.dtype, head_dim_pad),
+        # 4 warps, or 8 for float32 caches at head dims above 128, whose [16, head dim]
+        # accumulator and tf32x3 operands (two TF32 parts each) spill out of 4 warps' registers
+        # on sm_90 (24-56 bytes of stack at head dim 256, with 16- or 32-key tiles;
+        # `minipaged.kernels.triton.aot`).
+        num_warps=8 if k_cache.dtype == torch.float32 and head_dim_pad > 128 else 4,
     )
     # Every split count merges in one program (masked rows cost no memory traffic), so a new
     # batch size never compiles a new one.

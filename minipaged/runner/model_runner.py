@@ -174,14 +174,12 @@ class ModelRunner:
     def _move_blocks(self, cache_ops: SchedulerOutput) -> None:
         """Swap out, then swap in, then copy: a block freed by a swap-out may be reused at
         once."""
-        if cache_ops.swap_out:
-            mapping = torch.tensor(cache_ops.swap_out, dtype=torch.int64)
-            for device_cache, host_cache in zip(self.kv_caches, self.host_caches, strict=True):
-                self.ops.swap_blocks(device_cache, host_cache, mapping)
-        if cache_ops.swap_in:
-            mapping = torch.tensor(cache_ops.swap_in, dtype=torch.int64)
-            for device_cache, host_cache in zip(self.kv_caches, self.host_caches, strict=True):
-                self.ops.swap_blocks(host_cache, device_cache, mapping)
+        for blocks, to_host in ((cache_ops.swap_out, True), (cache_ops.swap_in, False)):
+            if blocks:
+                mapping = torch.tensor(blocks, dtype=torch.int64)
+                for device_cache, host_cache in zip(self.kv_caches, self.host_caches, strict=True):
+                    src, dst = (device_cache, host_cache) if to_host else (host_cache, device_cache)
+                    self.ops.swap_blocks(src, dst, mapping)
         if cache_ops.copy:
             mapping = torch.tensor(cache_ops.copy, dtype=torch.int64, device=self.device)
             self.ops.copy_blocks(self.kv_caches, mapping)

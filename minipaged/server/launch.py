@@ -17,6 +17,7 @@ the notebook): a context manager that starts it, waits until it answers and alwa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import socket
 import subprocess
@@ -142,11 +143,9 @@ def wait_until_healthy(url: str, timeout: float, process: subprocess.Popen | Non
     while True:
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"the server at {url} exited with status {process.returncode}")
-        try:
+        with contextlib.suppress(httpx.TransportError):
             if httpx.get(url + "/health", timeout=2.0).status_code == 200:
                 return
-        except httpx.TransportError:
-            pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"the server at {url} did not answer within {timeout} s")
         time.sleep(0.1)

@@ -22,7 +22,7 @@ import functools
 import math
 import unicodedata
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import regex
 
@@ -145,6 +145,7 @@ def split_isolated(pattern: regex.Pattern[str], text: str) -> list[str]:
     return [text[start:end] for start, end in zip(cuts, cuts[1:], strict=False)]
 
 
+@dataclass
 class PreTokenizer:
     """Cuts text into words the way a `tokenizers` ``Sequence`` of ``Split`` steps followed by a
     ``ByteLevel`` step does.
@@ -157,18 +158,15 @@ class PreTokenizer:
             (``use_regex``).
     """
 
-    def __init__(
-        self,
-        patterns: Sequence[str] = (),
-        *,
-        add_prefix_space: bool = False,
-        byte_level_split: bool = False,
-    ) -> None:
-        self.patterns = tuple(patterns)
-        self.add_prefix_space = add_prefix_space
-        self.byte_level_split = byte_level_split
+    patterns: Sequence[str] = ()
+    _: KW_ONLY
+    add_prefix_space: bool = False
+    byte_level_split: bool = False
+
+    def __post_init__(self) -> None:
+        self.patterns = tuple(self.patterns)
         self._compiled = [regex.compile(p) for p in self.patterns]
-        self._byte_level = regex.compile(GPT2_PATTERN) if byte_level_split else None
+        self._byte_level = regex.compile(GPT2_PATTERN) if self.byte_level_split else None
 
     def split(self, text: str) -> list[str]:
         """The words of ``text``, in order; they join back to ``text`` (plus prefix spaces)."""
@@ -181,16 +179,8 @@ class PreTokenizer:
             pieces = _split_all(self._byte_level, pieces)
         return pieces
 
-    def __repr__(self) -> str:
-        return (
-            f"PreTokenizer({list(self.patterns)!r}, add_prefix_space={self.add_prefix_space}, "
-            f"byte_level_split={self.byte_level_split})"
-        )
-
 
 def _split_all(pattern: regex.Pattern[str], pieces: list[str]) -> list[str]:
-    if len(pieces) == 1:  # the usual case: one run of text between added tokens
-        return split_isolated(pattern, pieces[0])
     return [w for p in pieces for w in split_isolated(pattern, p)]
 
 

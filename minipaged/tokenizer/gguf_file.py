@@ -159,14 +159,12 @@ def read_gguf_file(path: str | Path) -> GGUFFile:
             raise GGUFError(f"general.alignment {alignment!r} is not a power of two")
         data_start = -(-cursor.offset // alignment) * alignment
     file_data = np.memmap(path, mode="r")
-    tensors, names = [], set()
+    tensors: dict[str, GGUFTensor] = {}  # by name, in file order
     for record in records:
-        name = record[0]
-        if name in names:
-            raise GGUFError(f"tensor {name} appears twice")
-        names.add(name)
-        tensors.append(_tensor(file_data, record, data_start, size))
-    return GGUFFile(path, version, metadata, tensors)
+        if record[0] in tensors:
+            raise GGUFError(f"tensor {record[0]} appears twice")
+        tensors[record[0]] = _tensor(file_data, record, data_start, size)
+    return GGUFFile(path, version, metadata, list(tensors.values()))
 
 
 # A tensor's record in the header: name, type, shape (NumPy order), offset in the data section.
