@@ -11,7 +11,8 @@ while the process exits.
 
 `ServerThread` runs the same server on a thread, on a free port of 127.0.0.1 (the tests and
 the notebook): a context manager that starts it, waits until it answers and always stops it.
-`free_port` and `wait_until_healthy` serve those who start it in a child process instead.
+`free_port` (the tensor-parallel workers') and `wait_until_healthy` serve those who start it
+in a child process instead.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import Any
 
 import httpx
 import uvicorn
+
+from minipaged.runner.parallel.worker import free_port as free_port  # re-exported
 
 LOG_LEVEL = "warning"
 # Seconds uvicorn waits beyond `shutdown_timeout` before it cancels what is left by force.
@@ -128,13 +131,6 @@ class ServerThread:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free now (for a server started elsewhere; `ServerThread` keeps its own)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def wait_until_healthy(url: str, timeout: float, process: subprocess.Popen | None = None) -> None:

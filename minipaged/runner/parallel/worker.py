@@ -157,10 +157,11 @@ class PlanBroadcast:
             yield box[0]
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for the process group's store)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that is free now (for the process group's store, or a server
+    started in another process)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
