@@ -171,8 +171,9 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         # during serving scans only what steps make (vLLM does the same after start-up). What an
         # earlier engine froze is let go of first: one dropped since (a notebook's, a test's) is
         # collected here rather than kept forever.
-        gc.unfreeze()
-        gc.collect()
+        if gc.get_freeze_count():  # an earlier engine's
+            gc.unfreeze()
+            gc.collect()
         gc.freeze()
 
     @classmethod
