@@ -30,9 +30,11 @@ docs: setup
 # the notebooks' code line and figure limits.
 #
 # TIER=avx2 or TIER=generic runs it as a CPU of that x86 tier would: the C kernels built for and
-# dispatched within the tier ($$MINIPAGED_CPU_ISA), PyTorch's and oneDNN's kernels capped alike.
-TIER_ENV_avx2    := MINIPAGED_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
-TIER_ENV_generic := MINIPAGED_CPU_ISA=generic ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41
+# dispatched within the tier ($$MINIPAGED_CPU_ISA), PyTorch's, oneDNN's and MKL's kernels capped alike.
+TIER_ENV_avx2    := MINIPAGED_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+                    MKL_ENABLE_INSTRUCTIONS=AVX2
+TIER_ENV_generic := MINIPAGED_CPU_ISA=generic ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 \
+                    MKL_ENABLE_INSTRUCTIONS=SSE4_2
 TIER_ENV_avx512  := MINIPAGED_CPU_ISA=avx512
 test: lint setup
 	$(TIER_ENV_$(TIER)) OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n 2 --dist loadgroup tests/ --nbmake notebooks/

@@ -15,8 +15,9 @@ import platform
 import sys
 from pathlib import Path
 
-# The settings that cap the instruction set a run uses (`make test TIER=...` sets all three).
-ISA_CAPS = ("MINIPAGED_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+# The settings that cap the instruction set a run uses (`make test TIER=...` sets them all).
+ISA_CAPS = ("MINIPAGED_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+            "MKL_ENABLE_INSTRUCTIONS")
 
 
 def machine_info(**extra: object) -> dict[str, object]:
