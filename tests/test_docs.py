@@ -602,3 +602,10 @@ def test_layer_mismatches_reads_the_readme_table(tmp_path):
     bad = good | {runner.resolve(): "Layer 9 -- x",
                   (platforms / "cpu").resolve(): "The CPU's kernels (layer 0)."}
     assert len(layer_mismatches(folders, bad)) == 3
+
+
+def test_every_layer_page_has_a_picture():
+    pages = sorted((ROOT / "docs" / "layers").glob("*.md"))
+    picture = re.compile(r"!\[[^\]]+\]\(\.\./images/[\w.-]+\.(?:png|svg)\)")
+    bare = [page.name for page in pages if not picture.search(page.read_text(encoding="utf-8"))]
+    assert len(pages) == 16 and not bare, bare
