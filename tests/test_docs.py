@@ -477,6 +477,18 @@ def test_names_in_notebook_prose_import_from_where_the_prose_says(notebook, teac
     assert not wrong, "\n".join(wrong)
 
 
+def test_names_in_the_pages_import_from_where_they_say(teaching_on_path):
+    """The same for the README and every docs page."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+    wrong = [
+        f"{page.relative_to(ROOT)}: {dotted}" + (f" has no {name}" if name else "")
+        for page in pages
+        for dotted, name in sorted(named_imports(page.read_text(encoding="utf-8")), key=str)
+        if not resolves(dotted, name)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
 # A comparison stated in words: the code cell right after it asserts it, so that a run whose
 # numbers say otherwise fails instead of printing beside a sentence it contradicts.
 COMPARISON = re.compile(
