@@ -8,6 +8,13 @@ page: code lines of at most 88 characters, figures at most ~9 in wide at ~110 dp
 PNG outputs' headers), no warnings or local file paths in its outputs. A failure lists every
 offending cell, counted from 0 as in the file's "cells" list.
 
+What the prose claims is held to the code: a module or class a notebook or page names imports
+from where the prose says; a comparison a notebook states in words ("weaker", "within a few",
+"never crosses", "the paper's ranges") is asserted by the code cell right after it, so that a
+run whose numbers say otherwise fails (`test_a_planted_contradiction_fails` shows both checks
+catching a planted error); every package's docstring carries the layer number of the README's
+table; every layer page has a picture.
+
 The build takes a few seconds; the tests that need it share one build, on one xdist worker.
 """
 
