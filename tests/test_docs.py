@@ -501,7 +501,7 @@ def test_names_in_the_pages_import_from_where_they_say(teaching_on_path):
 COMPARISON = re.compile(
     r"(?i)\b(?:weaker|stronger|never\s+cross(?:es|ed)|within\s+(?:a\s+few|the\s+paper|\d)"
     r"|(?:in|inside)\s+the\s+paper's\s+ranges?|the\s+paper's\s+ranges|coincide"
-    r"|tie\s+(?:on|at)|lower\s+bound)\b"
+    r"|(?:near\s+)?tie\s+(?:on|at)|near\s+tie|lower\s+bound)\b"
 )
 
 
