@@ -433,7 +433,8 @@ def test_the_prose_checks_catch_what_they_claim():
 # `teaching.kv_sizes.OPT_13B`), a name and where it comes from ("`ToyEngine` (from
 # `teaching.toy_blocks`)", "`X` in `m`"), or an inline import (`from m import A, B`).
 DOTTED_NAME = re.compile(r"`((?:minipaged|teaching)(?:\.\w+)+)`")
-NAME_FROM = re.compile(r"`(\w+)`,?\s+\(?(?:from|in)\s+`((?:minipaged|teaching)[\w.]*)`")
+NAME_FROM = re.compile(r"`(\w+)`,?\s+\(?(?:from|in|of)\s+`((?:minipaged|teaching)[\w.]*)`")
+POSSESSIVE = re.compile(r"`((?:minipaged|teaching)[\w.]*)`'s\s+`(\w+)`")
 INLINE_IMPORT = re.compile(r"`from ((?:minipaged|teaching)[\w.]*) import ([\w, ]+)`")
 
 
@@ -442,6 +443,7 @@ def named_imports(text: str) -> set[tuple[str, str | None]]:
     with where it lives (see the patterns above)."""
     found = {(dotted, None) for dotted in DOTTED_NAME.findall(text)}
     found |= {(where, name) for name, where in NAME_FROM.findall(text)}
+    found |= set(POSSESSIVE.findall(text))
     for where, names in INLINE_IMPORT.findall(text):
         found |= {(where, name.strip()) for name in names.split(",") if name.strip()}
     return found
@@ -537,10 +539,12 @@ def test_a_planted_contradiction_fails():
     """The checks above on a notebook planted with the two kinds of error they exist for: a
     helper named where it does not live, and a comparison its numbers contradict."""
     prose = ("`ToyEngine` (from `minipaged.testing`) plays the engine; `KVCacheManager` "
-             "(from `minipaged.kv`) and `from teaching.kv_sizes import OPT_13B` are right.")
+             "(from `minipaged.kv`), `minipaged.sched.mlfq`'s `SkipJoinMLFQScheduler` and "
+             "`from teaching.kv_sizes import OPT_13B` are right.")
     assert named_imports(prose) == {
-        ("minipaged.testing", None), ("minipaged.kv", None), ("minipaged.testing", "ToyEngine"),
-        ("minipaged.kv", "KVCacheManager"), ("teaching.kv_sizes", "OPT_13B")}
+        ("minipaged.testing", None), ("minipaged.kv", None), ("minipaged.sched.mlfq", None),
+        ("minipaged.testing", "ToyEngine"), ("minipaged.kv", "KVCacheManager"),
+        ("minipaged.sched.mlfq", "SkipJoinMLFQScheduler"), ("teaching.kv_sizes", "OPT_13B")}
     assert resolves("minipaged.kv", "KVCacheManager")
     assert resolves("minipaged.sim.simulator.simulate", None)
     assert not resolves("minipaged.testing", "ToyEngine")
