@@ -8,6 +8,13 @@ page: code lines of at most 88 characters, figures at most ~9 in wide at ~110 dp
 PNG outputs' headers), no warnings or local file paths in its outputs. A failure lists every
 offending cell, counted from 0 as in the file's "cells" list.
 
+What the prose claims is held to the code: a module or class a notebook or page names imports
+from where the prose says; a comparison a notebook states in words ("weaker", "within a few",
+"never crosses", "the paper's ranges") is asserted by the code cell right after it, so that a
+run whose numbers say otherwise fails (`test_a_planted_contradiction_fails` shows both checks
+catching a planted error); every package's docstring carries the layer number of the README's
+table; every layer page has a picture.
+
 The build takes a few seconds; the tests that need it share one build, on one xdist worker.
 """
 
@@ -418,3 +425,214 @@ def test_the_prose_checks_catch_what_they_claim():
     assert lab_words("docs/benchmarks.md", table + "On this machine, as issue #21 said") == [
         "issue #21", "this machine"]
     assert lab_words("docs/x.md", "built from scratch; here is the interface") == []
+
+
+# -- what the prose claims, held to the code and the outputs --------------------------------------
+
+# A name the prose says lives somewhere: a dotted module or attribute (`minipaged.sim.simulator`,
+# `teaching.kv_sizes.OPT_13B`), a name and where it comes from ("`ToyEngine` (from
+# `teaching.toy_blocks`)", "`X` in `m`"), or an inline import (`from m import A, B`).
+DOTTED_NAME = re.compile(r"`((?:minipaged|teaching)(?:\.\w+)+)`")
+NAME_FROM = re.compile(r"`(\w+)`,?\s+\(?(?:from|in|of)\s+`((?:minipaged|teaching)[\w.]*)`")
+POSSESSIVE = re.compile(r"`((?:minipaged|teaching)[\w.]*)`'s\s+`(\w+)`")
+INLINE_IMPORT = re.compile(r"`from ((?:minipaged|teaching)[\w.]*) import ([\w, ]+)`")
+
+
+def named_imports(text: str) -> set[tuple[str, str | None]]:
+    """(dotted path, name in it or None) for every module, class or function `text` names
+    with where it lives (see the patterns above)."""
+    found = {(dotted, None) for dotted in DOTTED_NAME.findall(text)}
+    found |= {(where, name) for name, where in NAME_FROM.findall(text)}
+    found |= set(POSSESSIVE.findall(text))
+    for where, names in INLINE_IMPORT.findall(text):
+        found |= {(where, name.strip()) for name in names.split(",") if name.strip()}
+    return found
+
+
+def resolves(dotted: str, name: str | None) -> bool:
+    """Whether `dotted` imports (as a module, or as attributes of its longest importable
+    prefix) and, given a name, holds it."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attribute in parts[cut:] + ([name] if name else []):
+            if not hasattr(obj, attribute):
+                return False
+            obj = getattr(obj, attribute)
+        return True
+    return False
+
+
+@pytest.fixture
+def teaching_on_path(monkeypatch):
+    """The notebooks import their helpers as `teaching.<module>`, from their own folder."""
+    monkeypatch.syspath_prepend(str(ROOT / "notebooks"))
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_names_in_notebook_prose_import_from_where_the_prose_says(notebook, teaching_on_path):
+    wrong = [
+        f"cell {index}: {dotted}" + (f" has no {name}" if name else " does not import")
+        for index, cell in enumerate(cells(notebook))
+        if cell["cell_type"] == "markdown"
+        for dotted, name in sorted(named_imports(text_of(cell["source"])), key=str)
+        if not resolves(dotted, name)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_names_in_the_pages_import_from_where_they_say(teaching_on_path):
+    """The same for the README and every docs page."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+    wrong = [
+        f"{page.relative_to(ROOT)}: {dotted}" + (f" has no {name}" if name else "")
+        for page in pages
+        for dotted, name in sorted(named_imports(page.read_text(encoding="utf-8")), key=str)
+        if not resolves(dotted, name)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+# A comparison stated in words: the code cell right after it asserts it, so that a run whose
+# numbers say otherwise fails instead of printing beside a sentence it contradicts.
+COMPARISON = re.compile(
+    r"(?i)\b(?:weaker|stronger|never\s+cross(?:es|ed)|within\s+(?:a\s+few|the\s+paper|\d)"
+    r"|(?:in|inside)\s+the\s+paper's\s+ranges?|the\s+paper's\s+ranges|coincide"
+    r"|(?:near\s+)?tie\s+(?:on|at)|near\s+tie|lower\s+bound)\b"
+)
+
+
+def asserts(source: str) -> bool:
+    import ast
+
+    return any(isinstance(node, ast.Assert) for node in ast.walk(ast.parse(source)))
+
+
+def unasserted_comparisons(notebook_cells: list[dict]) -> list[str]:
+    """The markdown cells that state a comparison (COMPARISON) not followed by a code cell
+    that asserts something."""
+    found = []
+    for index, cell in enumerate(notebook_cells):
+        if cell["cell_type"] != "markdown":
+            continue
+        words = [m.group() for m in COMPARISON.finditer(text_of(cell["source"]))]
+        after = notebook_cells[index + 1] if index + 1 < len(notebook_cells) else None
+        checked = (after is not None and after["cell_type"] == "code"
+                   and asserts(text_of(after["source"])))
+        if words and not checked:
+            found.append(f"cell {index}: {', '.join(words)!s} with no assert right after")
+    return found
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_comparison_in_words_is_asserted_right_after(notebook):
+    found = unasserted_comparisons(cells(notebook))
+    assert not found, "\n".join(found)
+
+
+def test_a_planted_contradiction_fails():
+    """The checks above on a notebook planted with the two kinds of error they exist for: a
+    helper named where it does not live, and a comparison its numbers contradict."""
+    prose = ("`ToyEngine` (from `minipaged.testing`) plays the engine; `KVCacheManager` "
+             "(from `minipaged.kv`), `minipaged.sched.mlfq`'s `SkipJoinMLFQScheduler` and "
+             "`from teaching.kv_sizes import OPT_13B` are right.")
+    assert named_imports(prose) == {
+        ("minipaged.testing", None), ("minipaged.kv", None), ("minipaged.sched.mlfq", None),
+        ("minipaged.testing", "ToyEngine"), ("minipaged.kv", "KVCacheManager"),
+        ("minipaged.sched.mlfq", "SkipJoinMLFQScheduler"), ("teaching.kv_sizes", "OPT_13B")}
+    assert resolves("minipaged.kv", "KVCacheManager")
+    assert resolves("minipaged.sim.simulator.simulate", None)
+    assert not resolves("minipaged.testing", "ToyEngine")
+    assert not resolves("minipaged.no_such_module", None)
+
+    claim = {"cell_type": "markdown", "source": "The one-level MLFQ is the weaker baseline."}
+    output = {"cell_type": "code", "source": "jct = {'one level': 3.54, 'skip-join': 3.55}"}
+    check = {"cell_type": "code",
+             "source": "assert jct['one level'] > jct['skip-join']  # weaker: slower"}
+    assert unasserted_comparisons([output, claim]) == [
+        "cell 1: weaker with no assert right after"]
+    assert unasserted_comparisons([output, claim, check]) == []
+    wrapped = {"cell_type": "markdown", "source": "paged sustains 1.78x, inside the\npaper's range"}
+    assert unasserted_comparisons([wrapped]) == ["cell 0: inside the\npaper's range with no "
+                                                 "assert right after"]
+    scope: dict = {}
+    exec(output["source"], scope)
+    with pytest.raises(AssertionError):  # the numbers contradict the sentence: the run fails
+        exec(check["source"], scope)
+
+
+# -- the layer numbers ----------------------------------------------------------------------------
+
+README_ROW = re.compile(r"^\| (\d+) \| ([^|]+) \|", re.MULTILINE)
+LAYER_MENTION = re.compile(r"\b[Ll]ayer (\d+)\b")
+
+
+def layer_folders(readme: str, root: Path) -> dict[Path, int]:
+    """The README's layer table as {package folder: layer}: each row's folders (`x/y/`) and
+    dotted packages (`minipaged.kernels`), those that exist; a row naming a module file (the
+    command line's `__main__.py`) has no package docstring to hold."""
+    folders = {}
+    for number, where in README_ROW.findall(readme):
+        for name in re.findall(r"`([\w./]+)`", where):
+            path = root / (name if name.endswith("/") else name.replace(".", "/"))
+            if not name.endswith(".py") and path.is_dir():
+                folders[path.resolve()] = int(number)
+    return folders
+
+
+def layer_mismatches(folders: dict[Path, int], docstrings: dict[Path, str]) -> list[str]:
+    """Each package (folder -> docstring) against the README's table: a folder the table names
+    opens its docstring with "Layer N --"; a package inside one names no other layer."""
+    wrong = []
+    for folder, doc in sorted(docstrings.items()):
+        owners = [f for f in folders if folder == f or f in folder.parents]
+        if not owners:
+            continue
+        number = folders[max(owners, key=lambda f: len(f.parts))]
+        if folder in folders and not doc.startswith(f"Layer {number} -- "):
+            wrong.append(f"{folder}: does not open with 'Layer {number} --'")
+        wrong += [f"{folder}: says layer {n}, the README says {number}"
+                  for n in LAYER_MENTION.findall(doc) if int(n) != number]
+    return wrong
+
+
+def test_package_docstrings_carry_the_readmes_layer_numbers():
+    import ast
+
+    folders = layer_folders((ROOT / "README.md").read_text(encoding="utf-8"), ROOT)
+    assert len(set(folders.values())) >= 14, folders  # every layer but a module file's
+    packages = [*(ROOT / "minipaged").rglob("__init__.py"), *(ROOT / "kernels").rglob(
+        "__init__.py")]
+    docstrings = {init.parent.resolve(): ast.get_docstring(ast.parse(init.read_text())) or ""
+                  for init in packages}
+    wrong = layer_mismatches(folders, docstrings)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_layer_mismatches_reads_the_readme_table(tmp_path):
+    readme = ("| # | subpackage |\n|---|---|\n| 7 | `pkg/platforms/` |\n| 10 | `pkg/runner/` |\n"
+              "| 15 | `pkg/__main__.py` |\n")
+    for folder in ("pkg/platforms/cpu", "pkg/runner"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "pkg" / "__main__.py").write_text("")
+    folders = layer_folders(readme, tmp_path)
+    platforms, runner = tmp_path / "pkg" / "platforms", tmp_path / "pkg" / "runner"
+    assert folders == {platforms.resolve(): 7, runner.resolve(): 10}
+    good = {platforms.resolve(): "Layer 7 -- platforms", runner.resolve(): "Layer 10 -- x",
+            (platforms / "cpu").resolve(): "The CPU platform.", tmp_path.resolve(): "Layer 1"}
+    assert layer_mismatches(folders, good) == []
+    bad = good | {runner.resolve(): "Layer 9 -- x",
+                  (platforms / "cpu").resolve(): "The CPU's kernels (layer 0)."}
+    assert len(layer_mismatches(folders, bad)) == 3
+
+
+def test_every_layer_page_has_a_picture():
+    pages = sorted((ROOT / "docs" / "layers").glob("*.md"))
+    picture = re.compile(r"!\[[^\]]+\]\(\.\./images/[\w.-]+\.(?:png|svg)\)")
+    bare = [page.name for page in pages if not picture.search(page.read_text(encoding="utf-8"))]
+    assert len(pages) == 16 and not bare, bare

@@ -6,6 +6,8 @@ Run `python docs/images/figures.py` after a picture or a toy changes; it takes a
 
 from __future__ import annotations
 
+import base64
+import json
 import sys
 import warnings
 from pathlib import Path
@@ -45,6 +47,7 @@ from teaching.pictures import (  # noqa: E402
 from teaching.toy_blocks import ToyEngine, slot_categories, token_ids  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+NOTEBOOKS = HERE.parents[1] / "notebooks"
 DPI = 110
 
 
@@ -214,8 +217,85 @@ def tp_splits() -> None:
     save(fig, "tp_splits.png")
 
 
+def from_notebook(notebook: str, marker: str, name: str) -> None:
+    """Copy the figure a notebook committed, the output of the one code cell whose source holds
+    `marker`: the layer page shows the notebook's own picture, drawn once."""
+    cells = json.loads((NOTEBOOKS / notebook).read_text(encoding="utf-8"))["cells"]
+    found = [c for c in cells if c["cell_type"] == "code" and marker in "".join(c["source"])]
+    if len(found) != 1:
+        raise ValueError(f"{notebook}: {len(found)} code cells hold {marker!r}, not one")
+    pngs = [o["data"]["image/png"] for o in found[0]["outputs"] if "image/png" in o.get(
+        "data", {})]
+    if len(pngs) != 1:
+        raise ValueError(f"{notebook}: the cell with {marker!r} has {len(pngs)} figures")
+    (HERE / name).write_bytes(base64.b64decode("".join(pngs[0])))
+
+
+def notebook_figures() -> None:
+    from_notebook("06_engine.ipynb", "draw_engine_trace(trace, free", "engine_trace.png")
+    from_notebook("08_benchmarks.ipynb", 'latency_curves(axes[0], sim["sharegpt"]',
+                  "latency_curves.png")
+    from_notebook("09_serving.ipynb", "Four streams, one batch", "streams.png")
+
+
+def flat_batch() -> None:
+    """Layer 10's example: three sequences' new tokens in one flat batch, and the cache slots
+    their keys and values go to (`block_table[pos // 4] * 4 + pos % 4`)."""
+    block_size, num_blocks = 4, 8
+    plan = {"A": (range(0, 5), [7, 2]), "B": (range(9, 10), [4, 0, 5]),
+            "C": (range(3, 4), [1])}  # new positions, block table
+    colours = {"A": "tab:blue", "B": "tab:orange", "C": "tab:green"}
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8.8, 3.6), layout="constrained",
+                                      height_ratios=[1, 1.3])
+    column = 0
+    for seq, (positions, table) in plan.items():
+        for pos in positions:
+            slot = table[pos // block_size] * block_size + pos % block_size
+            top.add_patch(plt.Rectangle((column, 0), 0.95, 1, color=colours[seq], alpha=0.8))
+            top.text(column + 0.47, 0.5, f"{seq.lower()}{pos}\npos {pos}\nslot {slot}",
+                     ha="center", va="center", fontsize=8, color="white")
+            bottom.add_patch(plt.Rectangle((slot, 0), 0.95, 1, color=colours[seq], alpha=0.8))
+            bottom.text(slot + 0.47, 0.5, f"{seq.lower()}{pos}", ha="center", va="center",
+                        fontsize=8, color="white")
+            column += 1
+        top.axvline(column - 0.025, color="k", lw=1.5)  # a query_start_loc boundary
+    top.set(xlim=(0, column), ylim=(0, 1), yticks=[], xticks=[],
+            title="The flat batch: 7 new tokens of 3 sequences, no padding "
+                  "(black lines: query_start_loc)")
+    for block in range(num_blocks + 1):
+        bottom.axvline(block * block_size - 0.025, color="0.3", lw=0.8)
+    bottom.set(xlim=(0, num_blocks * block_size), ylim=(0, 1), yticks=[],
+               xticks=[b * block_size + 2 for b in range(num_blocks)],
+               xticklabels=[f"block {b}" for b in range(num_blocks)],
+               title="Where their keys and values go: slot_mapping into the paged cache")
+    bottom.tick_params(axis="x", labelsize=8, length=0)
+    save(fig, "flat_batch.png")
+
+
+def commands() -> None:
+    """Layer 15: each command, and the engine call it ends in."""
+    rows = [("minipaged generate", "LLM.generate", "one completion per prompt, printed"),
+            ("minipaged chat", "LLMEngine.stream", "chat template, tokens as they come"),
+            ("minipaged serve", "the HTTP server -> LLMEngine", "OpenAI's endpoints, SSE")]
+    fig, ax = plt.subplots(figsize=(8.8, 2.4), layout="constrained")
+    for y, (command, call, what) in enumerate(reversed(rows)):
+        for x, text, colour in ((0.0, command, "0.85"), (3.6, call, "tab:blue")):
+            ax.add_patch(plt.Rectangle((x, y + 0.15), 3.0, 0.7, color=colour, alpha=0.8))
+            ax.text(x + 1.5, y + 0.5, text, ha="center", va="center", fontsize=10,
+                    family="monospace", color="k" if colour == "0.85" else "white")
+        ax.annotate("", xy=(3.6, y + 0.5), xytext=(3.0, y + 0.5),
+                    arrowprops=dict(arrowstyle="->", lw=1.5))
+        ax.text(6.8, y + 0.5, what, va="center", fontsize=9)
+    ax.set(xlim=(0, 10.5), ylim=(0, len(rows)), xticks=[], yticks=[],
+           title="The command line: flags mirror SamplingParams and LLM; each command "
+                 "ends in the engine")
+    ax.axis("off")
+    save(fig, "commands.png")
+
+
 if __name__ == "__main__":
     for draw in (tokens, q4_1_block, decoder_block, reservations, kv_blocks, paged_layout,
-                 online_softmax, sampling, scheduler_gantt, tp_splits):
+                 online_softmax, sampling, scheduler_gantt, tp_splits, flat_batch, commands,
+                 notebook_figures):
         draw()
         print("drew", draw.__name__)

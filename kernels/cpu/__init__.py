@@ -1,4 +1,4 @@
-"""Layer 0 -- the CPU's native kernels: C sources beside this package, compiled by the
+"""Layer 6 -- the CPU's native kernels: C sources beside this package, compiled by the
 system's C compiler on first use for the machine's own instruction set and loaded with ctypes.
 
 Paged attention (`native`: decode over blocks read in place, and the KV write), the few-row

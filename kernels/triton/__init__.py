@@ -1,4 +1,4 @@
-"""Triton kernels for paged attention (issue #5), whose entry points `minipaged.kernels` names.
+"""Layer 6 -- Triton kernels for paged attention, whose entry points `minipaged.kernels` names.
 
 Importing this package imports Triton. On a machine without a GPU, set `TRITON_INTERPRET=1`
 before the import to run the kernels through Triton's CPU interpreter.

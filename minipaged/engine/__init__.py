@@ -1,4 +1,4 @@
-"""Layer 11 -- the engine: `LLMEngine` (schedule -> execute -> update, one step at a time),
+"""Layer 12 -- the engine: `LLMEngine` (schedule -> execute -> update, one step at a time),
 `EngineConfig`, what follows the forward pass, beam search, and `LLM`, the offline front end.
 """
 

@@ -1,5 +1,5 @@
-"""The hand-written kernels, `minipaged.kernels`: in `triton/` the paged-attention kernels in
-Triton (layer 6), in `cpu/` the CPU's C kernels (layer 0).
+"""Layer 6 -- the hand-written kernels, `minipaged.kernels`: in `triton/` the paged-attention
+kernels in Triton, in `cpu/` the CPU's C kernels.
 
 Their code is the repository's root `kernels/` folder, installed as this package's `cpu` and
 `triton` subpackages (`package-dir` in pyproject.toml). This `__init__` lives here, not in

@@ -1,4 +1,4 @@
-"""Layer 9 -- the model runner: it owns the tensors (the device KV cache, the host pool, the
+"""Layer 10 -- the model runner: it owns the tensors (the device KV cache, the host pool, the
 flat batch), runs a step's plan through the model and returns logits; it decides nothing.
 """
 

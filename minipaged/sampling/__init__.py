@@ -1,4 +1,4 @@
-"""Layer 7 -- sequences and sampling: `SamplingParams`, the sampler, beam-search scoring,
+"""Layer 8 -- sequences and sampling: `SamplingParams`, the sampler, beam-search scoring,
 stop rules, a request's sequences and its outputs.
 """
 

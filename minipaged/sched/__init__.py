@@ -1,4 +1,4 @@
-"""Layer 8 -- schedulers: FCFS continuous batching with preemption, FastServe's skip-join MLFQ
+"""Layer 9 -- schedulers: FCFS continuous batching with preemption, FastServe's skip-join MLFQ
 with proactive swapping, the Orca and static-batching baselines, the registry that builds them
 by name, and the step-time cost model MLFQ predicts with.
 """

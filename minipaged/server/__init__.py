@@ -1,4 +1,4 @@
-"""`minipaged serve`: an OpenAI-compatible HTTP server on top of `LLMEngine` (the top layer).
+"""Layer 14 -- `minipaged serve`: an OpenAI-compatible HTTP server on top of `LLMEngine`.
 
 Modules, one job each, in the order a request meets them:
 

@@ -1,4 +1,4 @@
-"""Layer 12 -- simulation: the schedulers driven by a measured cost model instead of a model,
+"""Layer 13 -- simulation: the schedulers driven by a measured cost model instead of a model,
 paper-shaped request traces, and the profiling that calibrates the cost model on a real engine.
 """
 

@@ -1,4 +1,4 @@
-"""The oracles the tests and notebooks compare against: dense attention and dense
+"""Layer 16 -- the oracles the tests and notebooks compare against: dense attention and dense
 generation, and random paged layouts. Nothing in the engine imports them.
 """
 

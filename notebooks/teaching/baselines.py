@@ -4,8 +4,9 @@ FastServe (Wu et al.) compares skip-join MLFQ against a naive MLFQ in which ever
 the highest-priority queue and, having used a queue's quantum, moves down **one** level, as
 FastServe's own scheduler code does. minipaged's `mlfq-naive` (`minipaged.sched.mlfq`) demotes
 a job straight to the first queue whose quantum covers the time it used, so that a job whose
-one long prefill overran several quanta lands where skip-join would have put it: a stronger
-baseline than the paper's. `OneLevelDemotionMLFQ` is the paper's: after the scheduler's own
+one long prefill overran several quanta lands where skip-join would have put it (which of the
+two is harder to beat depends on the trace: notebook 07 measures both). `OneLevelDemotionMLFQ`
+is the paper's: after the scheduler's own
 demotions it moves every demoted job back up to one level below where it was. It uses only the
 scheduler's public state (`jobs`, `priority_order`), which the scheduler reads right after
 charging the previous step and before choosing the next batch.

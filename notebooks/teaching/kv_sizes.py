@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["OPT_13B", "KVShape", "kv_bytes_per_token", "requests_that_fit"]
+__all__ = ["OPT_13B", "OPT_13B_A100_CACHE_BYTES", "OPT_13B_A100_CACHE_TOKENS", "KVShape",
+           "kv_bytes_per_token", "requests_that_fit", "thousands"]
 
 
 @dataclass(frozen=True)
@@ -42,3 +43,16 @@ def requests_that_fit(token_slots: int, tokens_per_request: int) -> int:
     if tokens_per_request < 1:
         raise ValueError(f"tokens_per_request must be >= 1, got {tokens_per_request}")
     return max(0, token_slots) // tokens_per_request
+
+
+def thousands(count: int) -> str:
+    """A count the way the paper writes it: 15,728 -> "15.7K"."""
+    return f"{count / 1000:.1f}K"
+
+
+# The vLLM paper's Table 1: OPT-13B (26 GB of float16 weights) on one A100-40GB leaves 12 GB
+# for the KV cache. That memory over 800 KB a token is the one cache figure the notebooks use:
+# 15,728 token slots, the paper's "15.7K".
+OPT_13B_A100_CACHE_BYTES = 12 * 2**30
+OPT_13B_A100_CACHE_TOKENS = OPT_13B_A100_CACHE_BYTES // kv_bytes_per_token(
+    OPT_13B.num_layers, OPT_13B.num_kv_heads, OPT_13B.head_dim, 2)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from teaching.kv_sizes import OPT_13B, kv_bytes_per_token, requests_that_fit
+from teaching.kv_sizes import (
+    OPT_13B,
+    OPT_13B_A100_CACHE_TOKENS,
+    kv_bytes_per_token,
+    requests_that_fit,
+    thousands,
+)
 
 
 def test_opt_13b_keeps_800_kb_per_token_as_the_paper_says():
@@ -24,3 +30,8 @@ def test_requests_that_fit():
         requests_that_fit(10, 0)
     with pytest.raises(ValueError, match="head_dim"):
         kv_bytes_per_token(1, 1, 0, 2)
+
+
+def test_the_one_opt_13b_cache_figure_is_the_papers_15_7k():
+    assert OPT_13B_A100_CACHE_TOKENS == 12 * 2**30 // 819_200 == 15_728
+    assert thousands(OPT_13B_A100_CACHE_TOKENS) == "15.7K"  # Table 1's "Max. # KV slots"

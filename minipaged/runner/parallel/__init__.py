@@ -1,4 +1,4 @@
-"""Layer 10 -- tensor parallelism on `torch.distributed`: the worker ranks and rank 0's
+"""Layer 11 -- tensor parallelism on `torch.distributed`: the worker ranks and rank 0's
 runner, which sends every rank the same plan (Megatron-LM's column and row splits live with the
 models, in `minipaged.models.tensor_parallel`).
 """
