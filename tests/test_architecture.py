@@ -2,14 +2,14 @@
 
 * `LAYERS` below is the package's layer order: each subpackage of `minipaged/` (and `kernels/`,
   imported as `minipaged.kernels`) is one layer, or two where a nested subpackage is a layer of its
-  own below or above its parent (`models.checkpoint`, `runner.platforms`, `runner.parallel`); a
-  module
-  imports only its own layer or the ones listed before it; the module import graph has no cycle.
+  own below or above its parent (`models.checkpoint`, `runner.parallel`); a module imports
+  only its own layer or the ones listed before it; the module import graph has no cycle.
   Imports inside functions and under `TYPE_CHECKING` count: a lazy import is still an import.
   `docs/architecture.md`'s table lists the same layers in the same order.
-* Every subpackage names its public face (`__all__` in its `__init__.py`); no folder, the
-  package's own included, holds more than 12 modules and subpackages (`__init__` and the
-  command line's `__main__` aside), and no two modules of one folder share a name prefix.
+* Every subpackage names its public face (`__all__` in its `__init__.py`); the package's own
+  folder holds its top-level layers and nothing else, no other folder more than 12 modules and
+  subpackages (`__init__` and the command line's `__main__` aside), and no two modules of one
+  folder share a name prefix.
 * No module reads another module's private names (`obj._name`, `from x import _name`) in
   `minipaged/`, `kernels/`, `benchmarks/` or the notebooks, and nothing outside the engine
   replaces an engine's parts by assignment.
@@ -37,7 +37,7 @@ LAYERS = (
     "kv",  # 4
     "attention",  # 5: the contract and the reference
     "kernels",  # 6: the platforms' kernels, in `kernels/` (Triton's and the CPU's C)
-    "runner.platforms",  # 7: each device's speed behind one seam, the runner's to call
+    "platforms",  # 7: each device's speed behind one seam, the runner's to call
     "sampling",  # 8
     "sched",  # 9
     "runner",  # 10
@@ -227,7 +227,11 @@ def test_folders_are_small_and_their_modules_have_distinct_prefixes() -> None:
             if (p.suffix == ".py" and p.stem not in ("__init__", "__main__"))
             or (p.is_dir() and (p / "__init__.py").exists())
         ]
-        if len(entries) > MAX_FOLDER_ENTRIES:
+        if folder == ROOT / "minipaged":  # the package's own folder: its top-level layers only
+            layers = {unit for unit in LAYERS if "." not in unit and unit != "__main__"}
+            if set(entries) != layers:
+                problems.append(f"minipaged: {sorted(entries)} are not the top-level layers")
+        elif len(entries) > MAX_FOLDER_ENTRIES:
             problems.append(f"{folder.relative_to(ROOT)}: {len(entries)} entries")
         prefixes: dict[str, list[str]] = {}
         for name in entries:
@@ -292,7 +296,7 @@ def test_the_model_knows_no_platform() -> None:
     the kernels or the platforms (a platform swaps its modules in at load)."""
     found = [f"{a} imports {b}" for a, targets in import_graph().items()
              if unit_of(a) in ("models", "models.checkpoint") for b in targets
-             if unit_of(b) in ("kernels", "runner.platforms")]
+             if unit_of(b) in ("kernels", "platforms")]
     assert not found, "\n".join(found)
 
 

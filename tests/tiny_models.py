@@ -41,7 +41,7 @@ from minipaged.engine.engine import LLMEngine
 from minipaged.kernels.cpu.gemv import MAX_ROWS
 from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.registry import FAMILIES, build_model
-from minipaged.runner.platforms.cpu import CPUPlatform
+from minipaged.platforms.cpu import CPUPlatform
 from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 from minipaged.testing.dense import DenseAttentionBackend, DenseKVCache
 

@@ -41,7 +41,7 @@ from cpu.roofline import dram_bytes, read_bandwidth, weight_bytes
 from machine import report_header, save_report
 from minipaged.engine.config import cpu_flags
 from minipaged.engine.llm import LLM
-from minipaged.runner.platforms.cpu import GEMV_ROWS_VARIABLE
+from minipaged.platforms.cpu import GEMV_ROWS_VARIABLE
 from minipaged.sampling.params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "decode_cpu.json"

@@ -44,7 +44,7 @@ from machine import last_level_cache_bytes, report_header, save_report
 from minipaged.engine.config import DTYPES, cpu_flags, native_bfloat16
 from minipaged.kernels.cpu.pages import huge_page_buffer
 from minipaged.models.checkpoint.model_config import ModelConfig
-from minipaged.runner.platforms.cpu.linear import linear
+from minipaged.platforms.cpu.linear import linear
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "roofline.json"
 ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 512, 1024, 2048)

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
+from minipaged.platforms.cpu.quantization import QUANTIZATIONS
 from minipaged.runner.backends import BACKENDS
-from minipaged.runner.platforms.cpu.quantization import QUANTIZATIONS
 from minipaged.sampling.params import MAX_SEED, is_finite, shown
 from minipaged.sched.cost_model import CostModel
 from minipaged.sched.mlfq import MLFQConfig
@@ -118,7 +118,7 @@ class EngineConfig:
     attention_backend: str | None = None  # None: Triton on CUDA; on a CPU "cpu" for 16 bits
     quantization: str | None = None  # "int8": weight-only int8 at load (a CPU, one rank)
     # True: every step through the model's modules, never a replayed decode step
-    # (`minipaged.runner.platforms.cpu.replay`; vLLM's flag of the same name turns off CUDA graphs).
+    # (`minipaged.platforms.cpu.replay`; vLLM's flag of the same name turns off CUDA graphs).
     enforce_eager: bool = False
     seed: int = 0  # the engine's generator, for requests without a seed of their own
     # Tensor parallelism: ranks (worker processes) the model is split over, and how long a

@@ -35,10 +35,10 @@ from minipaged.engine.postprocess import OutputProcessor, StepUpdate
 from minipaged.engine.record import StepRecord, StepTimings
 from minipaged.engine.requests import RequestStream, check_params, prompt_token_ids
 from minipaged.models.checkpoint.model_config import ModelConfig
+from minipaged.platforms import Platform
 from minipaged.runner.model_runner import GiB, ModelRunner, num_blocks_for_memory
 from minipaged.runner.parallel.runner import WorkerDiedError, build_runner
 from minipaged.runner.parallel.worker import CheckpointShards, ShardSource
-from minipaged.runner.platforms import Platform
 from minipaged.runner.profiler import profile_runner
 from minipaged.sampling.outputs import RequestOutput
 from minipaged.sampling.params import SamplingParams

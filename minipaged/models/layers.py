@@ -10,7 +10,7 @@ section 4.1).
 The blocks, in plain PyTorch, one module for each computation of a layer (as nano-vllm's and
 vLLM's `layers/` have them): `RMSNorm` (with the residual add before it), `RotaryEmbedding`,
 `SiluAndMul`; the projections are `nn.Linear`. Between a layer's modules there are only views,
-so a platform (`minipaged.runner.platforms`) can swap in faster modules at load and capture a step
+so a platform (`minipaged.platforms`) can swap in faster modules at load and capture a step
 from this very forward, without a second description of the model.
 """
 

@@ -244,7 +244,7 @@ def checkpoint_state_dict(config: ModelConfig, model: nn.Module) -> dict[str, Te
     """A whole model's parameters under Hugging Face's names and in its layout (the inverse of
     `build_model`'s loading), ready for `shard_state_dict` and to be pickled to the ranks: a
     parameter that is a view into a larger buffer (a CPU model's weights share one,
-    `runner.platforms.cpu.weight_layout`) is copied out of it, since pickling a view sends
+    `platforms.cpu.weight_layout`) is copied out of it, since pickling a view sends
     its whole storage."""
     state = {}
     for name, tensor in hf_state_dict(config, model.state_dict()).items():

@@ -1,10 +1,10 @@
 """The platform and its attention, the KV caches, and what the model attends through.
 
-* `get_platform`, `get_attention_ops`: a device's platform (`minipaged.runner.platforms`) and the
+* `get_platform`, `get_attention_ops`: a device's platform (`minipaged.platforms`) and the
   attention operations by backend name (`BACKENDS`);
 * `allocate_kv_caches`: one `[2, num_blocks, block_size, H_kv, D]` cache per layer;
 * `PagedAttentionBackend`: the model's `AttentionBackend` (`minipaged.models.layers`) over those
-  caches, with a platform's attention operations (`minipaged.runner.platforms`);
+  caches, with a platform's attention operations (`minipaged.platforms`);
 * `ProfileAttention`: no cache at all, for the memory profile of a step.
 """
 
@@ -18,7 +18,7 @@ from torch import Tensor
 
 from minipaged.attention.contract import AttentionMetadata, AttentionOps, check_layer_cache
 from minipaged.attention.reference import REFERENCE_OPS
-from minipaged.runner.platforms import Platform
+from minipaged.platforms import Platform
 
 BACKENDS = ("torch", "cpu", "triton")  # the attention backends, by name
 
@@ -27,7 +27,7 @@ def get_attention_ops(backend: str | None = None,
                       device: str | torch.device | None = None) -> AttentionOps:
     """The paged-attention operations of `backend`: "torch" (the reference,
     `minipaged.attention.reference`), "cpu" (the CPU platform's: decodes read their blocks in
-    place, `minipaged.runner.platforms.cpu.attention`), "triton" (`minipaged.kernels`, imported only
+    place, `minipaged.platforms.cpu.attention`), "triton" (`minipaged.kernels`, imported only
     now) or None / "auto": Triton on a CUDA device, "cpu" on a CPU, the reference elsewhere.
     `device` defaults to torch's default device."""
     if backend is None or backend == "auto":
@@ -36,9 +36,9 @@ def get_attention_ops(backend: str | None = None,
     if backend == "torch":
         return REFERENCE_OPS
     if backend == "cpu":
-        return importlib.import_module("minipaged.runner.platforms.cpu.attention").CPU_OPS
+        return importlib.import_module("minipaged.platforms.cpu.attention").CPU_OPS
     if backend == "triton":
-        return importlib.import_module("minipaged.runner.platforms.cuda").triton_ops()
+        return importlib.import_module("minipaged.platforms.cuda").triton_ops()
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS} or 'auto'")
 
 
@@ -53,11 +53,11 @@ def get_platform(device: str | torch.device, attention_backend: str | None = Non
     if ops is REFERENCE_OPS and enforce_eager:
         return Platform(device)
     if device.type == "cpu":
-        from minipaged.runner.platforms.cpu import CPUPlatform
+        from minipaged.platforms.cpu import CPUPlatform
 
         return CPUPlatform(device, attention=ops, capture=not enforce_eager)
     if device.type == "cuda":
-        from minipaged.runner.platforms.cuda import CUDAPlatform
+        from minipaged.platforms.cuda import CUDAPlatform
 
         return CUDAPlatform(device, attention=ops, capture=not enforce_eager,
                             max_num_seqs=max_num_seqs)

@@ -29,9 +29,9 @@ import torch
 from torch import Tensor, nn
 
 from minipaged.attention.contract import AttentionMetadata, AttentionOps
+from minipaged.platforms.base import CaptureUnsupported, Platform, Replay, logger
 from minipaged.runner.backends import PagedAttentionBackend
 from minipaged.runner.flat_batch import FlatBatch
-from minipaged.runner.platforms.base import CaptureUnsupported, Platform, Replay, logger
 
 # The static buffers, in the order they lie in one block of memory (`StaticBatch`).
 FIELDS = (("input_ids", torch.int64), ("positions", torch.int64),

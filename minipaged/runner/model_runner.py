@@ -1,6 +1,6 @@
 """The model runner: one engine step's tensors, from scheduled sequences to logits.
 
-It owns the model (made fast for its device by a platform at load: `minipaged.runner.platforms`) and
+It owns the model (made fast for its device by a platform at load: `minipaged.platforms`) and
 the paged KV cache (one tensor per layer on the device, and a host pool of the same layout for
 swapped-out blocks), sized from the memory left once the weights are placed and the largest
 step has run. Each step it performs the swaps and copy-on-write copies the scheduler asked for,
@@ -23,6 +23,7 @@ from torch import Tensor
 from minipaged.attention.contract import AttentionMetadata
 from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.layers import check_input_ranges
+from minipaged.platforms import Platform, logger
 from minipaged.runner.backends import (
     PagedAttentionBackend,
     ProfileAttention,
@@ -31,7 +32,6 @@ from minipaged.runner.backends import (
 )
 from minipaged.runner.flat_batch import FlatBatch, batch_tensors, flat_batch
 from minipaged.runner.graphs import StepGraphs
-from minipaged.runner.platforms import Platform, logger
 from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 
 GiB = 1 << 30

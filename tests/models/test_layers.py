@@ -36,7 +36,7 @@ from minipaged.models.layers import (
     check_input_ranges,
 )
 from minipaged.models.registry import FAMILIES
-from minipaged.runner.platforms.cpu.replay import CaptureError, capture, platform_code
+from minipaged.platforms.cpu.replay import CaptureError, capture, platform_code
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama import modeling_llama as hf_llama  # noqa: E402

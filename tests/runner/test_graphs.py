@@ -31,9 +31,9 @@ from torch import Tensor, nn
 from minipaged.attention.reference import REFERENCE_OPS
 from minipaged.engine.config import EngineConfig
 from minipaged.engine.engine import LLMEngine
+from minipaged.platforms.base import CaptureUnsupported, Platform, Replay
 from minipaged.runner.graphs import StaticBatch, StepGraphs
 from minipaged.runner.model_runner import ModelRunner
-from minipaged.runner.platforms.base import CaptureUnsupported, Platform, Replay
 from minipaged.sampling.params import SamplingParams
 
 CPU = torch.device("cpu")

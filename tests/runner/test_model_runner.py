@@ -28,10 +28,10 @@ from minipaged.models.gpt2 import GPT2ForCausalLM
 from minipaged.models.layers import ModelInputError
 from minipaged.models.llama import LlamaForCausalLM
 from minipaged.models.registry import FAMILIES
+from minipaged.platforms.base import GiB, Platform
+from minipaged.platforms.cpu import CPUPlatform
 from minipaged.runner.backends import PagedAttentionBackend, ProfileAttention
 from minipaged.runner.model_runner import ModelRunner, kv_bytes_per_block
-from minipaged.runner.platforms.base import GiB, Platform
-from minipaged.runner.platforms.cpu import CPUPlatform
 from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 
 VOCAB = 64
@@ -294,8 +294,8 @@ def test_bfloat16_runner_follows_the_float32_oracle_up_to_near_ties(bundled_mode
 
 @pytest.mark.parametrize("architecture", ["llama", "gpt2"])
 def test_the_gemm_choice_is_made_when_the_runner_starts_not_in_a_step(architecture):
-    from minipaged.runner.platforms.cpu.linear import CPULinear
-    from minipaged.runner.platforms.cpu.onednn import onednn_is_faster
+    from minipaged.platforms.cpu.linear import CPULinear
+    from minipaged.platforms.cpu.onednn import onednn_is_faster
 
     onednn_is_faster.cache_clear()  # earlier tests' choices must not stand in for this one's
     model = tiny_model(architecture, seed=5)

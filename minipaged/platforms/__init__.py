@@ -11,6 +11,6 @@ weights), or the reference (`Platform`: the model as written, `attention_backend
 
 from __future__ import annotations
 
-from minipaged.runner.platforms.base import CaptureUnsupported, Platform, Replay, logger
+from minipaged.platforms.base import CaptureUnsupported, Platform, Replay, logger
 
 __all__ = ["CaptureUnsupported", "Platform", "Replay", "logger"]

@@ -2,7 +2,7 @@
 
 A decode step of one request reads every weight once, so its time is the weights' bytes over the
 memory's bandwidth; int8 weights are a quarter of float32's bytes. `quantize_model` makes every
-`nn.Linear` of a loaded model an `Int8Linear` (`minipaged.runner.platforms.cpu.linear`): int8 values
+`nn.Linear` of a loaded model an `Int8Linear` (`minipaged.platforms.cpu.linear`): int8 values
 with a float32 scale per group of `group_size` input features of each output row
 (`minipaged.kernels.cpu.gemv.quantize_int8`), its float weight dropped. Activations, norms and
 the KV cache stay float32: only the weights are rounded. The model's classes know nothing of
@@ -20,8 +20,8 @@ from torch import nn
 
 from minipaged.kernels.cpu.gemv import quantize_int8
 from minipaged.models.layers import CausalLM
-from minipaged.runner.platforms.cpu.linear import CPULinear, Int8Linear
-from minipaged.runner.platforms.cpu.modules import CPUEmbedding, Int8Embedding
+from minipaged.platforms.cpu.linear import CPULinear, Int8Linear
+from minipaged.platforms.cpu.modules import CPUEmbedding, Int8Embedding
 
 QUANTIZATIONS = ("int8",)  # what `quantize_model` (and `EngineConfig.quantization`) takes
 GROUP_SIZE = 64  # input features per scale (a divisor of the hidden sizes models use)

@@ -28,8 +28,8 @@ from torch import Tensor, nn
 from minipaged.attention.contract import AttentionOps
 from minipaged.attention.reference import swap_blocks
 from minipaged.models.layers import RMSNorm, SiluAndMul
-from minipaged.runner.platforms.base import CaptureUnsupported, Platform, Replay, swap_modules
-from minipaged.runner.platforms.cuda.modules import CUDARMSNorm, CUDASiluAndMul
+from minipaged.platforms.base import CaptureUnsupported, Platform, Replay, swap_modules
+from minipaged.platforms.cuda.modules import CUDARMSNorm, CUDASiluAndMul
 
 __all__ = ["CUDAPlatform", "graph_ladder", "triton_ops"]
 

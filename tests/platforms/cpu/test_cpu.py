@@ -33,7 +33,7 @@ from tiny_models import (
 )
 from torch import nn
 
-import minipaged.runner.platforms.cpu as cpu_platform_module
+import minipaged.platforms.cpu as cpu_platform_module
 from minipaged.attention.reference import REFERENCE_OPS
 from minipaged.kernels.cpu.gemv import MAX_ROWS, gemv_available
 from minipaged.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
@@ -44,22 +44,22 @@ from minipaged.models.tensor_parallel import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
-from minipaged.runner.model_runner import ModelRunner
-from minipaged.runner.platforms.base import CaptureUnsupported
-from minipaged.runner.platforms.cpu import (
+from minipaged.platforms.base import CaptureUnsupported
+from minipaged.platforms.cpu import (
     GEMV_ROWS_VARIABLE,
     SWAPS,
     CPUPlatform,
     replay_ladder,
 )
-from minipaged.runner.platforms.cpu.linear import CPULinear, Int8Linear
-from minipaged.runner.platforms.cpu.modules import (
+from minipaged.platforms.cpu.linear import CPULinear, Int8Linear
+from minipaged.platforms.cpu.modules import (
     CPUEmbedding,
     CPURMSNorm,
     CPURotaryEmbedding,
     CPUSiluAndMul,
     Int8Embedding,
 )
+from minipaged.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not gemv_available(), reason="needs a C compiler")
 

@@ -2,7 +2,7 @@
 PyTorch's two GEMMs, the few-row GEMV kernel at the rows it wins, and weight-only int8.
 
 * `CPULinear`: `nn.Linear` (same parameters) whose product runs on the GEMM `linear` picks
-  (MKL's through `F.linear`, or oneDNN's over a copy packed once: `minipaged.runner.platforms.cpu.
+  (MKL's through `F.linear`, or oneDNN's over a copy packed once: `minipaged.platforms.cpu.
   onednn`), and at a few rows on the GEMV kernel (`minipaged.kernels.cpu.gemv`), which reads
   the weight in its checkpoint layout at the memory's speed. Up to how many rows the kernel
   takes is the layer's `few_rows`, chosen at load (`choose_few_rows`): measured on this CPU
@@ -13,7 +13,7 @@ PyTorch's two GEMMs, the few-row GEMV kernel at the rows it wins, and weight-onl
   `WeightOnlyInt8Linear` swap).
 
 Through `launch`, a kernel call is recorded when a step is being captured
-(`minipaged.runner.platforms.cpu.replay`); a GEMM is not a kernel call, so a captured step is one
+(`minipaged.platforms.cpu.replay`); a GEMM is not a kernel call, so a captured step is one
 whose every projection takes the kernel.
 """
 
@@ -33,7 +33,7 @@ from minipaged.kernels.cpu.gemv import (
     gemv_row_limit,
 )
 from minipaged.kernels.cpu.norm_rotary import bind_to_float32
-from minipaged.runner.platforms.cpu.onednn import (
+from minipaged.platforms.cpu.onednn import (
     may_use_onednn,
     onednn_is_faster,
     onednn_linear,
@@ -41,7 +41,7 @@ from minipaged.runner.platforms.cpu.onednn import (
     packed_weight,
     uses_onednn,
 )
-from minipaged.runner.platforms.cpu.replay import (
+from minipaged.platforms.cpu.replay import (
     CaptureError,
     empty,
     launch,

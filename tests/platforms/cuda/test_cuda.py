@@ -1,4 +1,4 @@
-"""The CUDA platform (`minipaged.runner.platforms.cuda`): its ladder of captured batch sizes, its
+"""The CUDA platform (`minipaged.platforms.cuda`): its ladder of captured batch sizes, its
 attention operations, and on a GPU its CUDA graphs and memory accounting.
 
 * `graph_ladder` (1, 2, 4, 8, then every 16, and `max_num_seqs` itself) covers every decode
@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from tiny_models import plan_of, scheduled, tiny_llama_parts
 
 from minipaged.attention.reference import swap_blocks
+from minipaged.platforms.base import GiB
+from minipaged.platforms.cuda import CUDAPlatform, graph_ladder, triton_ops
 from minipaged.runner.model_runner import ModelRunner
-from minipaged.runner.platforms.base import GiB
-from minipaged.runner.platforms.cuda import CUDAPlatform, graph_ladder, triton_ops
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

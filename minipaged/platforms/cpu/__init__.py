@@ -22,29 +22,29 @@ from minipaged.kernels.cpu.calls import kernel_calls_available
 from minipaged.kernels.cpu.gemv import fetch_ahead
 from minipaged.kernels.cpu.greedy import greedy_tokens, greedy_tokens_available
 from minipaged.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
-from minipaged.runner.platforms.base import (
+from minipaged.platforms.base import (
     CaptureUnsupported,
     Platform,
     Replay,
     logger,
     swap_modules,
 )
-from minipaged.runner.platforms.cpu.attention import CPU_OPS
-from minipaged.runner.platforms.cpu.linear import (
+from minipaged.platforms.cpu.attention import CPU_OPS
+from minipaged.platforms.cpu.linear import (
     CPULinear,
     Int8Linear,
     choose_few_rows,
     pack_for_onednn,
 )
-from minipaged.runner.platforms.cpu.modules import (
+from minipaged.platforms.cpu.modules import (
     CPUEmbedding,
     CPURMSNorm,
     CPURotaryEmbedding,
     CPUSiluAndMul,
 )
-from minipaged.runner.platforms.cpu.quantization import QUANTIZATIONS, quantize_model
-from minipaged.runner.platforms.cpu.replay import Arena, CaptureError, capture
-from minipaged.runner.platforms.cpu.weight_layout import lay_out_weights
+from minipaged.platforms.cpu.quantization import QUANTIZATIONS, quantize_model
+from minipaged.platforms.cpu.replay import Arena, CaptureError, capture
+from minipaged.platforms.cpu.weight_layout import lay_out_weights
 
 __all__ = ["GEMV_ROWS_VARIABLE", "QUANTIZATIONS", "CPUPlatform", "replay_ladder"]
 

@@ -1,4 +1,4 @@
-"""The CPU's linear layers (`minipaged.runner.platforms.cpu.linear`) against `F.linear`.
+"""The CPU's linear layers (`minipaged.platforms.cpu.linear`) against `F.linear`.
 
 `CPULinear` takes the GEMV kernel up to its `few_rows.max_rows` rows and the faster GEMM above;
 `Int8Linear` the kernel over int8 weights, or PyTorch's GEMM over the dequantised weight: each
@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import minipaged.runner.platforms.cpu.linear as linear_module
+import minipaged.platforms.cpu.linear as linear_module
 from minipaged.kernels.cpu.gemv import gemv_available, quantize_int8
-from minipaged.runner.platforms.cpu.linear import (
+from minipaged.platforms.cpu.linear import (
     INT8_GEMV_ROWS,
     CPULinear,
     FewRows,
@@ -30,7 +30,7 @@ from minipaged.runner.platforms.cpu.linear import (
     few_rows_product,
     linear,
 )
-from minipaged.runner.platforms.cpu.onednn import onednn_linear
+from minipaged.platforms.cpu.onednn import onednn_linear
 
 pytestmark = pytest.mark.skipif(not gemv_available(), reason="needs a C compiler")
 

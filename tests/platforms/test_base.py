@@ -1,4 +1,4 @@
-"""The platform seam (`runner.platforms.base`): the reference platform, `swap_modules`, and
+"""The platform seam (`platforms.base`): the reference platform, `swap_modules`, and
 which platform a device and an attention backend get.
 
 The reference platform is the model as written: its `load` leaves every module of its class
@@ -24,11 +24,11 @@ from torch import nn
 
 from minipaged.attention.reference import REFERENCE_OPS
 from minipaged.models.layers import RMSNorm, SiluAndMul
+from minipaged.platforms.base import CaptureUnsupported, GiB, Platform, swap_modules
+from minipaged.platforms.cpu import CPUPlatform
+from minipaged.platforms.cpu.attention import CPU_OPS
 from minipaged.runner.backends import get_platform
 from minipaged.runner.model_runner import ModelRunner
-from minipaged.runner.platforms.base import CaptureUnsupported, GiB, Platform, swap_modules
-from minipaged.runner.platforms.cpu import CPUPlatform
-from minipaged.runner.platforms.cpu.attention import CPU_OPS
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""oneDNN's linear over packed weights (`runner.platforms.cpu.onednn`): the same product as
+"""oneDNN's linear over packed weights (`platforms.cpu.onednn`): the same product as
 `F.linear`, chosen where it measured faster and autograd does not need `F.linear`, and a
 packed copy never stale."""
 
@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.runner.platforms.cpu.linear import CPULinear, linear
-from minipaged.runner.platforms.cpu.onednn import (
+from minipaged.platforms.cpu.linear import CPULinear, linear
+from minipaged.platforms.cpu.onednn import (
     ONEDNN_AVAILABLE,
     onednn_is_faster,
     onednn_linear,

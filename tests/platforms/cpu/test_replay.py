@@ -39,12 +39,11 @@ from minipaged.kernels.cpu.gemv import gemv_available
 from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.layers import RMSNorm
 from minipaged.models.llama import LlamaMLP
-from minipaged.runner.model_runner import ModelRunner
-from minipaged.runner.platforms.base import CaptureUnsupported, Platform
-from minipaged.runner.platforms.cpu import CPUPlatform
-from minipaged.runner.platforms.cpu.linear import CPULinear, Int8Linear, choose_few_rows
-from minipaged.runner.platforms.cpu.modules import CPURMSNorm
-from minipaged.runner.platforms.cpu.replay import (
+from minipaged.platforms.base import CaptureUnsupported, Platform
+from minipaged.platforms.cpu import CPUPlatform
+from minipaged.platforms.cpu.linear import CPULinear, Int8Linear, choose_few_rows
+from minipaged.platforms.cpu.modules import CPURMSNorm
+from minipaged.platforms.cpu.replay import (
     PROFILER_NAME,
     Arena,
     CaptureError,
@@ -52,6 +51,7 @@ from minipaged.runner.platforms.cpu.replay import (
     launch_python,
     platform_code,
 )
+from minipaged.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not (gemv_available() and kernel_calls_available()),
                                 reason="needs a C compiler")
