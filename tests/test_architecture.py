@@ -268,9 +268,10 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def package_of(module: str, graph: dict[str, set[str]]) -> str:
-    """The package a module lies in (a package's `__init__` is the package itself)."""
+    """The package a module lies in; a package's `__init__` is a node of its own: the package's
+    public face, which may name what its subpackages hold (the platforms' choice of one)."""
     is_package = any(other.startswith(module + ".") for other in graph)
-    return module if is_package else module.rpartition(".")[0]
+    return f"{module}.__init__" if is_package else module.rpartition(".")[0]
 
 
 def test_the_import_graph_has_no_cycle() -> None:
@@ -279,8 +280,9 @@ def test_the_import_graph_has_no_cycle() -> None:
 
 
 def test_no_package_imports_a_package_that_imports_it() -> None:
-    """Collapsed to packages (a package's modules outside its subpackages, as one node), the
-    import graph has no cycle either: a subpackage and its parent never import each other."""
+    """Collapsed to packages (a package's modules outside its subpackages and its `__init__`,
+    as one node), the import graph has no cycle either: a subpackage and its parent's modules
+    never import each other."""
     graph = import_graph()
     packages: dict[str, set[str]] = {}
     for module, targets in graph.items():
@@ -298,6 +300,33 @@ def test_the_model_knows_no_platform() -> None:
              if unit_of(a) in ("models", "models.checkpoint") for b in targets
              if unit_of(b) in ("kernels", "platforms")]
     assert not found, "\n".join(found)
+
+
+def device_questions(source: str) -> Iterator[str]:
+    """Where `source` asks what a device is: a device's `.type` (`x.device.type`, `device.type`,
+    `torch.device(...).type`), a tensor's `.is_cuda` / `.is_cpu`, or `torch.cuda`."""
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = ast.unparse(node.value)
+        of_a_device = owner.endswith("device") or owner.startswith("torch.device(")
+        if ((node.attr == "type" and of_a_device) or node.attr in ("is_cuda", "is_cpu")
+                or ast.unparse(node) == "torch.cuda"):
+            yield f"line {node.lineno}: {ast.unparse(node)}"
+
+
+def test_only_the_platforms_ask_what_a_device_is() -> None:
+    """Every device question is the platform's (`Platform.check_and_update_config` and the
+    class's facts): no module of the package outside `minipaged/platforms/` asks one."""
+    platforms = ROOT / "minipaged" / "platforms"
+    found = [f"{path.relative_to(ROOT)}: {question}"
+             for path in sorted((ROOT / "minipaged").rglob("*.py"))
+             if platforms not in path.parents
+             for question in device_questions(path.read_text())]
+    assert not found, "device questions outside the platforms:\n" + "\n".join(found)
+    asked = list(device_questions("a = x.device.type == 'cpu'\nb = torch.device(d).type\n"
+                                  "c = t.is_cuda\nd = torch.cuda.is_available()\ne = x.dtype\n"))
+    assert sorted(line.split(":")[0] for line in asked) == ["line 1", "line 2", "line 3", "line 4"]
 
 
 # -- private names and engine parts ---------------------------------------------------------------

@@ -325,7 +325,7 @@ def token_embedding(config: ModelConfig, tp: TensorParallel) -> nn.Module:
     checkpoint), where `normal_` would import TorchDynamo: 1.4 s at every start."""
     if tp.world_size == 1:
         weight = torch.empty(config.vocab_size, config.hidden_size)
-        if weight.device.type != "meta":
+        if not weight.is_meta:
             nn.init.normal_(weight)
         return nn.Embedding.from_pretrained(weight, freeze=False)
     return VocabParallelEmbedding(config, tp)

@@ -54,18 +54,19 @@ class StaticBatch:
     """The static inputs of every captured step: `[rows]` token ids, positions, slot mapping and
     sequence lengths, `[rows + 1]` query starts (one query per row) and `[rows, max_blocks]`
     block tables, as views of one device buffer, and their host twins, as views of one host
-    buffer (pinned for a GPU), written through `ctypes` without a PyTorch operator."""
+    buffer, written through `ctypes` without a PyTorch operator. `pinned` (a GPU's platform):
+    the host buffer is pinned and copied to a buffer on `device`; else the device reads the host
+    buffer itself (a CPU)."""
 
-    def __init__(self, rows: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, rows: int, max_blocks: int, device: torch.device,
+                 pinned: bool = False) -> None:
         shapes = {"input_ids": (rows,), "positions": (rows,), "slot_mapping": (rows,),
                   "seq_lens": (rows,), "query_start_loc": (rows + 1,),
                   "block_tables": (rows, max_blocks)}
         nbytes = sum(math.prod(shapes[name]) * dtype.itemsize for name, dtype in FIELDS)
-        on_host = device.type == "cpu"
-        self.host_memory = torch.zeros(nbytes, dtype=torch.uint8,
-                                       pin_memory=not on_host and torch.cuda.is_available())
-        self.device_memory = (self.host_memory if on_host
-                              else torch.zeros(nbytes, dtype=torch.uint8, device=device))
+        self.host_memory = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self.device_memory = (torch.zeros(nbytes, dtype=torch.uint8, device=device) if pinned
+                              else self.host_memory)
         self.host: dict[str, Tensor] = {}
         self.views: dict[str, Tensor] = {}  # on the device: what the captured steps read
         offset = 0
@@ -111,7 +112,8 @@ class StepGraphs:
         self.sizes = tuple(sorted(platform.graph_sizes))
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_size)
-        self.inputs = StaticBatch(self.sizes[-1], self.max_blocks, kv_caches[0].device)
+        self.inputs = StaticBatch(self.sizes[-1], self.max_blocks, kv_caches[0].device,
+                                  platform.pin_memory)
         self._captured: dict[tuple[int, int], Captured | None] = {}  # None: cannot capture
 
     def size_for(self, rows: int) -> int | None:
@@ -131,7 +133,7 @@ class StepGraphs:
         rows = len(batch.input_ids)
         size = self.size_for(rows)
         assert size is not None
-        key = (size, torch.get_num_threads())  # the CPU's calls are bound to a thread count
+        key = (size, self.platform.capture_key())  # the CPU's: its thread count
         new = key not in self._captured
         if not new and self._captured[key] is None:
             return None  # the platform could not capture this size

@@ -25,7 +25,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import plan_of, run_bounded, scheduled, tiny_llama_parts
+from tiny_models import cpu_runner, plan_of, run_bounded, scheduled, tiny_llama_parts
 from torch import Tensor, nn
 
 from minipaged.attention.reference import REFERENCE_OPS
@@ -55,6 +55,10 @@ class RerunPlatform(Platform):
         self.graph_sizes = sizes
         self.captures: list[int] = []  # the rows of each capture
         self.replays: list[int] = []  # the rows of each replay
+        self.key: object = None
+
+    def capture_key(self) -> object:
+        return self.key
 
     def capture(self, forward: Callable[[], Tensor]) -> tuple[Replay, Tensor]:
         out = forward()
@@ -87,7 +91,7 @@ def runner_of(parts: tuple[nn.Module, Any], platform: Platform | None = None,
               **kwargs: Any) -> ModelRunner:
     model, config = parts
     eager = platform is None
-    return ModelRunner(model, config, block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS,
+    return cpu_runner(model, config, block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS,
                        platform=Platform(CPU, UNPLANNED_OPS) if eager else platform,
                        enforce_eager=eager, **kwargs)
 
@@ -198,18 +202,15 @@ def test_a_size_the_platform_cannot_capture_runs_the_modules_and_is_not_tried_ag
     assert platform.replays == [2]  # the first step of 2 rows was its capture
 
 
-def test_a_size_is_captured_again_for_another_thread_count(parts):
-    """The CPU's kernel calls are bound to a thread count: a step after it changes is a new
-    capture of the same size."""
+def test_a_size_is_captured_again_for_another_capture_key(parts):
+    """A capture is bound to its platform's key (the CPU's: its thread count): a step after the
+    key changes is a new capture of the same size, and the old one replays under the old key."""
     platform = RerunPlatform()
     runner = runner_of(parts, platform)
-    threads = torch.get_num_threads()
     runner.execute(plan_of(decodes(2)))
-    torch.set_num_threads(threads + 1)
-    try:
-        runner.execute(plan_of(decodes(2)))
-    finally:
-        torch.set_num_threads(threads)
+    platform.key = "other"
+    runner.execute(plan_of(decodes(2)))
+    platform.key = None
     runner.execute(plan_of(decodes(2)))
     assert platform.captures == [2, 2] and platform.replays == [2]
 

@@ -31,6 +31,7 @@ from minipaged.kernels.cpu.gemv import (
     Int8Weight,
     gemv_available,
     gemv_row_limit,
+    quantize_int8,
 )
 from minipaged.kernels.cpu.norm_rotary import bind_to_float32
 from minipaged.platforms.cpu.onednn import (
@@ -91,13 +92,23 @@ class CPULinear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-class Int8Linear(nn.Linear):
-    """`nn.Linear` over `int8` weights (its float `weight` dropped: the int8 values stand for
-    it), the GEMV kernel at up to `few_rows.max_rows` rows, else the dequantised weight."""
+class Int8Linear(nn.Module):
+    """A linear layer over `int8` weights (no float weight: the int8 values stand for it), the
+    GEMV kernel at up to `few_rows.max_rows` rows, else the dequantised weight."""
 
-    int8: Int8Weight
     few_rows: FewRows | None = None
     logits: bool = False
+
+    def __init__(self, int8: Int8Weight, bias: Tensor | None) -> None:
+        super().__init__()
+        self.int8, self.bias = int8, bias
+        self.out_features, self.in_features = int8.shape
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int | None) -> Int8Linear:
+        """`linear`'s weight quantised, a float32 scale per `group_size` input features of each
+        output row (None: one per row; `quantize_int8`); its bias kept as it is."""
+        return cls(quantize_int8(linear.weight.detach(), group_size), linear.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         out = few_rows_product(self.few_rows, x, self.logits)

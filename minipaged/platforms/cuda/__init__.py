@@ -14,6 +14,8 @@ left after the weights and a profile step.
   the largest step runs and its peak is measured; the cache gets `gpu_memory_utilization` of
   the card minus that peak and minus what other than PyTorch's allocator holds (the CUDA
   context, other processes).
+* **Device questions**: bfloat16 where the card multiplies it, vLLM's batch limits, NCCL's
+  collectives with a card per tensor-parallel rank, pinned host memory for the copies.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +31,7 @@ from torch import Tensor, nn
 from minipaged.attention.contract import AttentionOps
 from minipaged.attention.reference import swap_blocks
 from minipaged.models.layers import RMSNorm, SiluAndMul
+from minipaged.models.tensor_parallel import TensorParallelError
 from minipaged.platforms.base import CaptureUnsupported, Platform, Replay, swap_modules
 from minipaged.platforms.cuda.modules import CUDARMSNorm, CUDASiluAndMul
 
@@ -61,20 +65,43 @@ class CUDAPlatform(Platform):
     """The Triton kernels, CUDA graphs and the profiled memory budget (module docstring)."""
 
     name = "cuda"
+    attention_backend = "triton"
+    defaults: ClassVar[dict[str, object]] = {
+        "dtype": "auto", "max_num_seqs": 256, "max_num_batched_tokens": 8192}
+    collective_backend = "nccl"
+    pin_memory = True
 
-    def __init__(self, device: torch.device, *, attention: AttentionOps | None = None,
+    def __init__(self, device: torch.device, attention: AttentionOps | None = None, *,
                  capture: bool = True, max_num_seqs: int = 256) -> None:
         super().__init__(device, attention if attention is not None else triton_ops())
         self.graph_sizes = graph_ladder(max_num_seqs) if capture else ()
         self._pool = None
 
+    @classmethod
+    def check_and_update_config(cls, config: Any) -> None:
+        """The base's settling, and a card for every tensor-parallel rank."""
+        super().check_and_update_config(config)
+        if 1 < config.tensor_parallel_size > torch.cuda.device_count():
+            raise TensorParallelError(
+                f"tensor_parallel_size {config.tensor_parallel_size} needs "
+                f"{config.tensor_parallel_size} CUDA devices, {torch.cuda.device_count()} visible")
+
+    @classmethod
+    def native_bfloat16(cls) -> bool:
+        return torch.cuda.is_bf16_supported()
+
+    @classmethod
+    def rank_device(cls, device: torch.device, index: int) -> torch.device:
+        """Card `index`, made the current one."""
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+
     def load(self, model: nn.Module, quantization: str | None = None) -> nn.Module:
-        """The model on the card, its norms and SwiGLU activations swapped for one-launch
-        Triton modules (`modules`) where the attention is Triton's too."""
-        super().load(model, quantization)
+        """The model's norms and SwiGLU activations swapped for one-launch Triton modules
+        (`modules`) where the attention is Triton's too."""
         if self.attention.name == "triton":
             swap_modules(model, {RMSNorm: CUDARMSNorm, SiluAndMul: CUDASiluAndMul})
-        return model.to(self.device)
+        return model
 
     def capture(self, forward: Callable[[], Tensor]) -> tuple[Replay, Tensor]:
         """A CUDA graph of `forward`, after one warm-up run, replayed once so that its output
@@ -92,10 +119,10 @@ class CUDAPlatform(Platform):
         graph.replay()  # a capture records the kernels without running them
         return graph.replay, out
 
-    def kv_cache_bytes(self, profile: Callable[[], object], gpu_memory_utilization: float,
-                       kv_cache_memory: float) -> float:
-        """`gpu_memory_utilization` of the card, less the peak of `profile` (weights and the
-        largest step's activations) and less the memory PyTorch's allocator does not hold."""
+    def kv_cache_bytes(self, profile: Callable[[], object], config: Any) -> float:
+        """`config.gpu_memory_utilization` of this rank's card, less the peak of `profile`
+        (weights and the largest step's activations) and less the memory PyTorch's allocator
+        does not hold."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         profile()
@@ -103,4 +130,4 @@ class CUDAPlatform(Platform):
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         outside_torch = total - free - torch.cuda.memory_reserved(self.device)
-        return total * gpu_memory_utilization - peak - max(0, outside_torch)
+        return total * config.gpu_memory_utilization - peak - max(0, outside_torch)

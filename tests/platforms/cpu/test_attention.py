@@ -27,6 +27,7 @@ from paged_utils import seq_and_query_lens
 from minipaged.attention import reference as attention
 from minipaged.attention.reference import paged_attention
 from minipaged.kernels.cpu.native import native_decode_available
+from minipaged.platforms import get_attention_ops
 from minipaged.platforms.cpu.attention import (
     CPU_OPS,
     cpu_paged_attention,
@@ -34,7 +35,6 @@ from minipaged.platforms.cpu.attention import (
     plan_cpu_attention,
 )
 from minipaged.platforms.cpu.replay import CaptureError, capture
-from minipaged.runner.backends import get_attention_ops
 from minipaged.testing.paged_examples import dense_reference, make_attention_case, tolerance
 
 GQA_RATIOS = [1, 2, 3, 4, 8]  # 3: SmolLM2's 9 query heads over 3 KV heads

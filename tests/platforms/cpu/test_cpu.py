@@ -24,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import (
     SMALL_LLAMA,
+    cpu_runner,
     dense_last_logits,
     minipaged_parts,
     plan_of,
@@ -59,7 +60,7 @@ from minipaged.platforms.cpu.modules import (
     CPUSiluAndMul,
     Int8Embedding,
 )
-from minipaged.runner.model_runner import ModelRunner
+from minipaged.runner.config import RunnerConfig
 
 pytestmark = pytest.mark.skipif(not gemv_available(), reason="needs a C compiler")
 
@@ -124,8 +125,8 @@ def test_load_leaves_a_tensor_parallel_shards_own_layers_alone():
 def test_int8_load_keeps_no_float_weight_of_a_projection(tied):
     model, _ = tiny_llama_parts(tie_word_embeddings=tied)
     CPUPlatform(CPU, gemv_rows=8).load(model, "int8")
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    assert linears and all(type(m) is Int8Linear and m.weight is None for m in linears)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear | Int8Linear)]
+    assert linears and all(type(m) is Int8Linear and not hasattr(m, "weight") for m in linears)
     assert all(m.few_rows is not None and m.few_rows.max_rows == 8 for m in linears)
     embedding = model.input_embedding()
     if tied:
@@ -151,9 +152,25 @@ def test_the_steps_it_captures_are_those_every_projection_takes(monkeypatch, opt
         monkeypatch.setenv(GEMV_ROWS_VARIABLE, env)
     model, config = tiny_llama_parts()
     platform = CPUPlatform(CPU, **options)
-    runner = ModelRunner(model, config, block_size=4, num_gpu_blocks=8, platform=platform)
+    runner = cpu_runner(model, config, block_size=4, num_gpu_blocks=8, platform=platform)
     assert platform.graph_sizes == sizes
     assert (runner.graphs is None) == (sizes == ())
+
+
+def test_the_cpu_answers_its_device_questions():
+    """Its sizes are known before it loads anything (up to `max_num_seqs`; `load` keeps those
+    every projection's kernel takes), its captures are bound to the thread count, its ranks
+    run gloo with one thread each, its host memory is not pinned, and int8 runs on one rank
+    over float32 weights."""
+    platform = CPUPlatform(CPU, max_num_seqs=12, gemv_rows=8)
+    assert platform.graph_sizes == tuple(range(1, 13))
+    platform.load(tiny_llama_parts()[0])
+    assert platform.graph_sizes == tuple(range(1, 9))
+    assert platform.capture_key() == torch.get_num_threads()
+    assert (CPUPlatform.collective_backend, CPUPlatform.rank_threads) == ("gloo", 1)
+    assert not CPUPlatform.pin_memory and "int8" in CPUPlatform.quantizations
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
+        RunnerConfig(device="cpu", quantization="int8", tensor_parallel_size=2)
 
 
 @given(st.integers(0, 200))
@@ -175,7 +192,7 @@ def test_int8_decodes_past_a_tile_are_captured_at_their_own_size_and_replayed(mo
             return replay, out
 
     model, config = tiny_llama_parts()
-    runners = [ModelRunner(copy.deepcopy(model), config, block_size=4, num_gpu_blocks=64,
+    runners = [cpu_runner(copy.deepcopy(model), config, block_size=4, num_gpu_blocks=64,
                            platform=Counting(CPU, gemv_rows=24), quantization="int8",
                            enforce_eager=eager) for eager in (False, True)]
     assert runners[0].platform.graph_sizes == tuple(range(1, 25))
@@ -225,7 +242,7 @@ def test_fetching_ahead_is_measured_at_load_not_in_a_step(monkeypatch, dtype, qu
 
     monkeypatch.setattr(gemv, "_fetch_ahead", measure)
     model, config = tiny_llama_parts()
-    runner = ModelRunner(model.to(dtype), config, block_size=4, num_gpu_blocks=8, dtype=dtype,
+    runner = cpu_runner(model.to(dtype), config, block_size=4, num_gpu_blocks=8, dtype=dtype,
                          quantization=quantization, platform=CPUPlatform(CPU, gemv_rows=8))
     plans = [m.few_rows.plan for m in model.modules() if isinstance(m, CPULinear | Int8Linear)]
     expected = [(weights, rows) for rows in cpu_platform_module.FETCH_AHEAD_ROWS]
