@@ -52,7 +52,7 @@ from tqdm import tqdm
 from cpu.roofline import cpu_features
 from machine import report_header, save_report
 from minipaged.attention.reference import gather_context, paged_attention, plan_attention
-from minipaged.engine.config import DTYPES
+from minipaged.platforms import DTYPES
 from minipaged.platforms.cpu.attention import cpu_paged_attention, plan_cpu_attention
 from minipaged.testing.paged_examples import tolerance
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from machine import report_header, save_report
-from minipaged.engine.config import cpu_flags
 from minipaged.engine.llm import LLM
+from minipaged.platforms.cpu import cpu_flags
 from minipaged.sampling.params import SamplingParams
 from minipaged.testing.dense import DenseAttentionBackend, DenseKVCache
 
