@@ -188,20 +188,22 @@ def cpu_runner(model: torch.nn.Module, model_config: ModelConfig, platform: Plat
 
 class BudgetPlatform(Platform):
     """The reference platform granting the KV cache `budget` bytes (a stand-in for a device's
-    measured memory), only once its weights are loaded and the profile has run; it records the
-    profile's forward (the tokens of the batch, whether it attended through no cache, the rows
-    of its logits) and the configs it was handed."""
+    measured memory), only once its weights are loaded and the profiles have run; it records
+    their forwards (the tokens of the batch, whether it attended through no cache, the rows of
+    its logits) and the configs it was handed. With `graph_sizes` it would capture those decode
+    sizes, and refuses every capture."""
 
-    def __init__(self, budget: float) -> None:
+    def __init__(self, budget: float, graph_sizes: tuple[int, ...] = ()) -> None:
         super().__init__(torch.device("cpu"))
-        self.budget, self.loaded = budget, False
+        self.budget, self.loaded, self.graph_sizes = budget, False, graph_sizes
         self.forwards: list[tuple[int, bool]] = []  # (tokens, attended through no cache)
         self.logit_rows: list[int] = []
         self.configs: list[Any] = []
 
-    def kv_cache_bytes(self, profile: Any, config: Any) -> float:
+    def kv_cache_bytes(self, profiles: Any, config: Any) -> float:
         assert self.loaded, "the cache is sized before the weights are placed"
-        profile()
+        for profile in profiles:
+            profile()
         assert self.forwards, "the profile ran no forward"
         self.configs.append(config)
         return self.budget

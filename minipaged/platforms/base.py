@@ -21,7 +21,8 @@ asks none of them:
   (`minipaged.runner.graphs`).
   `capture_key` names what else a capture is bound to (the CPU's: its thread count).
 * **`kv_cache_bytes`**: the memory the KV cache may take once the weights are in place and the
-  largest step has run (vLLM's profile run), on one rank or on each tensor-parallel rank alike.
+  largest step (and the largest captured one) has run (vLLM's profile run), on one rank or on
+  each tensor-parallel rank alike.
 
 `Platform` itself is the reference: the model as written, the PyTorch reference attention, no
 capture, the configured KV cache size. `attention_backend="torch"` with `enforce_eager=True`
@@ -31,7 +32,7 @@ runs it on any device, with no platform code at all.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -125,10 +126,11 @@ class Platform:
         writes the same K/V). Raises `CaptureUnsupported`; the reference captures nothing."""
         raise CaptureUnsupported(f"the {self.name} platform captures no steps")
 
-    def kv_cache_bytes(self, profile: Callable[[], object], config: Any) -> float:
+    def kv_cache_bytes(self, profiles: Sequence[Callable[[], object]], config: Any) -> float:
         """Bytes this rank's KV cache may take, called once the weights are placed:
         `config.kv_cache_memory` GiB shared by the ranks (a CPU's host memory is not measured);
-        a device platform measures what is left after `profile`."""
+        a device platform measures what is left after `profiles` (forwards whose peaks the
+        runner will hold at once: a step's activations, a capture's memory)."""
         return config.kv_cache_memory * GiB / config.tensor_parallel_size
 
     def greedy_tokens(self, logits: Tensor) -> tuple[Tensor, Tensor] | None:

@@ -95,12 +95,16 @@ class ModelRunner:
 
     def blocks_that_fit(self) -> int:
         """KV blocks of this runner's heads in what the platform grants once the weights are
-        placed and a step of `max_num_batched_tokens` tokens over `max_num_seqs` sequences has
-        run (`Platform.kv_cache_bytes`: a share of a GPU's memory, `kv_cache_memory` GiB of a
-        CPU's)."""
+        placed (`Platform.kv_cache_bytes`: a share of a GPU's memory, `kv_cache_memory` GiB of
+        a CPU's), given the profiles of a step of `max_num_batched_tokens` tokens over
+        `max_num_seqs` sequences (with its logits) and, where decode steps are captured, of the
+        largest one (the memory its capture keeps)."""
         config = self.config
-        budget = self.platform.kv_cache_bytes(
-            partial(self.profile_run, config.max_num_batched_tokens, config.max_num_seqs), config)
+        profiles = [partial(self.profile_run, config.max_num_batched_tokens, config.max_num_seqs)]
+        if self.platform.graph_sizes and not config.enforce_eager:
+            largest = max(self.platform.graph_sizes)
+            profiles.append(partial(self.profile_run, largest, largest))
+        budget = self.platform.kv_cache_bytes(profiles, config)
         blocks = num_blocks_for_memory(self.model_config, self.block_size, config.torch_dtype,
                                        budget, self.num_kv_heads)
         if blocks < 1:
@@ -163,19 +167,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> Tensor:
         """Run one step's plan; return float32 logits [scheduled entries with needs_logits,
-        vocab], in the plan's order. A replayed decode step's are its captured buffer, written
-        again by the next step: a caller that keeps logits past the next `execute` copies
-        them."""
+        vocab], in the plan's order: of a replayed decode step, computed from the captured
+        hidden states of those rows."""
         self._move_blocks(plan)
         entries = plan.scheduled
         if not entries:
             return torch.empty(0, self.model_config.vocab_size, device=self.device)
         batch = self.flat_batch(entries)
         if self.graphs is not None and self.graphs.takes(batch):
-            logits = self.graphs.run(batch)  # one row per entry
-            if logits is not None:
+            hidden = self.graphs.run(batch)  # one row per entry
+            if hidden is not None:
                 wanted = [i for i, entry in enumerate(entries) if entry.needs_logits]
-                return logits if len(wanted) == len(entries) else logits[wanted]
+                return self.model.compute_logits(hidden if len(wanted) == len(entries)
+                                                  else hidden[wanted])
         input_ids, positions, metadata = batch_tensors(batch, self.device)
         attention = PagedAttentionBackend(self.kv_caches, metadata, self.layer_ops)
         hidden = self.model(input_ids, positions, attention)

@@ -69,7 +69,7 @@ def test_the_reference_platform_quantises_captures_and_measures_nothing():
         platform.capture(lambda: ran.append(1))
     assert platform.graph_sizes == ()
     settings = RunnerConfig(device="meta", kv_cache_memory=1.5)
-    assert platform.kv_cache_bytes(lambda: ran.append(1), settings) == 1.5 * GiB
+    assert platform.kv_cache_bytes([lambda: ran.append(1)], settings) == 1.5 * GiB
     assert ran == []  # neither the forward nor the profile ran
     assert platform.greedy_tokens(torch.randn(2, 8)) is None
 

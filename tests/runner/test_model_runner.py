@@ -363,6 +363,22 @@ def test_the_cache_takes_the_platforms_budget_after_a_profile_of_the_largest_ste
     assert platform.logit_rows == [min(max_num_seqs, tokens)]
 
 
+def test_where_decode_steps_are_captured_the_largest_is_profiled_too():
+    """The memory a capture keeps is counted before the cache is sized: the platform is handed
+    a profile of the largest captured decode step (its rows, their logits) after the largest
+    step's."""
+    config = tiny_config()
+    platform = BudgetPlatform(9 * kv_bytes_per_block(config, 4, torch.float32), (2, 4))
+    runner = cpu_runner(tiny_model(), config, block_size=4, platform=platform,
+                        max_num_batched_tokens=32, max_num_seqs=8)
+    assert runner.num_gpu_blocks == 9 and runner.graphs is not None
+    assert platform.forwards == [(32, True), (4, True)] and platform.logit_rows == [8, 4]
+    eager = BudgetPlatform(9 * kv_bytes_per_block(config, 4, torch.float32), (2, 4))
+    cpu_runner(tiny_model(), config, block_size=4, platform=eager, max_num_batched_tokens=32,
+               max_num_seqs=8, enforce_eager=True)
+    assert eager.forwards == [(32, True)]
+
+
 def test_a_given_number_of_blocks_runs_no_profile():
     platform = BudgetPlatform(0)
     runner = make_runner(tiny_model(), num_gpu_blocks=7, platform=platform)

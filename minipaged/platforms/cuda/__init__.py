@@ -11,9 +11,10 @@ left after the weights and a profile step.
   for the ladder of batch sizes nano-vllm and vLLM use (1, 2, 4, 8, then every 16 up to
   `max_num_seqs`).
 * **Memory** (`kv_cache_bytes`): vLLM's accounting: with the weights on the card, a forward of
-  the largest step runs and its peak is measured; the cache gets `gpu_memory_utilization` of
-  the card minus that peak and minus what other than PyTorch's allocator holds (the CUDA
-  context, other processes).
+  the largest step runs and its peak is measured, then one of the largest captured step (what
+  its graph keeps in the pool); the cache gets `gpu_memory_utilization` of the card minus the
+  weights, both peaks and what other than PyTorch's allocator holds (the CUDA context, other
+  processes).
 * **Device questions**: bfloat16 where the card multiplies it, vLLM's batch limits, NCCL's
   collectives with a card per tensor-parallel rank, pinned host memory for the copies.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -119,15 +120,19 @@ class CUDAPlatform(Platform):
         graph.replay()  # a capture records the kernels without running them
         return graph.replay, out
 
-    def kv_cache_bytes(self, profile: Callable[[], object], config: Any) -> float:
-        """`config.gpu_memory_utilization` of this rank's card, less the peak of `profile`
-        (weights and the largest step's activations) and less the memory PyTorch's allocator
-        does not hold."""
+    def kv_cache_bytes(self, profiles: Sequence[Callable[[], object]], config: Any) -> float:
+        """`config.gpu_memory_utilization` of this rank's card, less what is allocated (the
+        weights), less the sum of the peaks each of `profiles` adds (the largest step's
+        activations, and those the largest captured step's graph keeps in its pool), and less
+        the memory PyTorch's allocator does not hold."""
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        profile()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
+        held = torch.cuda.memory_allocated(self.device)
+        peaks = 0
+        for profile in profiles:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            profile()
+            torch.cuda.synchronize(self.device)
+            peaks += torch.cuda.max_memory_allocated(self.device) - held
         free, total = torch.cuda.mem_get_info(self.device)
         outside_torch = total - free - torch.cuda.memory_reserved(self.device)
-        return total * config.gpu_memory_utilization - peak - max(0, outside_torch)
+        return total * config.gpu_memory_utilization - held - peaks - max(0, outside_torch)

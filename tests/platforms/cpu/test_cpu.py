@@ -180,8 +180,9 @@ def test_every_row_count_the_kernel_takes_replays_at_its_own_size(max_rows):
 
 
 def test_int8_decodes_past_a_tile_are_captured_at_their_own_size_and_replayed(monkeypatch):
-    """Int8 weights take the kernel past one tile of rows: a 13-row decode is captured at 13
-    rows and replayed, both steps bit-equal to the same platform's eager modules."""
+    """Int8 weights take the kernel past one tile of rows: every size up to 24 is captured at
+    start-up, largest first, and a 13-row decode replays at 13 rows, bit-equal to the same
+    platform's eager modules."""
     monkeypatch.delenv(GEMV_ROWS_VARIABLE, raising=False)
     captured = []
 
@@ -193,19 +194,19 @@ def test_int8_decodes_past_a_tile_are_captured_at_their_own_size_and_replayed(mo
 
     model, config = tiny_llama_parts()
     runners = [cpu_runner(copy.deepcopy(model), config, block_size=4, num_gpu_blocks=64,
-                           platform=Counting(CPU, gemv_rows=24), quantization="int8",
-                           enforce_eager=eager) for eager in (False, True)]
+                          platform=Counting(CPU, gemv_rows=24), quantization="int8",
+                          enforce_eager=eager) for eager in (False, True)]
     assert runners[0].platform.graph_sizes == tuple(range(1, 25))
     rows = 13
     logits = []
     for runner in runners:
         runner.execute(plan_of([scheduled([1 + i, 2, 3], 0, [i * 4, i * 4 + 1], seq_id=i)
                                 for i in range(rows)]))
-        for position in (3, 4):  # the capture, then a replay
+        for position in (3, 4):  # two replays
             step = plan_of([scheduled([5 + i + position], position, [i * 4, i * 4 + 1],
                                       seq_id=i) for i in range(rows)])
             logits.append(runner.execute(step).clone())
-    assert captured == [rows]
+    assert captured == list(range(24, 0, -1))
     assert torch.equal(logits[0], logits[2]) and torch.equal(logits[1], logits[3])
 
 
@@ -243,7 +244,7 @@ def test_fetching_ahead_is_measured_at_load_not_in_a_step(monkeypatch, dtype, qu
     monkeypatch.setattr(gemv, "_fetch_ahead", measure)
     model, config = tiny_llama_parts()
     runner = cpu_runner(model.to(dtype), config, block_size=4, num_gpu_blocks=8, dtype=dtype,
-                         quantization=quantization, platform=CPUPlatform(CPU, gemv_rows=8))
+                        quantization=quantization, platform=CPUPlatform(CPU, gemv_rows=8))
     plans = [m.few_rows.plan for m in model.modules() if isinstance(m, CPULinear | Int8Linear)]
     expected = [(weights, rows) for rows in cpu_platform_module.FETCH_AHEAD_ROWS]
     assert measured == (expected if plans[0].fetch_ahead_matters() else [])

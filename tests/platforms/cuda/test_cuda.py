@@ -117,8 +117,11 @@ def test_the_kv_budget_falls_by_what_the_profile_holds_at_its_peak():
         held.clear()  # freed again: the peak counts, not what is left
 
     settings = RunnerConfig(device="cuda", gpu_memory_utilization=0.5, kv_cache_memory=4.0)
-    light = platform.kv_cache_bytes(lambda: profile(1 << 20), settings)
-    heavy = platform.kv_cache_bytes(lambda: profile(1 << 30), settings)
+    light = platform.kv_cache_bytes([lambda: profile(1 << 20)], settings)
+    heavy = platform.kv_cache_bytes([lambda: profile(1 << 30)], settings)
+    both = platform.kv_cache_bytes([lambda: profile(1 << 30), lambda: profile(1 << 29)],
+                                   settings)  # a step's peak and a capture's: held together
+    assert abs((heavy - both) - (1 << 29)) < 64 << 20
     total = torch.cuda.get_device_properties(0).total_memory
     assert light < 0.5 * total
     assert abs((light - heavy) - ((1 << 30) - (1 << 20))) < 64 << 20
