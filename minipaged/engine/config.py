@@ -82,12 +82,11 @@ class EngineConfig(RunnerConfig):
         super().__post_init__()
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
-        """The scheduler's share of the settings, for a model of `max_model_len` tokens."""
-        return SchedulerConfig(
-            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-            max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            preemption_mode=self.preemption_mode)
+        """The scheduler's share of the settings (its fields of the same names), for a model of
+        `max_model_len` tokens."""
+        names = {field.name for field in dataclasses.fields(SchedulerConfig)} - {"max_model_len"}
+        return SchedulerConfig(max_model_len=max_model_len,
+                               **{name: getattr(self, name) for name in names})
 
     def _check_ranges(self) -> None:
         """Sizes within int32, memory and time finite and in range, names among their

@@ -81,9 +81,5 @@ def get_platform(config: Any) -> Platform:
     any device: the plain model, no platform code."""
     device = torch.device(config.device)
     ops = get_attention_ops(config.attention_backend, device)
-    if ops is REFERENCE_OPS and config.enforce_eager:
-        return Platform(device)
-    cls = platform_class(device)
-    if cls is Platform:
-        return Platform(device, ops)
+    cls = Platform if ops is REFERENCE_OPS and config.enforce_eager else platform_class(device)
     return cls(device, ops, capture=not config.enforce_eager, max_num_seqs=config.max_num_seqs)

@@ -9,7 +9,6 @@ asks none of them:
   bfloat16 or not), the attention backend, the quantizations it offers and their rules, whether
   tensor parallelism has its collectives (`collective_backend`) and devices. It also knows a
   rank's device and torch threads, and whether host memory for the device is pinned.
-
 * **`load`**: swap the model's modules for its own subclasses where it has a faster kernel (and
   quantise, and lay the weights out), at load, as gpt-fast swaps its int8 linear layers in; the
   start-up choices it makes (which GEMM wins at how many rows) are made here, once, and logged.
@@ -18,8 +17,8 @@ asks none of them:
 * **`capture`**: turn one run of a step's forward over static buffers into something that
   replays it (a CUDA graph; on a CPU the recorded kernel calls), for the decode steps of the
   batch sizes `graph_sizes`; the runner owns the buffers and picks the steps
-  (`minipaged.runner.graphs`).
-  `capture_key` names what else a capture is bound to (the CPU's: its thread count).
+  (`minipaged.runner.graphs`); `capture_key` names what else a capture is bound to (the CPU's:
+  its thread count).
 * **`kv_cache_bytes`**: the memory the KV cache may take once the weights are in place and the
   largest step (and the largest captured one) has run (vLLM's profile run), on one rank or on
   each tensor-parallel rank alike.
@@ -71,7 +70,10 @@ class Platform:
     rank_threads: int | None = None  # torch threads of a tensor-parallel rank (None: torch's)
     pin_memory = False  # host memory copied to the device is pinned (a GPU: faster copies)
 
-    def __init__(self, device: torch.device, attention: AttentionOps = REFERENCE_OPS) -> None:
+    def __init__(self, device: torch.device, attention: AttentionOps = REFERENCE_OPS, *,
+                 capture: bool = True, max_num_seqs: int = 256) -> None:
+        """The platform of `device` with `attention`; where a platform captures decode steps,
+        `capture` lets it, up to `max_num_seqs` sequences (the reference captures none)."""
         self.device = device
         self.attention = attention
         self.graph_sizes: tuple[int, ...] = ()  # the decode sizes captured (none here)

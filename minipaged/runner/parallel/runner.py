@@ -72,8 +72,10 @@ class TensorParallelRunner(ModelRunner):
         self, spec: RankSpec, start_timeout_s: float = 600.0, launched: bool = False
     ) -> None:
         """Start `spec.world_size - 1` workers from `spec` (rank 0's), load rank 0's shard and
-        wait until every worker has loaded its own (at most `start_timeout_s`). `launched`:
-        `torchrun` started the other ranks (`torchrun_worker`); plans go out as broadcasts."""
+        wait until every worker has loaded its own (at most `start_timeout_s`), then join the
+        group and build rank 0's runner as each worker builds its own (`start_runner`).
+        `launched`: `torchrun` started the other ranks (`torchrun_worker`); plans go out as
+        broadcasts."""
         if dist.is_initialized():
             raise RuntimeError(
                 "a tensor-parallel engine is already running in this process; close() it first"
