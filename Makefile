@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup demo test lint docs notebooks
+.PHONY: setup demo test test-tiers lint docs notebooks
 
 setup: $(VENV)/.installed
 
@@ -28,8 +28,26 @@ docs: setup
 # Two test workers, one torch thread each: the 2-core machines are not oversubscribed. The docs
 # checks are tests too (tests/test_docs.py): the site built with --strict, its links and anchors,
 # the notebooks' code line and figure limits.
+#
+# TIER=avx2 or TIER=generic runs it as a CPU of that x86 tier would: the C kernels built for and
+# dispatched within the tier ($$MINIPAGED_CPU_ISA), PyTorch's, oneDNN's and MKL's kernels capped alike.
+TIER_ENV_avx2    := MINIPAGED_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+                    MKL_ENABLE_INSTRUCTIONS=AVX2
+TIER_ENV_generic := MINIPAGED_CPU_ISA=generic ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 \
+                    MKL_ENABLE_INSTRUCTIONS=SSE4_2
+TIER_ENV_avx512  := MINIPAGED_CPU_ISA=avx512
 test: lint setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n 2 --dist loadgroup tests/ --nbmake notebooks/
+	$(TIER_ENV_$(TIER)) OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n 2 --dist loadgroup tests/ --nbmake notebooks/
+
+# The tests of the C kernels and the CPU platform once per narrower x86 tier (CI runs them; the
+# aarch64 harness, which `make test` runs, does not depend on the tier).
+CPU_TESTS := tests/kernels/cpu tests/platforms/cpu
+test-tiers: setup
+	for tier in avx2 generic; do \
+	  $(MAKE) --no-print-directory tier-$$tier || exit 1; done
+tier-%:
+	$(TIER_ENV_$*) OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n 2 -q $(CPU_TESTS) \
+	  --ignore=tests/kernels/cpu/test_aarch64.py
 
 notebooks: setup
 	$(VENV)/bin/jupyter lab notebooks/

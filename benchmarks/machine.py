@@ -15,6 +15,10 @@ import platform
 import sys
 from pathlib import Path
 
+# The settings that cap the instruction set a run uses (`make test TIER=...` sets them all).
+ISA_CAPS = ("MINIPAGED_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+            "MKL_ENABLE_INSTRUCTIONS")
+
 
 def machine_info(**extra: object) -> dict[str, object]:
     """Platform, processor, Python, cores, torch, and the load at the time of the call.
@@ -31,6 +35,9 @@ def machine_info(**extra: object) -> dict[str, object]:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        # the instruction-set tier the run was capped at (the C kernels', PyTorch's, oneDNN's),
+        # where one was: a capped run measures a narrower CPU's code on this one
+        "isa_caps": {name: os.environ[name] for name in ISA_CAPS if os.environ.get(name)},
     }
     try:
         import torch

@@ -59,6 +59,8 @@ ENGINE_MODULES = frozenset({"minipaged.engine.engine"})
 ALLOWED_PRIVATE = {
     "_linear_pointwise": "oneDNN's fused linear is registered only as torch.ops.mkldnn's op",
     "_reorder_linear_weight": "so is the packing of a weight for it",
+    "_is_mkldnn_bf16_supported": "oneDNN's own word on whether its bfloat16 path runs on this "
+                                 "CPU (torch.testing asks it too)",
     "_version": "torch's in-place version counter, the one sign that a packed copy is stale",
     "_profiler_enabled": "whether a torch profiler runs (torch's own record_function asks it): "
                          "entering a record_function costs ~7 us even when none does",

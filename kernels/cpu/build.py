@@ -5,9 +5,15 @@ The kernels are plain C with no PyTorch headers, so a build takes about a second
 C compiler (`$CC`, else `cc`), `-O3 -ffast-math -march=native -fopenmp` (fast-math for the
 compile only: it must not change the process's floating-point state; without OpenMP or
 `-march=native` where the compiler lacks them), into a cache directory (`$MINIPAGED_CACHE`, else
-`~/.cache/minipaged`) under a name that hashes the source, the flags, the compiler and this CPU's
-model and flags, so a cached build never runs on a CPU it was not built for. Without a compiler
-`load_native` says None and each kernel's callers take their PyTorch paths.
+`~/.cache/minipaged`) under a name that hashes the source, the flags, the compiler, the tier and
+this CPU's model and flags, so a cached build never runs on a CPU it was not built for. Without
+a compiler `load_native` says None and each kernel's callers take their PyTorch paths.
+
+`-march=native` is an optimisation, never a requirement: every file builds for each tier of its
+architecture (`TIERS`), and a kernel with paths for wider instruction sets compiles each path
+with its own `target` attribute and picks one when called. `$MINIPAGED_CPU_ISA` caps the tier:
+the build then targets that tier's baseline (`TIER_MARCH`) and the kernels' dispatch picks no
+wider path (`isa_tier`), so one machine can run the code of every narrower CPU.
 
 Every kernel call of this layer shows in torch's profiler under its own name (`profiled`), at
 no cost when no profiler runs.
@@ -38,6 +44,15 @@ CFLAGS = ("-O3", "-ffast-math", "-fPIC", "-std=c11", "-c")
 LDFLAGS = ("-shared", "-lm")
 # Tried in turn: a compiler that lacks OpenMP (Apple's clang) or -march=native still builds it.
 OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-march=native",), ())
+# The instruction-set tiers of each architecture, narrowest first, and what each compiles for
+# when `$MINIPAGED_CPU_ISA` caps the build at it (x86-64's psABI levels; NEON is part of every
+# aarch64 CPU, so its two tiers differ only in the kernels' dispatch).
+ISA_ENV = "MINIPAGED_CPU_ISA"
+TIERS = {"x86_64": ("generic", "avx2", "avx512"), "aarch64": ("generic", "neon")}
+TIER_MARCH = {"generic": "x86-64", "avx2": "x86-64-v3", "avx512": "x86-64-v4"}  # x86-64 only
+# /proc/cpuinfo flags each x86 tier needs (x86-64-v3: AVX2, FMA, F16C, BMI; v4: AVX-512's core)
+TIER_FLAGS = {"avx2": {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"},
+              "avx512": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}}
 # The C types of the kernels' arguments, as ctypes names them.
 POINTER, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -60,6 +75,55 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(lines)))
 
 
+def architecture() -> str:
+    """This machine's architecture as `TIERS` names it ("x86_64", "aarch64", ...)."""
+    machine = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
+@functools.cache
+def cpu_tier() -> str:
+    """The widest tier of `TIERS` this CPU has ("generic" for an architecture not listed, or
+    where the CPU's flags cannot be read)."""
+    tiers = TIERS.get(architecture(), ("generic",))
+    if tiers[-1] == "neon":
+        return "neon"
+    flags = set(_cpu_identity().split())
+    return next((tier for tier in reversed(tiers) if TIER_FLAGS.get(tier, set()) <= flags),
+                "generic")
+
+
+def isa_tier() -> str | None:
+    """The tier `$MINIPAGED_CPU_ISA` caps the kernels at, lowered to what this CPU has; None
+    when it is unset (every build and dispatch then takes the widest the CPU has). Raises
+    ValueError naming the variable for a tier this architecture does not have."""
+    cap = os.environ.get(ISA_ENV, "").strip().lower()
+    if not cap:
+        return None
+    tiers = TIERS.get(architecture(), ("generic",))
+    if cap not in tiers:
+        raise ValueError(f"{ISA_ENV}={cap!r}: this {architecture()} CPU's tiers are "
+                         f"{', '.join(tiers)}")
+    return tiers[min(tiers.index(cap), tiers.index(cpu_tier()))]
+
+
+def find_compiler(compiler: str | None = None) -> str | None:
+    """The path of `compiler` (default `$CC`, else `cc`), or None where there is none: the one
+    reason a kernel may be missing (a failed build is an error to report, not a missing kernel)."""
+    return shutil.which(compiler or os.environ.get("CC", "cc"))
+
+
+def tier_flags(tier: str | None) -> tuple[tuple[str, ...], ...]:
+    """The optional flags a build of `tier` tries in turn: OPTIONAL_FLAGS, with the tier's
+    baseline in place of -march=native when capped (an aarch64 compiler's default is its
+    baseline)."""
+    if tier is None:
+        return OPTIONAL_FLAGS
+    march = TIER_MARCH.get(tier) if architecture() == "x86_64" else None
+    arch = () if march is None else (f"-march={march}",)
+    return ((*arch, "-fopenmp"), arch, ())
+
+
 def _cache_dir() -> Path:
     return Path(os.environ.get("MINIPAGED_CACHE", Path.home() / ".cache" / "minipaged"))
 
@@ -72,23 +136,26 @@ def build_native(
     unless a build with the same key is already there; None, with the reason in the log, when
     there is no such compiler or the build fails (the caller then takes its PyTorch path).
     Every kernel of this layer is built this one way."""
-    found = shutil.which(compiler or os.environ.get("CC", "cc"))
+    found = find_compiler(compiler)
     if found is None:
         logger.warning("no C compiler %r to build %s: its callers take their PyTorch paths",
                        compiler or os.environ.get("CC", "cc"), source.name)
         return None
     version = subprocess.run([found, "--version"], capture_output=True, text=True).stdout
-    flags = CFLAGS + LDFLAGS + tuple(f for extra in OPTIONAL_FLAGS for f in extra)
-    parts = [source.read_bytes(), " ".join(flags).encode(), version.encode(),
-             _cpu_identity().encode()]
+    tier = isa_tier()
+    optional = tier_flags(tier)
+    flags = CFLAGS + LDFLAGS + tuple(f for extra in optional for f in extra)
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
+    parts = [source.read_bytes(), *headers, " ".join(flags).encode(), version.encode(),
+             _cpu_identity().encode(), str(tier).encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    target = (cache_dir or _cache_dir()) / f"{source.stem}-{key}.so"
+    target = (cache_dir or _cache_dir()) / f"{source.stem}-{tier or 'native'}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built, errors = Path(scratch) / target.name, []
-        for extra in OPTIONAL_FLAGS:
+        for extra in optional:
             error = _compile(found, source, extra, Path(scratch), built)
             if error is None:
                 os.replace(built, target)  # atomic: a concurrent build of this key is the same

@@ -11,8 +11,9 @@ layer's q, k and v projections: `GemvPlan`), writing their outputs side by side.
 Weights are float32, bfloat16 or `Int8Weight`: int8 values with a float32 scale per group of
 input features of each output row (`quantize_int8`), dequantised in registers, so no float copy
 of a quantised weight exists. AVX-512 (with its bfloat16 dot products for bfloat16 weights and
-inputs, where the CPU has them) or AVX2 is chosen at run time from what the CPU reports
-(`gemv_isa`); plain C otherwise. Without a C compiler `gemv_available()` is False and the
+inputs, where the CPU has them) or AVX2 on x86-64, NEON on aarch64, is chosen at run time from
+what the CPU reports, within the tier `$MINIPAGED_CPU_ISA` caps (`gemv_isa`); plain C
+otherwise. Without a C compiler `gemv_available()` is False and the
 models multiply with PyTorch (int8 weights dequantised first).
 
 `gemv_row_limit` measures, once per weight shape, up to how many rows the kernel beats a given
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from minipaged.kernels.cpu.build import I32, I64, POINTER, native_loader
+from minipaged.kernels.cpu.build import I32, I64, POINTER, architecture, isa_tier, native_loader
 from minipaged.kernels.cpu.calls import ENTRY, KernelCall, c_array, require_native
 from minipaged.kernels.cpu.pages import huge_page_buffer
 
@@ -53,7 +54,11 @@ FETCH_PROBE_GROUP = 64  # and its int8 group, as quantised models have them (GRO
 FETCH_PROBE_ROUNDS = 9  # pairs `fetch_ahead` times
 IO_DTYPES = (torch.float32, torch.bfloat16)  # x and out
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # csrc/gemv.c's enum
-ISAS = {"c": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}  # the kernel's paths, by what they need
+# The kernel's paths on this architecture, by what they need (csrc/gemv.c's `isa`), and the
+# widest path each tier of `build.TIERS` allows
+ISAS = ({"c": 0, "neon": 1} if architecture() == "aarch64"
+        else {"c": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3})
+TIER_PATHS = {"generic": 0, "avx2": 1, "neon": 1, "avx512": 3}
 PROFILER_NAME = "minipaged::gemv"
 
 
@@ -127,12 +132,18 @@ def gemv_available() -> bool:
 
 
 def gemv_isa() -> str:
-    """The path this CPU takes: "avx512_bf16", "avx512", "avx2" or "c" (or "none" without the
-    kernel)."""
+    """The path this CPU takes: "avx512_bf16", "avx512", "avx2", "neon" or "c" (or "none"
+    without the kernel): the widest it has, within the tier `$MINIPAGED_CPU_ISA` caps."""
     library = _library()
     if library is None:
         return "none"
-    return {v: k for k, v in ISAS.items()}[library.gemv_isa()]
+    return {v: k for k, v in ISAS.items()}[_widest_path(library)]
+
+
+def _widest_path(library: ctypes.CDLL) -> int:
+    """csrc/gemv.c's widest path on this CPU, within the tier `$MINIPAGED_CPU_ISA` caps."""
+    tier = isa_tier()
+    return library.gemv_isa() if tier is None else min(library.gemv_isa(), TIER_PATHS[tier])
 
 
 class GemvPlan:
@@ -244,7 +255,7 @@ class GemvPlan:
         if (out is None or out.shape != (rows, self.width) or out.dtype != self.dtype
                 or not out.is_contiguous()):
             raise ValueError(f"out must be a contiguous [{rows}, {self.width}] {self.dtype}")
-        level = library.gemv_isa() if isa is None else min(ISAS[isa], library.gemv_isa())
+        level = min(_widest_path(library), ISAS[isa] if isa else len(ISAS))
         if ahead is None:
             ahead = (rows > 0 and self.fetch_ahead_matters(level)
                      and fetch_ahead(self.weight_dtype, rows))

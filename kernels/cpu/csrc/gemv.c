@@ -16,11 +16,20 @@
  * exists). x and out are float32 or bfloat16 (x widened once into a float32 buffer, out
  * rounded to nearest even once); accumulation is float32. Rows beyond 8 are done 8 at a time.
  *
- * The AVX-512 and AVX2 paths are compiled side by side (`target` attributes) and chosen when
- * called by what the CPU reports (`__builtin_cpu_supports`); plain C otherwise. OpenMP splits
- * the output rows over threads. Built by minipaged.kernels.cpu.build. */
+ * Every path builds on every CPU: on x86-64 the AVX-512 and AVX2 paths are compiled side by side,
+ * each function with its own `target` attribute, and chosen when called by what the CPU reports
+ * (`__builtin_cpu_supports`), so the file needs no -march flag; on aarch64 the NEON path (part
+ * of every aarch64 CPU); plain C everywhere, and alone on any other CPU. The caller may ask for
+ * a narrower path than the widest (`isa`). OpenMP splits the output rows over threads. Built by
+ * minipaged.kernels.cpu.build. */
 
+#if defined(__x86_64__) || defined(__i386__)
+#define GEMV_X86 1
 #include <immintrin.h>
+#elif defined(__aarch64__)
+#define GEMV_NEON 1
+#include <arm_neon.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -100,8 +109,10 @@ static void rows_scalar(const float *x, int m, int64_t k, const weight_t *wt, in
     }
 }
 
+#ifdef GEMV_X86
 /* ---- AVX-512 ------------------------------------------------------------------------------ */
 
+#define TARGET_tile512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline
 
 static AVX512 __m512 load_w512(const void *w, int type, int64_t i, __mmask16 mask) {
@@ -202,18 +213,9 @@ DP_SPAN(1) DP_SPAN(2) DP_SPAN(3) DP_SPAN(4) DP_SPAN(5) DP_SPAN(6) DP_SPAN(7) DP_
 static const dp_span_fn DP_TABLE[MAX_ROWS] = {dp_1, dp_2, dp_3, dp_4, dp_5, dp_6, dp_7, dp_8};
 #endif
 
-/* Whether a weight of `type` goes to the bfloat16 dot-product path on path `isa`. */
-static int takes_dp(int isa, int io_bf16, int type) {
-#ifdef HAVE_DPBF16
-    return isa >= 3 && io_bf16 && type == W_BF16;
-#else
-    (void)isa, (void)io_bf16, (void)type;
-    return 0;
-#endif
-}
-
 /* ---- AVX2 --------------------------------------------------------------------------------- */
 
+#define TARGET_tile256 __attribute__((target("avx2,fma")))
 #define AVX2 __attribute__((target("avx2,fma"), always_inline)) inline
 
 static AVX2 __m256 load_w256(const void *w, int type, int64_t i) {
@@ -266,7 +268,79 @@ static AVX2 void tile256(const float *x, int64_t k, const weight_t *wt, int64_t 
     }
 }
 
+#endif /* GEMV_X86 */
+
+#ifdef GEMV_NEON
+/* ---- NEON (aarch64) ----------------------------------------------------------------------- */
+
+#define TARGET_tile_neon
+#define NEON __attribute__((always_inline)) inline
+
+/* Eight weights from i as float32, in two halves. */
+static NEON void load_w_neon(const void *w, int type, int64_t i, float32x4_t *lo,
+                             float32x4_t *hi) {
+    if (type == W_F32) {
+        *lo = vld1q_f32((const float *)w + i);
+        *hi = vld1q_f32((const float *)w + i + 4);
+    } else if (type == W_BF16) {
+        const uint16x8_t h = vld1q_u16((const uint16_t *)w + i);
+        *lo = vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h), 16));
+        *hi = vreinterpretq_f32_u32(vshll_n_u16(vget_high_u16(h), 16));
+    } else {
+        const int16x8_t b = vmovl_s8(vld1_s8((const int8_t *)w + i));
+        *lo = vcvtq_f32_s32(vmovl_s16(vget_low_s16(b)));
+        *hi = vcvtq_f32_s32(vmovl_s16(vget_high_s16(b)));
+    }
+}
+
+/* As tile256, eight input features a step in two 4-lane halves. */
+static NEON void tile_neon(const float *x, int64_t k, const weight_t *wt, int64_t r, int R,
+                           int M, int type, int64_t ahead, float out_acc[4][MAX_ROWS]) {
+    const int64_t groups = k / wt->group, group = wt->group;
+    for (int a = 0; a < R; a++)
+        for (int i = 0; i < M; i++) out_acc[a][i] = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        float32x4_t part[4][MAX_ROWS];
+        for (int a = 0; a < R; a++)
+            for (int i = 0; i < M; i++) part[a][i] = vdupq_n_f32(0.0f);
+        const int64_t start = g * group, end = start + group, vend = start + (group & ~7);
+        for (int64_t j = start; j < vend; j += 8) {
+            float32x4_t lo[4], hi[4];
+            for (int a = 0; a < R; a++) {
+                load_w_neon(wt->w, type, (r + a) * k + j, &lo[a], &hi[a]);
+                if (ahead) __builtin_prefetch(w_byte(wt->w, type, (r + a) * k + j) + ahead, 0, 2);
+            }
+            for (int i = 0; i < M; i++) {
+                const float32x4_t xlo = vld1q_f32(x + i * k + j), xhi = vld1q_f32(x + i * k + j + 4);
+                for (int a = 0; a < R; a++)
+                    part[a][i] = vfmaq_f32(vfmaq_f32(part[a][i], lo[a], xlo), hi[a], xhi);
+            }
+        }
+        for (int a = 0; a < R; a++) {
+            const float s = type == W_INT8 ? wt->scales[(r + a) * groups + g] : 1.0f;
+            for (int i = 0; i < M; i++) {
+                float sum = vaddvq_f32(part[a][i]);
+                for (int64_t j = vend; j < end; j++)
+                    sum += weight_at(wt->w, type, (r + a) * k + j) * x[i * k + j];
+                out_acc[a][i] += s * sum;
+            }
+        }
+    }
+}
+#endif /* GEMV_NEON */
+
 /* ---- dispatch ----------------------------------------------------------------------------- */
+
+/* Whether a weight of `type` goes to the bfloat16 dot-product path on path `isa`. */
+static int takes_dp(int isa, int io_bf16, int type) {
+#ifdef HAVE_DPBF16
+    return isa >= 3 && io_bf16 && type == W_BF16;
+#else
+    (void)isa, (void)io_bf16, (void)type;
+    return 0;
+#endif
+}
+
 
 /* A run of whole tiles, rows [r0, r1) of a weight, for M input rows, each tile's sums stored
  * into out (rows ld apart) as it is done: one function per (ISA, R, M, type, fetching ahead or
@@ -275,7 +349,7 @@ static AVX2 void tile256(const float *x, int64_t k, const weight_t *wt, int64_t 
 typedef void (*span_fn)(const float *, int64_t, const weight_t *, int64_t, int64_t, void *,
                         int64_t, int);
 #define TILE(isa, R, M, T, P)                                                                 \
-    static void isa##_##R##_##M##_##T##_##P(const float *x, int64_t k, const weight_t *wt,  \
+    TARGET_##isa static void isa##_##R##_##M##_##T##_##P(const float *x, int64_t k, const weight_t *wt,  \
                                             int64_t r0, int64_t r1, void *out, int64_t ld,  \
                                             int io_bf16) {                                  \
         for (int64_t r = r0; r < r1; r += R) {                                              \
@@ -293,7 +367,12 @@ typedef void (*span_fn)(const float *, int64_t, const weight_t *, int64_t, int64
     TILES(isa, 0, P) TILES(isa, 1, P) TILES(isa, 2, P) TILE(isa, 1, 1, 0, P)                 \
     TILE(isa, 1, 2, 0, P) TILE(isa, 4, 1, 1, P) TILE(isa, 4, 2, 1, P) TILE(isa, 4, 1, 2, P)  \
     TILE(isa, 4, 2, 2, P)
+#ifdef GEMV_X86
 ALL_TILES(tile512, 0) ALL_TILES(tile512, 1) ALL_TILES(tile256, 0) ALL_TILES(tile256, 1)
+#endif
+#ifdef GEMV_NEON
+ALL_TILES(tile_neon, 0) ALL_TILES(tile_neon, 1)
+#endif
 
 /* [fetch ahead][type][m - 1]: R as tile_rows says. */
 #define TYPE_ROW(isa, R, T, P)                                                               \
@@ -301,8 +380,25 @@ ALL_TILES(tile512, 0) ALL_TILES(tile512, 1) ALL_TILES(tile256, 0) ALL_TILES(tile
      isa##_2_4_##T##_##P, isa##_1_5_##T##_##P, isa##_1_6_##T##_##P, isa##_1_7_##T##_##P,    \
      isa##_1_8_##T##_##P}
 #define TABLE(isa, P) {TYPE_ROW(isa, 1, 0, P), TYPE_ROW(isa, 4, 1, P), TYPE_ROW(isa, 4, 2, P)}
+#ifdef GEMV_X86
 static const span_fn TABLE512[2][3][MAX_ROWS] = {TABLE(tile512, 0), TABLE(tile512, 1)};
 static const span_fn TABLE256[2][3][MAX_ROWS] = {TABLE(tile256, 0), TABLE(tile256, 1)};
+#endif
+#ifdef GEMV_NEON
+static const span_fn TABLE_NEON[2][3][MAX_ROWS] = {TABLE(tile_neon, 0), TABLE(tile_neon, 1)};
+#endif
+
+/* The span function of path `isa` for m input rows of a weight of `type`; NULL: plain C. */
+static span_fn span_for(int isa, int ahead, int type, int m) {
+#if defined(GEMV_X86)
+    return isa >= 2 ? TABLE512[ahead][type][m - 1] : isa == 1 ? TABLE256[ahead][type][m - 1] : NULL;
+#elif defined(GEMV_NEON)
+    return isa >= 1 ? TABLE_NEON[ahead][type][m - 1] : NULL;
+#else
+    (void)isa, (void)ahead, (void)type, (void)m;
+    return NULL;
+#endif
+}
 
 /* Output rows a tile computes at once for m input rows of a weight of `type`. The rows of a
  * tile are read side by side, as R short streams. At m <= 2, float32 rows read fastest one at
@@ -316,9 +412,14 @@ static int tile_rows(int m, int type) {
     return m <= 4 ? 2 : 1;
 }
 
-/* Which path this CPU takes: 3 AVX-512 with its bfloat16 dot products, 2 AVX-512, 1 AVX2, 0
- * plain C. */
+/* The widest path this CPU can take: 3 AVX-512 with its bfloat16 dot products, 2 AVX-512, 1
+ * AVX2 (x86-64) or NEON (aarch64), 0 plain C. */
 int gemv_isa(void) {
+#if defined(GEMV_NEON)
+    return 1;
+#elif !defined(GEMV_X86)
+    return 0;
+#else
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl")) {
@@ -329,6 +430,7 @@ int gemv_isa(void) {
     }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
     return 0;
+#endif
 }
 
 /* out [m, sum(n)] (float32, or bfloat16 when io_bf16) = x [m, k] (same dtype) times each of
@@ -379,8 +481,7 @@ int gemv(const void *x_in, int64_t m, int64_t k, int io_bf16, int nw, const void
             const int R = tile_rows(mm, types[w]);
             const int64_t whole = n / R;
             const int ahead = fetch_ahead != 0;
-            const span_fn fn = isa >= 2 ? TABLE512[ahead][wt.type][mm - 1]
-                               : isa == 1 ? TABLE256[ahead][wt.type][mm - 1] : NULL;
+            const span_fn fn = span_for(isa, ahead, wt.type, mm);
             /* Each thread a run of whole tiles; the rows after the last whole tile in plain C. */
             const int runs = threads > 1 ? threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads)

@@ -12,6 +12,7 @@ weight's shape, so `onednn_is_faster` times both here, once per shape and dtype;
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ from minipaged.kernels.cpu.gemv import best_times
 ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and all(
     hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight")
 )
+logger = logging.getLogger(__name__)
 # The row counts `onednn_is_faster` times both GEMMs at: a small decode step and a large one.
 GEMM_PROBE_ROWS = (1, 16)
 # The weight copies each probe streams through: more than a server CPU's last-level cache.
@@ -73,15 +75,29 @@ def uses_onednn(x: Tensor, weight: Tensor) -> bool:
 
 
 def may_use_onednn(weight: Tensor) -> bool:
-    """Whether oneDNN's linear can take `weight` at all: a CPU weight of float32 or bfloat16,
-    not made under `torch.inference_mode` (such a tensor has no version counter to tell when a
-    packed copy is stale)."""
+    """Whether oneDNN's linear can take `weight` at all: a CPU weight of a dtype it runs here
+    (`onednn_runs`), not made under `torch.inference_mode` (such a tensor has no version counter
+    to tell when a packed copy is stale)."""
     return (
-        ONEDNN_AVAILABLE
-        and weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
+        weight.device.type == "cpu"
+        and onednn_runs(weight.dtype)
         and not weight.is_inference()
     )
+
+
+@functools.cache
+def onednn_runs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's linear runs `dtype` weights on this CPU: float32 wherever PyTorch has
+    oneDNN; bfloat16 only where the CPU has what oneDNN's bfloat16 path needs (AVX-512BW, VL and
+    DQ, or AVX-NE-CONVERT; elsewhere packing a weight raises), as oneDNN itself reports. A
+    bfloat16 model on another CPU multiplies with `F.linear`, and the log says so once."""
+    if not ONEDNN_AVAILABLE or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        logger.info("this CPU lacks the instructions oneDNN's bfloat16 linear needs "
+                    "(AVX-512BW/VL/DQ or AVX-NE-CONVERT): bfloat16 weights use F.linear")
+        return False
+    return True
 
 
 def packed_copy(weight: Tensor) -> Tensor:

@@ -22,11 +22,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_kernels import NEEDS_COMPILER
 from paged_utils import seq_and_query_lens
 
 from minipaged.attention import reference as attention
 from minipaged.attention.reference import paged_attention
-from minipaged.kernels.cpu.native import native_decode_available
 from minipaged.platforms import get_attention_ops
 from minipaged.platforms.cpu.attention import (
     CPU_OPS,
@@ -188,7 +188,7 @@ def test_kv_writes_check_their_arguments_unless_told_not_to():
                               torch.tensor([0, 1, 99], dtype=torch.int64))
 
 
-NATIVE = pytest.mark.skipif(not native_decode_available(), reason="needs a C compiler")
+NATIVE = NEEDS_COMPILER
 
 
 def decode_step(dtype: torch.dtype = torch.float32):

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_kernels import NEEDS_COMPILER
 from tiny_models import (
     SMALL_LLAMA,
     cpu_runner,
@@ -36,7 +37,7 @@ from torch import nn
 
 import minipaged.platforms.cpu as cpu_platform_module
 from minipaged.attention.reference import REFERENCE_OPS
-from minipaged.kernels.cpu.gemv import MAX_ROWS, gemv_available
+from minipaged.kernels.cpu.gemv import MAX_ROWS
 from minipaged.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from minipaged.models.llama import LlamaForCausalLM
 from minipaged.models.tensor_parallel import (
@@ -62,7 +63,7 @@ from minipaged.platforms.cpu.modules import (
 )
 from minipaged.runner.config import RunnerConfig
 
-pytestmark = pytest.mark.skipif(not gemv_available(), reason="needs a C compiler")
+pytestmark = NEEDS_COMPILER
 
 # The module (the package's `gemv` is its function of that name).
 gemv = importlib.import_module("minipaged.kernels.cpu.gemv")

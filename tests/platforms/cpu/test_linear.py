@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_kernels import NEEDS_COMPILER
 from torch import nn
 
 import minipaged.platforms.cpu.linear as linear_module
-from minipaged.kernels.cpu.gemv import gemv_available
 from minipaged.platforms.cpu.linear import (
     INT8_GEMV_ROWS,
     CPULinear,
@@ -32,7 +32,7 @@ from minipaged.platforms.cpu.linear import (
 )
 from minipaged.platforms.cpu.onednn import onednn_linear
 
-pytestmark = pytest.mark.skipif(not gemv_available(), reason="needs a C compiler")
+pytestmark = NEEDS_COMPILER
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
 

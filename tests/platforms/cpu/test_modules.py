@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_kernels import NEEDS_COMPILER
 from tiny_models import dense_last_logits, tiny_llama_parts
 from torch import Tensor, nn
 
 from minipaged.kernels.cpu.gemv import quantize_int8
-from minipaged.kernels.cpu.norm_rotary import norm_rotary_available
 from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from minipaged.models.registry import FAMILIES
@@ -39,7 +39,7 @@ from minipaged.platforms.cpu.modules import (
 )
 from minipaged.platforms.cpu.replay import capture
 
-pytestmark = pytest.mark.skipif(not norm_rotary_available(), reason="needs a C compiler")
+pytestmark = NEEDS_COMPILER
 
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
 # The norm and SiLU-and-multiply: a few units in the last place (float32), two steps (bfloat16).

@@ -4,6 +4,10 @@ packed copy never stale."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -14,9 +18,39 @@ from minipaged.platforms.cpu.onednn import (
     ONEDNN_AVAILABLE,
     onednn_is_faster,
     onednn_linear,
+    onednn_runs,
     packed_weight,
     uses_onednn,
 )
+
+# oneDNN's bfloat16 path needs AVX-512BW, VL and DQ (or AVX-NE-CONVERT): absent on AVX2 CPUs
+NEEDS_BF16 = pytest.mark.skipif(
+    not onednn_runs(torch.bfloat16),
+    reason="this CPU lacks AVX-512BW/VL/DQ and AVX-NE-CONVERT, which oneDNN's bfloat16 needs")
+
+# A CPU without them, on any x86 machine: oneDNN capped at AVX2 (its own setting).
+WITHOUT_BF16 = """
+import logging, torch, torch.nn.functional as F
+from minipaged.platforms.cpu.linear import linear
+from minipaged.platforms.cpu.onednn import may_use_onednn, onednn_runs
+logging.basicConfig(level=logging.INFO)
+w = torch.randn(256, 256).bfloat16()
+x = torch.randn(3, 256).bfloat16()
+assert onednn_runs(torch.float32) and not onednn_runs(torch.bfloat16)
+assert not may_use_onednn(w) and not may_use_onednn(w)
+with torch.inference_mode():
+    torch.testing.assert_close(linear(x, w), F.linear(x, w))
+"""
+
+
+def test_a_cpu_without_onednns_bfloat16_multiplies_bfloat16_with_f_linear_and_says_so_once():
+    """oneDNN refuses to pack a bfloat16 weight on a CPU without the instructions its path
+    needs; the platform asks oneDNN first and takes `F.linear` there, logging it once."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run([sys.executable, "-c", WITHOUT_BF16], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("lacks the instructions oneDNN's bfloat16 linear needs") == 1
 
 
 def test_linear_takes_onednn_where_it_measured_faster_and_applies():
@@ -38,10 +72,10 @@ def test_linear_takes_onednn_where_it_measured_faster_and_applies():
 @given(
     rows=st.integers(1, 40),
     sizes=st.sampled_from([(64, 48), (192, 576), (300, 260)]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=NEEDS_BF16)])
 def test_onednn_over_a_packed_weight_equals_f_linear(rows, sizes, dtype, bias, seed):
     """The packed copy is the same matrix: oneDNN over it is F.linear up to rounding, at any row
     count (it is packed once, for every step's rows)."""

@@ -31,6 +31,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_kernels import NEEDS_COMPILER
 from tiny_models import (
     SMALL_LLAMA,
     cpu_platform,
@@ -43,8 +44,6 @@ from tiny_models import (
 from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile
 
-from minipaged.kernels.cpu.calls import kernel_calls_available
-from minipaged.kernels.cpu.gemv import gemv_available
 from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.layers import RMSNorm
 from minipaged.models.llama import LlamaMLP
@@ -63,8 +62,7 @@ from minipaged.platforms.cpu.replay import (
 )
 from minipaged.runner.model_runner import ModelRunner
 
-pytestmark = pytest.mark.skipif(not (gemv_available() and kernel_calls_available()),
-                                reason="needs a C compiler")
+pytestmark = NEEDS_COMPILER
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 64  # eight sequences of up to 12 + 3 tokens fit, shuffled
 CPU = torch.device("cpu")
