@@ -56,19 +56,22 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, model_config: ModelConfig,
                  config: RunnerConfig | None = None, *, platform: Platform | None = None,
-                 heads: tuple[int, int] | None = None) -> None:
+                 heads: tuple[int, int] | None = None, loaded: bool = False) -> None:
         """`model`, the plain model, is placed on the config's device in its dtype and made
         fast there by `platform` (by default the config's: `get_platform`), which swaps its
         modules and may quantise it. Then the KV cache is sized (`blocks_that_fit`, unless the
         config gives `num_gpu_blocks`) and allocated, with a host pool of `num_cpu_blocks` (by
         default `swap_space` GiB). Decode steps of the platform's `graph_sizes` are replayed
         from captures of the model's forward (`StepGraphs`), unless `enforce_eager`. `heads`:
-        (query heads, KV heads) of a tensor-parallel rank's shard; by default the model's."""
+        (query heads, KV heads) of a tensor-parallel rank's shard; by default the model's.
+        `loaded`: `platform` has already made `model` its own (a tensor-parallel rank's does,
+        before the ranks meet)."""
         self.config = config = config or RunnerConfig()
         self.model_config, self.block_size = model_config, config.block_size
         self.device, dtype = config.torch_device, config.torch_dtype
         self.platform = platform = platform or get_platform(config)
-        self.model = platform.load(model.to(self.device, dtype).eval(), config.quantization)
+        self.model = model if loaded else platform.load(model.to(self.device, dtype).eval(),
+                                                        config.quantization)
         self.model.checks_values = False  # `flat_batch` checks every batch on the host
         self.ops, self.layer_ops = platform.attention, unchecked(platform.attention)
         self.num_heads, self.num_kv_heads = heads or (model_config.num_heads,

@@ -1,11 +1,11 @@
 """A tensor-parallel rank: where its shard comes from, how it starts, and the workers' loop.
 
-Every rank, rank 0 included, starts the same way: load its shard of the model
-(`load_shard`, `minipaged.models.tensor_parallel`); once every rank has (a worker reports it to
-rank 0), join the process group, so that the rendezvous does not wait on anyone's loading; then
-build a `ModelRunner` over the shard, which sizes its own shard of the paged KV cache (its KV
-heads) after a profile whose collectives meet the other ranks', and keep the ranks' smallest
-cache (`keep_smallest_cache`). A worker (ranks 1..N-1, `worker_main`) then receives each step's
+Every rank, rank 0 included, starts the same way: load its shard of the model and make it its
+platform's (`load_shard`, `minipaged.models.tensor_parallel`); once every rank has (a worker
+reports it to rank 0), join the process group, so that neither the rendezvous nor the first
+collectives wait on anyone's loading; then build a `ModelRunner` over the shard, which sizes
+its own shard of the paged KV cache (its KV heads) after a profile whose collectives meet the
+other ranks', and keep the ranks' smallest cache (`keep_smallest_cache`). A worker (ranks 1..N-1, `worker_main`) then receives each step's
 plan -- the batch entries and cache operations rank 0's scheduler produced -- over a pipe from
 rank 0, runs the same `execute` (whose collectives meet rank 0's), and drops the logits: only
 rank 0 samples.
@@ -168,16 +168,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def load_shard(spec: RankSpec) -> tuple[tuple, dict[str, Any]]:
-    """The `ModelRunner` arguments of this rank: its shard of the model, the model's config,
-    its settled config on its own device, run eagerly (a capture would run collectives on one
-    rank alone), its platform and its heads (its shard of the KV cache)."""
+    """The `ModelRunner` arguments of this rank: its shard of the model, already made its
+    platform's (the part of a start that takes each rank its own time, done before the ranks
+    meet), the model's config, its settled config on its own device, run eagerly (a capture
+    would run collectives on one rank alone), its platform and its heads (its shard of the KV
+    cache)."""
     tp = TensorParallel(spec.rank, spec.world_size)
     index = spec.rank if spec.local_rank is None else spec.local_rank
     device = platform_class(spec.config.device).rank_device(spec.config.torch_device, index)
     config = replace(spec.config, device=str(device), enforce_eager=True)
     model, model_config = spec.source.load(tp, config.torch_dtype, device)
+    platform = spec.platform(config)
+    model = platform.load(model.to(device, config.torch_dtype).eval(), config.quantization)
     heads = (len(q_heads(model_config, tp)), len(kv_heads(model_config, tp)))
-    return (model, model_config, config), dict(platform=spec.platform(config), heads=heads)
+    return (model, model_config, config), dict(platform=platform, heads=heads, loaded=True)
 
 
 def join_group(spec: RankSpec) -> None:
