@@ -5,10 +5,10 @@ platform's (`load_shard`, `minipaged.models.tensor_parallel`); once every rank h
 reports it to rank 0), join the process group, so that neither the rendezvous nor the first
 collectives wait on anyone's loading; then build a `ModelRunner` over the shard, which sizes
 its own shard of the paged KV cache (its KV heads) after a profile whose collectives meet the
-other ranks', and keep the ranks' smallest cache (`keep_smallest_cache`). A worker (ranks 1..N-1, `worker_main`) then receives each step's
-plan -- the batch entries and cache operations rank 0's scheduler produced -- over a pipe from
-rank 0, runs the same `execute` (whose collectives meet rank 0's), and drops the logits: only
-rank 0 samples.
+other ranks', and keep the ranks' smallest cache (`keep_smallest_cache`). A worker (ranks
+1..N-1, `worker_main`) then receives each step's plan -- the batch entries and cache operations
+rank 0's scheduler produced -- over a pipe from rank 0, runs the same `execute` (whose
+collectives meet rank 0's), and drops the logits: only rank 0 samples.
 
 On one machine rank 0 starts each worker as `python -m minipaged.runner.parallel FD`
 (`start_worker`), a fresh interpreter that imports only minipaged and whatever the rank's `RankSpec`
