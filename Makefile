@@ -41,7 +41,7 @@ test: lint setup
 
 # The tests of the C kernels and the CPU platform once per narrower x86 tier (CI runs them; the
 # aarch64 harness, which `make test` runs, does not depend on the tier).
-CPU_TESTS := tests/kernels/cpu tests/runner/platforms/cpu
+CPU_TESTS := tests/kernels/cpu tests/platforms/cpu
 test-tiers: setup
 	for tier in avx2 generic; do \
 	  $(MAKE) --no-print-directory tier-$$tier || exit 1; done

@@ -63,7 +63,7 @@ def _cpu_model() -> str | None:
 
 def _cpuinfo_flags() -> frozenset[str]:
     """Every feature flag of the CPU in /proc/cpuinfo (minipaged's own reader)."""
-    from minipaged.engine.config import cpu_flags
+    from minipaged.platforms.cpu import cpu_flags
 
     return cpu_flags()
 

@@ -107,8 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     from minipaged.engine.config import DTYPE_CHOICES, EngineConfig
-    from minipaged.runner.backends import BACKENDS
-    from minipaged.runner.platforms.cpu.quantization import QUANTIZATIONS
+    from minipaged.platforms import BACKENDS, QUANTIZATIONS
     from minipaged.sched.output import PreemptionMode
     from minipaged.sched.registry import SCHEDULERS
 

@@ -2,14 +2,14 @@
 
 * `LAYERS` below is the package's layer order: each subpackage of `minipaged/` (and `kernels/`,
   imported as `minipaged.kernels`) is one layer, or two where a nested subpackage is a layer of its
-  own below or above its parent (`models.checkpoint`, `runner.platforms`, `runner.parallel`); a
-  module
-  imports only its own layer or the ones listed before it; the module import graph has no cycle.
+  own below or above its parent (`models.checkpoint`, `runner.parallel`); a module imports
+  only its own layer or the ones listed before it; the module import graph has no cycle.
   Imports inside functions and under `TYPE_CHECKING` count: a lazy import is still an import.
   `docs/architecture.md`'s table lists the same layers in the same order.
-* Every subpackage names its public face (`__all__` in its `__init__.py`); no folder, the
-  package's own included, holds more than 12 modules and subpackages (`__init__` and the
-  command line's `__main__` aside), and no two modules of one folder share a name prefix.
+* Every subpackage names its public face (`__all__` in its `__init__.py`); the package's own
+  folder holds its top-level layers and nothing else, no other folder more than 12 modules and
+  subpackages (`__init__` and the command line's `__main__` aside), and no two modules of one
+  folder share a name prefix.
 * No module reads another module's private names (`obj._name`, `from x import _name`) in
   `minipaged/`, `kernels/`, `benchmarks/` or the notebooks, and nothing outside the engine
   replaces an engine's parts by assignment.
@@ -37,7 +37,7 @@ LAYERS = (
     "kv",  # 4
     "attention",  # 5: the contract and the reference
     "kernels",  # 6: the platforms' kernels, in `kernels/` (Triton's and the CPU's C)
-    "runner.platforms",  # 7: each device's speed behind one seam, the runner's to call
+    "platforms",  # 7: each device's speed behind one seam, the runner's to call
     "sampling",  # 8
     "sched",  # 9
     "runner",  # 10
@@ -229,7 +229,11 @@ def test_folders_are_small_and_their_modules_have_distinct_prefixes() -> None:
             if (p.suffix == ".py" and p.stem not in ("__init__", "__main__"))
             or (p.is_dir() and (p / "__init__.py").exists())
         ]
-        if len(entries) > MAX_FOLDER_ENTRIES:
+        if folder == ROOT / "minipaged":  # the package's own folder: its top-level layers only
+            layers = {unit for unit in LAYERS if "." not in unit and unit != "__main__"}
+            if set(entries) != layers:
+                problems.append(f"minipaged: {sorted(entries)} are not the top-level layers")
+        elif len(entries) > MAX_FOLDER_ENTRIES:
             problems.append(f"{folder.relative_to(ROOT)}: {len(entries)} entries")
         prefixes: dict[str, list[str]] = {}
         for name in entries:
@@ -266,9 +270,10 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def package_of(module: str, graph: dict[str, set[str]]) -> str:
-    """The package a module lies in (a package's `__init__` is the package itself)."""
+    """The package a module lies in; a package's `__init__` is a node of its own: the package's
+    public face, which may name what its subpackages hold (the platforms' choice of one)."""
     is_package = any(other.startswith(module + ".") for other in graph)
-    return module if is_package else module.rpartition(".")[0]
+    return f"{module}.__init__" if is_package else module.rpartition(".")[0]
 
 
 def test_the_import_graph_has_no_cycle() -> None:
@@ -277,8 +282,9 @@ def test_the_import_graph_has_no_cycle() -> None:
 
 
 def test_no_package_imports_a_package_that_imports_it() -> None:
-    """Collapsed to packages (a package's modules outside its subpackages, as one node), the
-    import graph has no cycle either: a subpackage and its parent never import each other."""
+    """Collapsed to packages (a package's modules outside its subpackages and its `__init__`,
+    as one node), the import graph has no cycle either: a subpackage and its parent's modules
+    never import each other."""
     graph = import_graph()
     packages: dict[str, set[str]] = {}
     for module, targets in graph.items():
@@ -294,8 +300,35 @@ def test_the_model_knows_no_platform() -> None:
     the kernels or the platforms (a platform swaps its modules in at load)."""
     found = [f"{a} imports {b}" for a, targets in import_graph().items()
              if unit_of(a) in ("models", "models.checkpoint") for b in targets
-             if unit_of(b) in ("kernels", "runner.platforms")]
+             if unit_of(b) in ("kernels", "platforms")]
     assert not found, "\n".join(found)
+
+
+def device_questions(source: str) -> Iterator[str]:
+    """Where `source` asks what a device is: a device's `.type` (`x.device.type`, `device.type`,
+    `torch.device(...).type`), a tensor's `.is_cuda` / `.is_cpu`, or `torch.cuda`."""
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = ast.unparse(node.value)
+        of_a_device = owner.endswith("device") or owner.startswith("torch.device(")
+        if ((node.attr == "type" and of_a_device) or node.attr in ("is_cuda", "is_cpu")
+                or ast.unparse(node) == "torch.cuda"):
+            yield f"line {node.lineno}: {ast.unparse(node)}"
+
+
+def test_only_the_platforms_ask_what_a_device_is() -> None:
+    """Every device question is the platform's (`Platform.check_and_update_config` and the
+    class's facts): no module of the package outside `minipaged/platforms/` asks one."""
+    platforms = ROOT / "minipaged" / "platforms"
+    found = [f"{path.relative_to(ROOT)}: {question}"
+             for path in sorted((ROOT / "minipaged").rglob("*.py"))
+             if platforms not in path.parents
+             for question in device_questions(path.read_text())]
+    assert not found, "device questions outside the platforms:\n" + "\n".join(found)
+    asked = list(device_questions("a = x.device.type == 'cpu'\nb = torch.device(d).type\n"
+                                  "c = t.is_cuda\nd = torch.cuda.is_available()\ne = x.dtype\n"))
+    assert sorted(line.split(":")[0] for line in asked) == ["line 1", "line 2", "line 3", "line 4"]
 
 
 # -- private names and engine parts ---------------------------------------------------------------

@@ -30,7 +30,8 @@ imports this one still collects (and its other tests still run) where it is miss
 
 from __future__ import annotations
 
-from dataclasses import replace
+import os
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -41,7 +42,11 @@ from minipaged.engine.engine import LLMEngine
 from minipaged.kernels.cpu.gemv import MAX_ROWS
 from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.registry import FAMILIES, build_model
-from minipaged.runner.platforms.cpu import CPUPlatform
+from minipaged.platforms import Platform
+from minipaged.platforms.cpu import CPUPlatform
+from minipaged.runner.backends import ProfileAttention
+from minipaged.runner.config import RunnerConfig
+from minipaged.runner.model_runner import ModelRunner
 from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 from minipaged.testing.dense import DenseAttentionBackend, DenseKVCache
 
@@ -170,3 +175,57 @@ def cpu_platform(rows: int = MAX_ROWS, **options: Any) -> CPUPlatform:
     """The CPU platform with every float projection on the GEMV kernel up to `rows` rows
     (0: none), so that a test does not depend on this machine's timings."""
     return CPUPlatform(torch.device("cpu"), gemv_rows=rows, **options)
+
+
+def cpu_runner(model: torch.nn.Module, model_config: ModelConfig, platform: Platform | None = None,
+               dtype: torch.dtype = torch.float32, **settings: Any) -> ModelRunner:
+    """A `ModelRunner` on the CPU over `model`: `settings` are `RunnerConfig`'s (no host pool
+    unless `num_cpu_blocks` says so), `dtype` a torch dtype."""
+    config = RunnerConfig(device="cpu", dtype=str(dtype).removeprefix("torch."),
+                          **{"num_cpu_blocks": 0, **settings})
+    return ModelRunner(model, model_config, config, platform=platform)
+
+
+class BudgetPlatform(Platform):
+    """The reference platform granting the KV cache `budget` bytes (a stand-in for a device's
+    measured memory), only once its weights are loaded and the profiles have run; it records
+    their forwards (the tokens of the batch, whether it attended through no cache, the rows of
+    its logits) and the configs it was handed. With `graph_sizes` it would capture those decode
+    sizes, and refuses every capture."""
+
+    def __init__(self, budget: float, graph_sizes: tuple[int, ...] = ()) -> None:
+        super().__init__(torch.device("cpu"))
+        self.budget, self.loaded, self.graph_sizes = budget, False, graph_sizes
+        self.forwards: list[tuple[int, bool]] = []  # (tokens, attended through no cache)
+        self.logit_rows: list[int] = []
+        self.configs: list[Any] = []
+
+    def kv_cache_bytes(self, profiles: Any, config: Any) -> float:
+        assert self.loaded, "the cache is sized before the weights are placed"
+        for profile in profiles:
+            profile()
+        assert self.forwards, "the profile ran no forward"
+        self.configs.append(config)
+        return self.budget
+
+    def load(self, model: torch.nn.Module, quantization: str | None = None) -> torch.nn.Module:
+        model = super().load(model, quantization)
+        model.register_forward_hook(lambda module, args, out: self.forwards.append(
+            (args[0].shape[0], isinstance(args[2], ProfileAttention))))
+        model.lm_head.register_forward_hook(
+            lambda module, args, out: self.logit_rows.append(args[0].shape[0]))
+        self.loaded = True
+        return model
+
+
+@dataclass(frozen=True)
+class RankBudgets:
+    """Each tensor-parallel rank's `BudgetPlatform` (a `RankSpec.platform`, pickled to the
+    workers): rank 0, in this process, is granted `first` bytes, every worker `others`."""
+
+    first: float
+    others: float
+    pid: int = field(default_factory=os.getpid)
+
+    def __call__(self, config: Any) -> BudgetPlatform:
+        return BudgetPlatform(self.first if os.getpid() == self.pid else self.others)

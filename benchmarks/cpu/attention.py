@@ -13,7 +13,7 @@ baseline keeps each sequence's K/V contiguous (`[B, H_kv, L, D]`, what a reserve
 holds) and calls `torch.nn.functional.scaled_dot_product_attention` with GQA. The paged side
 stores the same K/V in shuffled blocks of a paged cache and calls
 `minipaged.attention.reference.paged_attention` (the reference, in float32) and
-`minipaged.runner.platforms.cpu.attention.cpu_paged_attention`: `cpu`, the CPU backend as the engine
+`minipaged.platforms.cpu.attention.cpu_paged_attention`: `cpu`, the CPU backend as the engine
 runs it (decodes in the native kernel of `minipaged.kernels.cpu.native`, reading blocks in
 place), and `cpu_gathered`, the same backend where that kernel cannot be built (the reference's
 plan and gather in the cache's dtype, query heads packed onto their KV head). The ratio paged /
@@ -52,8 +52,8 @@ from tqdm import tqdm
 from cpu.roofline import cpu_features
 from machine import report_header, save_report
 from minipaged.attention.reference import gather_context, paged_attention, plan_attention
-from minipaged.engine.config import DTYPES
-from minipaged.runner.platforms.cpu.attention import cpu_paged_attention, plan_cpu_attention
+from minipaged.platforms import DTYPES
+from minipaged.platforms.cpu.attention import cpu_paged_attention, plan_cpu_attention
 from minipaged.testing.paged_examples import tolerance
 
 # SmolLM2-135M-Instruct's attention shape.

@@ -39,9 +39,8 @@ import torch
 
 from cpu.roofline import dram_bytes, read_bandwidth, weight_bytes
 from machine import report_header, save_report
-from minipaged.engine.config import cpu_flags
 from minipaged.engine.llm import LLM
-from minipaged.runner.platforms.cpu import GEMV_ROWS_VARIABLE
+from minipaged.platforms.cpu import GEMV_ROWS_VARIABLE, cpu_flags
 from minipaged.sampling.params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "decode_cpu.json"

@@ -1,7 +1,7 @@
 """What weight-only int8 costs in accuracy: perplexity and greedy agreement against float32.
 
 The bundled SmolLM2-135M-Instruct loads twice, float32 and `quantization="int8"` (int8 weights,
-a float32 scale per 64 input features, `minipaged.runner.platforms.cpu.quantization`). Both
+a float32 scale per 64 input features, `minipaged.platforms.cpu.quantization`). Both
 score the same fixed text (perplexity of each next token, one forward pass over it) and answer
 the same chat prompts greedily (`--new-tokens` each): the table gives the perplexities and, per
 prompt, how many leading tokens the two answers share, and how many answers are identical.
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from machine import report_header, save_report
-from minipaged.engine.config import cpu_flags
 from minipaged.engine.llm import LLM
+from minipaged.platforms.cpu import cpu_flags
 from minipaged.sampling.params import SamplingParams
 from minipaged.testing.dense import DenseAttentionBackend, DenseKVCache
 

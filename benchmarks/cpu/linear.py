@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from machine import report_header, save_report
-from minipaged.runner.platforms.cpu.linear import linear
-from minipaged.runner.platforms.cpu.onednn import (
+from minipaged.platforms.cpu.linear import linear
+from minipaged.platforms.cpu.onednn import (
     ONEDNN_AVAILABLE,
     onednn_is_faster,
     onednn_linear,

@@ -41,10 +41,11 @@ import numpy as np
 import torch
 
 from machine import last_level_cache_bytes, report_header, save_report
-from minipaged.engine.config import DTYPES, cpu_flags, native_bfloat16
 from minipaged.kernels.cpu.pages import huge_page_buffer
 from minipaged.models.checkpoint.model_config import ModelConfig
-from minipaged.runner.platforms.cpu.linear import linear
+from minipaged.platforms import DTYPES
+from minipaged.platforms.cpu import CPUPlatform, cpu_flags
+from minipaged.platforms.cpu.linear import linear
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "roofline.json"
 ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 512, 1024, 2048)
@@ -82,7 +83,7 @@ def cpu_features() -> dict[str, object]:
     `machine_info`), and the vector level PyTorch's CPU kernels were dispatched to."""
     flags = cpu_flags()
     return {"cpu_flags": {flag: flag in flags for flag in FLAGS},
-            "native_bfloat16": native_bfloat16(torch.device("cpu")),
+            "native_bfloat16": CPUPlatform.native_bfloat16(),
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 

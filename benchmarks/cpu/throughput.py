@@ -50,10 +50,10 @@ from tqdm import tqdm
 
 from cpu.roofline import Roofline, StepShape, cpu_features, measure, step_floor
 from machine import report_header, save_report
-from minipaged.engine.config import DTYPES
 from minipaged.engine.engine import LLMEngine
 from minipaged.engine.record import StepRecord
 from minipaged.models.checkpoint.loader import default_model_path
+from minipaged.platforms import DTYPES
 from minipaged.sampling.params import SamplingParams
 from minipaged.sim.traces import sharegpt_like
 from minipaged.testing.dense import DenseAttentionBackend, DenseKVCache

@@ -59,7 +59,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 # The Triton kernels' tests, and the CUDA platform's (CUDA graphs against eager steps, the KV
 # budget after a profile), which a CPU-only test run skips.
 KERNEL_TESTS = ["tests/kernels/triton/test_attention.py", "tests/kernels/triton/test_cache.py",
-                "tests/kernels/triton/test_fused.py", "tests/runner/platforms/cuda/test_cuda.py"]
+                "tests/kernels/triton/test_fused.py", "tests/platforms/cuda/test_cuda.py"]
 
 # Targets of issue #5 for the headline decode case.
 MIN_FRACTION_OF_COPY_BANDWIDTH = 0.70

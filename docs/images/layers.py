@@ -17,7 +17,7 @@ LAYERS = [
     (4, "KV cache manager", "minipaged/kv/", ["03"], "paged"),
     (5, "Paged attention", "minipaged/attention/", ["04"], "paged"),
     (6, "Kernels", "kernels/", ["05"], "paged"),
-    (7, "Platforms", "minipaged/runner/platforms/", ["05"], "paged"),
+    (7, "Platforms", "minipaged/platforms/", ["05"], "paged"),
     (8, "Sampling", "minipaged/sampling/", ["06"], "serving"),
     (9, "Scheduling", "minipaged/sched/", ["07"], "mlfq"),
     (10, "Model runner", "minipaged/runner/", ["06"], "serving"),

@@ -47,7 +47,7 @@ PROBE_BYTES = 256 << 20
 PROBE_MAX_COPIES = 512
 # How much faster the rival GEMM must measure at a row count to take it from the kernel: where
 # the two read a layer's weights about as fast, the kernel keeps the rows, since a step whose
-# every projection the kernel takes is replayed without Python (`runner.platforms.cpu.replay`)
+# every projection the kernel takes is replayed without Python (`platforms.cpu.replay`)
 ROW_LIMIT_MARGIN = 0.1
 FETCH_PROBE_SHAPE = (1536, 576)  # the weight `fetch_ahead` reads: a small model's MLP's
 FETCH_PROBE_GROUP = 64  # and its int8 group, as quantised models have them (GROUP_SIZE)
@@ -242,7 +242,7 @@ class GemvPlan:
              ahead: bool | None = None) -> KernelCall:
         """The kernel's call `out = self(x)` with every argument fixed, to run again and again
         over the same tensors (their contents changing: a step replayed,
-        `runner.platforms.cpu.replay`); it returns the kernel's status, 0. `x [rows, in]` and
+        `platforms.cpu.replay`); it returns the kernel's status, 0. `x [rows, in]` and
         `out [rows, width]` contiguous, the plan's dtype, alive while the call is; threads as
         many as torch's now; weights fetched ahead as `fetch_ahead` measured, unless `ahead`
         says."""
@@ -298,7 +298,7 @@ def best_times(candidates: dict[str, Callable[[Tensor], object]], inputs: Sequen
 def probe_copies(shapes: Sequence[tuple[int, int]], dtype: torch.dtype,
                  values: Sequence[Tensor] | None = None) -> list[list[Tensor]]:
     """Copies of weights of `shapes` and `dtype` (`values`, one per shape, or zeros), back to
-    back on huge pages as a model's weights are laid out (`runner.platforms.cpu.weight_layout`),
+    back on huge pages as a model's weights are laid out (`platforms.cpu.weight_layout`),
     `PROBE_BYTES` of them (at most `PROBE_MAX_COPIES`): what the start-up probes read. A step
     reads its weights from memory on huge pages, so a probe must too. Fewer copies, partly held
     by the last-level cache, measure another machine: on an AMD EPYC (32 MiB of cache) 48 MiB

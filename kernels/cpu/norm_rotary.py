@@ -9,7 +9,7 @@ decode step each operator costs a few microseconds to dispatch and almost nothin
 step of SmolLM2 runs 61 norms, 60 rotaries and 30 SwiGLUs. Here each is one pass over its rows,
 rounding as PyTorch rounds (`minipaged.models.layers` computes the same in PyTorch and calls
 these where they apply). `bind_add_rms_norm` also folds the residual add before a norm into it,
-for a replayed step (`minipaged.runner.platforms.cpu.replay`).
+for a replayed step (`minipaged.platforms.cpu.replay`).
 
 `norm_rotary_available()` says whether the kernels could be built (`build_native`); without a
 compiler the models keep their PyTorch code.

@@ -2,7 +2,7 @@
 
 A kernel that reads a large buffer once (a decode step's weights, or the copies a kernel's
 start-up probe reads) misses the TLB every 4 KiB on ordinary pages; on huge pages it misses
-every 2 MiB. `minipaged.runner.platforms.cpu.weight_layout` lays a model's weights out in such a
+every 2 MiB. `minipaged.platforms.cpu.weight_layout` lays a model's weights out in such a
 buffer, and the probes that choose how the kernels read (`gemv.fetch_ahead`) read one, so that
 they measure what a step will see.
 """

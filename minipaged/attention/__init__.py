@@ -1,6 +1,6 @@
 """Layer 5 -- paged attention in PyTorch: the contract every backend keeps, the reference
 that reads K/V through block tables, KV writes, block copies and swaps (`REFERENCE_OPS`).
-The platforms' backends keep the same contract (`minipaged.runner.platforms`).
+The platforms' backends keep the same contract (`minipaged.platforms`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """`EngineConfig`: everything an engine is built from besides the model, checked at once.
 
+It is a `RunnerConfig` (`minipaged.runner.config`: the device, the KV cache, the batch limits,
+tensor parallelism, settled by the device's platform) with the scheduler's settings added.
 `SCHEDULERS` names the schedulers `EngineConfig.scheduler` may choose ("fcfs", "mlfq" and the
 MLFQ ablations); `DTYPES` the model dtypes, which `DTYPE_CHOICES` extends by "auto" (bfloat16
-where the device multiplies it natively, `native_bfloat16`; float32 elsewhere). The engine itself
-is `minipaged.engine.engine`.
+where the device multiplies it natively, `Platform.native_bfloat16`; float32 elsewhere). The
+engine itself is `minipaged.engine.engine`.
 
 The default is exact float32. What bfloat16 changes: weights, activations and the KV cache are
 stored with an 8-bit mantissa (about 3 significant digits), so logits move by about 1e-2 and a
@@ -14,7 +16,6 @@ in float32 (docs/benchmarks.md, "CPU performance", measures the speed and the to
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import types
@@ -25,15 +26,14 @@ from pathlib import Path
 
 import torch
 
-from minipaged.runner.backends import BACKENDS
-from minipaged.runner.platforms.cpu.quantization import QUANTIZATIONS
+from minipaged.platforms import BACKENDS, DTYPES, QUANTIZATIONS
+from minipaged.runner.config import RunnerConfig
 from minipaged.sampling.params import MAX_SEED, is_finite, shown
 from minipaged.sched.cost_model import CostModel
 from minipaged.sched.mlfq import MLFQConfig
-from minipaged.sched.output import PreemptionMode
+from minipaged.sched.output import PreemptionMode, SchedulerConfig
 from minipaged.sched.registry import SCHEDULERS, check_preemption_mode, needs_cost_model
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = (*DTYPES, "auto")
 # The largest size or count a setting may give: block tables, positions and token counts are
 # int32 tensors in the attention metadata.
@@ -47,59 +47,11 @@ FLOAT_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
 }
 
 
-# The x86 CPU flags (Linux's /proc/cpuinfo names) of instructions that multiply bfloat16.
-BFLOAT16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
-
-
-def native_bfloat16(device: torch.device) -> bool:
-    """Whether `device` multiplies bfloat16 in hardware: a CUDA GPU that supports it, or a CPU
-    with AMX-BF16 or AVX-512 BF16 (elsewhere bfloat16 is emulated and slower than float32). The
-    CPU's flags are read from /proc/cpuinfo; without one (not Linux) the answer is no."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and bool(cpu_flags() & BFLOAT16_CPU_FLAGS)
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
-
-
-# -- configuration --------------------------------------------------------------------------------
-
-# What a setting left at None becomes on each kind of device: a CPU keeps its exact float32 and
-# the batch a few cores serve; a GPU takes bfloat16 where the card has it and vLLM's batch limits.
-DEVICE_DEFAULTS: dict[str, dict[str, object]] = {
-    "cpu": {"dtype": "float32", "max_num_seqs": 64, "max_num_batched_tokens": 2048},
-    "cuda": {"dtype": "auto", "max_num_seqs": 256, "max_num_batched_tokens": 8192},
-}
-
-
 @dataclass
-class EngineConfig:
-    """Everything `LLM(...)` / `LLMEngine.from_pretrained(...)` accepts besides the model path.
+class EngineConfig(RunnerConfig):
+    """Everything `LLM(...)` / `LLMEngine.from_pretrained(...)` accepts besides the model path:
+    a `RunnerConfig` (its fields first) and the scheduler's settings."""
 
-    `num_gpu_blocks` and `num_cpu_blocks` are vLLM's names for the two pools of KV blocks:
-    the GPU pool (the device's KV cache) and the CPU pool (the host's swap space), as the KV
-    cache manager and the model runner call them.
-    """
-
-    dtype: str | None = None  # or "float32", "bfloat16", "float16", "auto" (DEVICE_DEFAULTS)
-    device: str | None = None  # None: "cuda" when available, else "cpu"
-    block_size: int = 16
-    num_gpu_blocks: int | None = None  # None: from kv_cache_memory / gpu_memory_utilization
-    kv_cache_memory: float = 1.0  # GiB of KV cache on a CPU device
-    gpu_memory_utilization: float = 0.9  # fraction of a CUDA device's memory for model + cache
-    swap_space: float = 1.0  # GiB of host memory for the CPU pool (swapped-out blocks)
-    num_cpu_blocks: int | None = None  # None: from swap_space
-    max_num_seqs: int | None = None  # None: the device's (DEVICE_DEFAULTS)
-    max_num_batched_tokens: int | None = None  # None: the device's (DEVICE_DEFAULTS)
-    max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # vLLM's: at most this many tokens of one sequence per step, so a long prompt prefills
@@ -115,34 +67,26 @@ class EngineConfig:
     # "recompute" or "swap", for every scheduler (`PreemptionMode`); None: the scheduler's
     # default (FCFS: recompute single sequences, swap groups; MLFQ: swap).
     preemption_mode: str | None = None
-    attention_backend: str | None = None  # None: Triton on CUDA; on a CPU "cpu" for 16 bits
-    quantization: str | None = None  # "int8": weight-only int8 at load (a CPU, one rank)
-    # True: every step through the model's modules, never a replayed decode step
-    # (`minipaged.runner.platforms.cpu.replay`; vLLM's flag of the same name turns off CUDA graphs).
-    enforce_eager: bool = False
     seed: int = 0  # the engine's generator, for requests without a seed of their own
-    # Tensor parallelism: ranks (worker processes) the model is split over, and how long a
-    # collective waits for a rank before the run is declared dead
-    # (`minipaged.runner.parallel.runner`).
-    tensor_parallel_size: int = 1
-    tensor_parallel_timeout: float = 60.0
 
     def __post_init__(self) -> None:
+        """Types and ranges checked, names among their choices, then settled by the device's
+        platform (`RunnerConfig`)."""
         check_field_types(self)
         self._check_ranges()
-        defaults = DEVICE_DEFAULTS.get(self.torch_device.type, DEVICE_DEFAULTS["cpu"])
-        for name, value in defaults.items():
-            if getattr(self, name) is None:
-                setattr(self, name, value)
-        check_choice("dtype", self.dtype, sorted(DTYPE_CHOICES))
+        check_choice("dtype", self.dtype, sorted(DTYPE_CHOICES), None)
         check_choice("scheduler", self.scheduler, sorted(SCHEDULERS))
         if self.mlfq is not None and not needs_cost_model(self.scheduler):
             raise ValueError(f"mlfq settings need an MLFQ scheduler, got {self.scheduler!r}")
         check_choice("quantization", self.quantization, QUANTIZATIONS, None)
-        one_cpu_rank = self.tensor_parallel_size == 1 and self.torch_device.type == "cpu"
-        if self.quantization is not None and not one_cpu_rank:
-            raise ValueError("quantization 'int8' runs on a CPU on one rank: "
-                             "tensor_parallel_size must be 1 and the device cpu")
+        super().__post_init__()
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's share of the settings (its fields of the same names), for a model of
+        `max_model_len` tokens."""
+        names = {field.name for field in dataclasses.fields(SchedulerConfig)} - {"max_model_len"}
+        return SchedulerConfig(max_model_len=max_model_len,
+                               **{name: getattr(self, name) for name in names})
 
     def _check_ranges(self) -> None:
         """Sizes within int32, memory and time finite and in range, names among their
@@ -177,19 +121,6 @@ class EngineConfig:
         if self.scheduler in SCHEDULERS:
             check_preemption_mode(self.scheduler, self.preemption_mode)
         check_choice("attention_backend", self.attention_backend, list(BACKENDS), None, "auto")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The model's dtype; "auto" resolved for `torch_device`."""
-        if self.dtype in ("auto", None):
-            return torch.bfloat16 if native_bfloat16(self.torch_device) else torch.float32
-        return DTYPES[self.dtype]
-
-    @property
-    def torch_device(self) -> torch.device:
-        if self.device is not None:
-            return torch.device(self.device)
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def check_choice(name: str, value: object, choices: Sequence[object], *also: object) -> None:

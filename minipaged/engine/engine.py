@@ -35,16 +35,16 @@ from minipaged.engine.postprocess import OutputProcessor, StepUpdate
 from minipaged.engine.record import StepRecord, StepTimings
 from minipaged.engine.requests import RequestStream, check_params, prompt_token_ids
 from minipaged.models.checkpoint.model_config import ModelConfig
-from minipaged.runner.model_runner import GiB, ModelRunner, num_blocks_for_memory
+from minipaged.platforms import Platform
+from minipaged.runner.model_runner import ModelRunner
 from minipaged.runner.parallel.runner import WorkerDiedError, build_runner
 from minipaged.runner.parallel.worker import CheckpointShards, ShardSource
-from minipaged.runner.platforms import Platform
 from minipaged.runner.profiler import profile_runner
 from minipaged.sampling.outputs import RequestOutput
 from minipaged.sampling.params import SamplingParams
 from minipaged.sampling.sampler import Sampler
 from minipaged.sampling.sequence import SequenceGroup
-from minipaged.sched.base import Scheduler, SchedulerConfig
+from minipaged.sched.base import Scheduler
 from minipaged.sched.cost_model import CostModel
 from minipaged.sched.output import SchedulerOutput
 from minipaged.sched.registry import build_scheduler, needs_cost_model
@@ -70,81 +70,33 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
     tokens). A `with` block returns the engine and closes it at the end.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module | ShardSource,
-        model_config: ModelConfig,
-        tokenizer: Any | None = None,
-        config: EngineConfig | None = None,
-        scheduler: Scheduler | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        *,
-        runner: ModelRunner | None = None,
-        processor: type[OutputProcessor] = OutputProcessor,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module | ShardSource, model_config: ModelConfig,
+                 tokenizer: Any | None = None, config: EngineConfig | None = None,
+                 scheduler: Scheduler | None = None, clock: Callable[[], float] = time.monotonic,
+                 *, runner: ModelRunner | None = None,
+                 processor: type[OutputProcessor] = OutputProcessor) -> None:
         self.config = config = config or EngineConfig()
-        self.clock = clock
-        self.model_config = model_config
-        self.tokenizer = tokenizer
-        device, dtype = config.torch_device, config.torch_dtype
+        self.clock, self.model_config, self.tokenizer = clock, model_config, tokenizer
         context = model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or context, context)
-        block_size = config.block_size if scheduler is None else scheduler.kv_manager.block_size
-        if scheduler is not None:
+        sizes = {}
+        if scheduler is not None:  # its KV manager gives the pools' sizes
+            manager = scheduler.kv_manager
             self.max_model_len = min(self.max_model_len, scheduler.config.max_model_len)
-            num_gpu_blocks = scheduler.kv_manager.num_gpu_blocks
-            num_cpu_blocks = scheduler.kv_manager.num_cpu_blocks
-        else:
-            # Without a size, the runner sizes its cache once its weights are placed; a runner
-            # given ready holds its own.
-            num_gpu_blocks = config.num_gpu_blocks
-            if num_gpu_blocks is None and runner is not None:
-                num_gpu_blocks = runner.num_gpu_blocks
-            num_cpu_blocks = config.num_cpu_blocks
-            if num_cpu_blocks is None:
-                num_cpu_blocks = num_blocks_for_memory(
-                    model_config, config.block_size, dtype, config.swap_space * GiB
-                )
-        if runner is None:
-            runner = build_runner(
-                model,
-                model_config,
-                device=device,
-                dtype=dtype,
-                tensor_parallel_size=config.tensor_parallel_size,
-                tensor_parallel_timeout=config.tensor_parallel_timeout,
-                attention_backend=config.attention_backend,
-                enforce_eager=config.enforce_eager,
-                block_size=block_size,
-                num_gpu_blocks=num_gpu_blocks,
-                num_cpu_blocks=num_cpu_blocks,
-                quantization=config.quantization,
-                max_model_len=self.max_model_len,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                gpu_memory_utilization=config.gpu_memory_utilization,
-                kv_cache_memory=config.kv_cache_memory,
-            )
-            num_gpu_blocks = runner.num_gpu_blocks
-        self.runner = runner
+            sizes = dict(block_size=manager.block_size, num_gpu_blocks=manager.num_gpu_blocks,
+                         num_cpu_blocks=manager.num_cpu_blocks)
+        # Without a size, the runner sizes its cache once its weights are placed; a runner
+        # given ready holds its own.
+        self.runner = runner = runner or build_runner(
+            model, model_config, replace(config, max_model_len=self.max_model_len, **sizes))
         if scheduler is None:
             # Skip-join MLFQ predicts prefill times (FastServe §4.1): measured before it is built.
             cost_model = self._startup_cost_model() if needs_cost_model(config.scheduler) else None
             scheduler = build_scheduler(
-                config.scheduler,
-                SchedulerConfig(
-                    max_num_batched_tokens=config.max_num_batched_tokens,
-                    max_num_seqs=config.max_num_seqs,
-                    max_model_len=self.max_model_len,
-                    enable_chunked_prefill=config.enable_chunked_prefill,
-                    long_prefill_token_threshold=config.long_prefill_token_threshold,
-                    preemption_mode=config.preemption_mode,
-                ),
-                num_gpu_blocks=num_gpu_blocks,
-                block_size=config.block_size,
-                num_cpu_blocks=num_cpu_blocks,
-                enable_prefix_caching=config.enable_prefix_caching,
-                mlfq=config.mlfq,
+                config.scheduler, config.scheduler_config(self.max_model_len),
+                num_gpu_blocks=runner.num_gpu_blocks, block_size=config.block_size,
+                num_cpu_blocks=runner.num_cpu_blocks,
+                enable_prefix_caching=config.enable_prefix_caching, mlfq=config.mlfq,
                 cost_model=cost_model,
             )
         self.scheduler = scheduler
@@ -152,29 +104,18 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         eos_token_ids = set(model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos_token_ids.add(tokenizer.eos_token_id)
-        self.processor = processor(
-            scheduler,
-            Sampler(torch.Generator().manual_seed(config.seed),
-                    greedy_tokens=getattr(runner, "platform", Platform(device)).greedy_tokens),
-            eos_token_ids=eos_token_ids,
-            max_model_len=self.max_model_len,
-            clock=clock,
-        )
+        platform = getattr(runner, "platform", None) or Platform(config.torch_device)
+        sampler = Sampler(torch.Generator().manual_seed(config.seed),
+                          greedy_tokens=platform.greedy_tokens)
+        self.processor = processor(scheduler, sampler, eos_token_ids=eos_token_ids,
+                                   max_model_len=self.max_model_len, clock=clock)
         self._groups: dict[str, SequenceGroup] = {}
         self._finished: dict[str, RequestOutput] = {}  # requests finished in the last step
         self._streams: dict[str, collections.deque[RequestOutput]] = {}  # outputs not yet read
         self._observers: list[StepObserver] = []
         self._request_ids = itertools.count()
         self._num_steps = 0
-        # What start-up made (the model's modules, the tokenizer's tables, captured steps) lives
-        # as long as the engine: frozen out of the collector's generations, so that a collection
-        # during serving scans only what steps make (vLLM does the same after start-up). What an
-        # earlier engine froze is let go of first: one dropped since (a notebook's, a test's) is
-        # collected here rather than kept forever.
-        if gc.get_freeze_count():  # an earlier engine's
-            gc.unfreeze()
-            gc.collect()
-        gc.freeze()
+        freeze_startup()
 
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, **kwargs: Any) -> LLMEngine:
@@ -411,6 +352,18 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
                         finals[output.request_id] = output
                         bar.update(1)
         return finals
+
+
+def freeze_startup() -> None:
+    """What start-up made (the model's modules, the tokenizer's tables, captured steps) lives as
+    long as the engine: frozen out of the collector's generations, so that a collection during
+    serving scans only what steps make (vLLM does the same after start-up). What an earlier
+    engine froze is let go of first: one dropped since (a notebook's, a test's) is collected
+    here rather than kept forever."""
+    if gc.get_freeze_count():  # an earlier engine's
+        gc.unfreeze()
+        gc.collect()
+    gc.freeze()
 
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestStream", "StepObserver"]

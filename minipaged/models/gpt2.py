@@ -93,7 +93,7 @@ class GPT2ForCausalLM(CausalLM):
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         """Hidden states `[T, hidden_size]` (final norm applied) of a flat token batch."""
-        check_flat_batch(self.config, input_ids, positions)
+        check_flat_batch(self.config, input_ids, positions, self.checks_values)
         x = self.wte(input_ids) + self.wpe(positions)
         for block in self.h:
             x = block(x, attn)

@@ -10,7 +10,7 @@ section 4.1).
 The blocks, in plain PyTorch, one module for each computation of a layer (as nano-vllm's and
 vLLM's `layers/` have them): `RMSNorm` (with the residual add before it), `RotaryEmbedding`,
 `SiluAndMul`; the projections are `nn.Linear`. Between a layer's modules there are only views,
-so a platform (`minipaged.runner.platforms`) can swap in faster modules at load and capture a step
+so a platform (`minipaged.platforms`) can swap in faster modules at load and capture a step
 from this very forward, without a second description of the model.
 """
 
@@ -45,6 +45,10 @@ class CausalLM(nn.Module):
 
     config: ModelConfig
     lm_head: nn.Linear
+    # Whether `forward` reads the batch's values to check their ranges: a device sync, and a
+    # break in a captured CUDA graph. A model runner checks every batch on the host first
+    # (`check_input_ranges`) and turns it off.
+    checks_values = True
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         """Hidden states `[T, hidden_size]` (final norm applied) of a flat token batch."""
@@ -63,8 +67,10 @@ class ModelInputError(ValueError):
     """The flat batch handed to a model does not fit it (shape, dtype or position range)."""
 
 
-def check_flat_batch(config: ModelConfig, input_ids: Tensor, positions: Tensor) -> None:
-    """Raise `ModelInputError` unless `input_ids` and `positions` are a valid flat batch."""
+def check_flat_batch(config: ModelConfig, input_ids: Tensor, positions: Tensor,
+                     values: bool = True) -> None:
+    """Raise `ModelInputError` unless `input_ids` and `positions` are a valid flat batch: its
+    shapes and dtypes, and with `values` the ranges of its ids and positions."""
     if input_ids.dim() != 1 or positions.shape != input_ids.shape:
         raise ModelInputError(
             f"input_ids and positions must both be [T], got {tuple(input_ids.shape)} and "
@@ -76,9 +82,7 @@ def check_flat_batch(config: ModelConfig, input_ids: Tensor, positions: Tensor) 
         )
     if input_ids.numel() == 0:
         raise ModelInputError("empty flat batch")
-    # Values are read only where that costs no device sync (and no break in a captured CUDA
-    # graph): the model runner checks every batch's ranges on the host before it gets here.
-    if input_ids.device.type == "cpu":
+    if values:
         check_input_ranges(config, (int(input_ids.min()), int(input_ids.max())),
                            (int(positions.min()), int(positions.max())))
 

@@ -145,7 +145,7 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         """Hidden states `[T, hidden_size]` (final norm applied) of a flat token batch."""
-        check_flat_batch(self.config, input_ids, positions)
+        check_flat_batch(self.config, input_ids, positions, self.checks_values)
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, attn)
@@ -333,6 +333,7 @@ def llama_family(architecture: str, hf_model_types: tuple[str, ...], *, qkv_bias
         gguf_permuted_qk=gguf_permuted_qk,
         model_class=LlamaForCausalLM,
         tp_splits=LLAMA_TP_SPLITS,
+        cpu_replays=True,
     )
 
 

@@ -113,7 +113,7 @@ def load_model(
     """Load a checkpoint (HF folder, safetensors or GGUF; default: the bundled SmolLM2) of one
     of `families`. With `tp`, load one tensor-parallel rank's shard, reading only its slices
     (`read_shard`). The model is the plain one: a platform makes it fast where it runs
-    (`minipaged.runner.platforms`)."""
+    (`minipaged.platforms`)."""
     read = None if tp is None or tp.world_size == 1 else partial(read_shard, tp=tp)
     config, state_dict = load_checkpoint(
         path, families, dtype=torch.float32, progress=progress, read=read

@@ -244,7 +244,7 @@ def checkpoint_state_dict(config: ModelConfig, model: nn.Module) -> dict[str, Te
     """A whole model's parameters under Hugging Face's names and in its layout (the inverse of
     `build_model`'s loading), ready for `shard_state_dict` and to be pickled to the ranks: a
     parameter that is a view into a larger buffer (a CPU model's weights share one,
-    `runner.platforms.cpu.weight_layout`) is copied out of it, since pickling a view sends
+    `platforms.cpu.weight_layout`) is copied out of it, since pickling a view sends
     its whole storage."""
     state = {}
     for name, tensor in hf_state_dict(config, model.state_dict()).items():
@@ -325,7 +325,7 @@ def token_embedding(config: ModelConfig, tp: TensorParallel) -> nn.Module:
     checkpoint), where `normal_` would import TorchDynamo: 1.4 s at every start."""
     if tp.world_size == 1:
         weight = torch.empty(config.vocab_size, config.hidden_size)
-        if weight.device.type != "meta":
+        if not weight.is_meta:
             nn.init.normal_(weight)
         return nn.Embedding.from_pretrained(weight, freeze=False)
     return VocabParallelEmbedding(config, tp)

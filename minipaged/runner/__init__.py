@@ -4,12 +4,12 @@ flat batch), runs a step's plan through the model and returns logits; it decides
 
 from __future__ import annotations
 
-from minipaged.runner.backends import get_attention_ops
+from minipaged.runner.config import RunnerConfig
 from minipaged.runner.model_runner import ModelRunner
 from minipaged.runner.profiler import profile_runner
 
 __all__ = [
     "ModelRunner",
-    "get_attention_ops",
+    "RunnerConfig",
     "profile_runner",
 ]

@@ -1,67 +1,24 @@
-"""The platform and its attention, the KV caches, and what the model attends through.
+"""The KV caches, and what the model attends through.
 
-* `get_platform`, `get_attention_ops`: a device's platform (`minipaged.runner.platforms`) and the
-  attention operations by backend name (`BACKENDS`);
 * `allocate_kv_caches`: one `[2, num_blocks, block_size, H_kv, D]` cache per layer;
 * `PagedAttentionBackend`: the model's `AttentionBackend` (`minipaged.models.layers`) over those
-  caches, with a platform's attention operations (`minipaged.runner.platforms`);
-* `ProfileAttention`: no cache at all, for the memory profile of a step.
+  caches, with a platform's attention operations (`minipaged.platforms`);
+* `ProfileAttention`: no cache at all, for the memory profile of a step;
+* `unchecked`: a backend's operations without their per-call checks, for the layers of a step
+  whose metadata was checked once.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
+from dataclasses import replace
+from functools import partial
 
 import torch
 from torch import Tensor
 
 from minipaged.attention.contract import AttentionMetadata, AttentionOps, check_layer_cache
 from minipaged.attention.reference import REFERENCE_OPS
-from minipaged.runner.platforms import Platform
-
-BACKENDS = ("torch", "cpu", "triton")  # the attention backends, by name
-
-
-def get_attention_ops(backend: str | None = None,
-                      device: str | torch.device | None = None) -> AttentionOps:
-    """The paged-attention operations of `backend`: "torch" (the reference,
-    `minipaged.attention.reference`), "cpu" (the CPU platform's: decodes read their blocks in
-    place, `minipaged.runner.platforms.cpu.attention`), "triton" (`minipaged.kernels`, imported only
-    now) or None / "auto": Triton on a CUDA device, "cpu" on a CPU, the reference elsewhere.
-    `device` defaults to torch's default device."""
-    if backend is None or backend == "auto":
-        device = torch.device(device) if device is not None else torch.get_default_device()
-        backend = {"cuda": "triton", "cpu": "cpu"}.get(device.type, "torch")
-    if backend == "torch":
-        return REFERENCE_OPS
-    if backend == "cpu":
-        return importlib.import_module("minipaged.runner.platforms.cpu.attention").CPU_OPS
-    if backend == "triton":
-        return importlib.import_module("minipaged.runner.platforms.cuda").triton_ops()
-    raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS} or 'auto'")
-
-
-def get_platform(device: str | torch.device, attention_backend: str | None = None,
-                 enforce_eager: bool = False, max_num_seqs: int = 256) -> Platform:
-    """The platform for `device` with `attention_backend` (as `get_attention_ops` names
-    them); `enforce_eager` captures no steps, else decode steps of up to `max_num_seqs`
-    sequences may be. The reference attention with `enforce_eager` is the reference platform
-    on any device: the plain model, no platform code."""
-    device = torch.device(device)
-    ops = get_attention_ops(attention_backend, device)
-    if ops is REFERENCE_OPS and enforce_eager:
-        return Platform(device)
-    if device.type == "cpu":
-        from minipaged.runner.platforms.cpu import CPUPlatform
-
-        return CPUPlatform(device, attention=ops, capture=not enforce_eager)
-    if device.type == "cuda":
-        from minipaged.runner.platforms.cuda import CUDAPlatform
-
-        return CUDAPlatform(device, attention=ops, capture=not enforce_eager,
-                            max_num_seqs=max_num_seqs)
-    return Platform(device, ops)
 
 
 def allocate_kv_caches(
@@ -146,3 +103,11 @@ class ProfileAttention:
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         return torch.zeros_like(q)
+
+
+def unchecked(ops: AttentionOps) -> AttentionOps:
+    """`ops` with the paged attention and the KV write skipping their checks: a step's metadata
+    is the same for every layer, and the runner validates it once per step (the checks cost
+    host syncs on a device)."""
+    return replace(ops, paged_attention=partial(ops.paged_attention, validate=False),
+                   reshape_and_cache=partial(ops.reshape_and_cache, validate=False))

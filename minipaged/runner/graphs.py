@@ -5,17 +5,20 @@ ladder of decode batch sizes, over static input buffers, and replay it: a decode
 sequences is thousands of small kernels, whose launches would otherwise keep the GPU waiting
 on Python. `StepGraphs` is that bookkeeping, the same for every platform: it owns the static
 buffers (token ids, positions, slot mapping, sequence lengths, block tables, one per row of the
-largest size), pads a step's rows up to the next size of the ladder (`Platform.graph_sizes`),
-asks the platform to capture the forward over them the first time a size is met
-(`Platform.capture`: a CUDA graph, or the CPU's recorded kernel calls) and replays it after.
-The model is never written again: what is captured is `model.compute_logits(model(...))`.
-A capture runs over the step that meets the size, written into the buffers first, and leaves
-that step's logits in its output: the first step of a size is the capture.
+largest size), asks the platform to capture the forward over them for every size of the ladder
+(`Platform.graph_sizes`) at start-up, largest first, so that the smaller captures reuse the
+memory of the largest (one pool on CUDA, one arena on a CPU), pads a step's rows up to the next
+size and replays it (`Platform.capture`: a CUDA graph, or the CPU's recorded kernel calls). The
+model is never written again: what is captured is `model(...)`, whose hidden states are all a
+size's capture keeps; the logits are computed once per step from the rows that sample, so no
+size holds a `[size, vocab]` buffer of its own. A capture key met after start-up (the CPU's
+thread count changed) is captured by the step that meets it.
 
 A padded row decodes token 0 at position 0 of a one-token context in block 0 and writes no
 K/V (slot -1): it costs its share of the step and changes nothing. The inputs are written from
-the step's lists into host buffers, then copied to the device in one copy (on a CPU the host
-buffers are the static buffers themselves).
+the step's lists into host buffers, then copied to the device: the per-row fields whole, and
+of the block tables only the rows from the first that changed to the last (on a CPU the host
+buffers are the static buffers themselves, and nothing is copied).
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ import torch
 from torch import Tensor, nn
 
 from minipaged.attention.contract import AttentionMetadata, AttentionOps
+from minipaged.platforms.base import CaptureUnsupported, Platform, Replay, logger
 from minipaged.runner.backends import PagedAttentionBackend
 from minipaged.runner.flat_batch import FlatBatch
-from minipaged.runner.platforms.base import CaptureUnsupported, Platform, Replay, logger
 
 # The static buffers, in the order they lie in one block of memory (`StaticBatch`).
 FIELDS = (("input_ids", torch.int64), ("positions", torch.int64),
@@ -40,32 +43,34 @@ FIELDS = (("input_ids", torch.int64), ("positions", torch.int64),
 # What a padded row holds (module docstring): token 0 at position 0 of a one-token context,
 # writing no K/V (slot -1); its block table's first entry is block 0.
 PADDING = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "seq_lens": 1}
+PADDED_TABLE = (0,)
 
 
 @dataclass
 class Captured:
-    """One size's replay and the buffer its forward's logits land in."""
+    """One size's replay and the buffer its forward's hidden states land in."""
 
     replay: Replay
-    logits: Tensor
+    hidden: Tensor
 
 
 class StaticBatch:
     """The static inputs of every captured step: `[rows]` token ids, positions, slot mapping and
     sequence lengths, `[rows + 1]` query starts (one query per row) and `[rows, max_blocks]`
     block tables, as views of one device buffer, and their host twins, as views of one host
-    buffer (pinned for a GPU), written through `ctypes` without a PyTorch operator."""
+    buffer, written through `ctypes` without a PyTorch operator. `copies` (a GPU's platform):
+    the host buffer (pinned with `pin_memory`) is copied to a buffer on `device`; else the
+    device reads the host buffer itself (a CPU)."""
 
-    def __init__(self, rows: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, rows: int, max_blocks: int, device: torch.device, copies: bool = False,
+                 pin_memory: bool = False) -> None:
         shapes = {"input_ids": (rows,), "positions": (rows,), "slot_mapping": (rows,),
                   "seq_lens": (rows,), "query_start_loc": (rows + 1,),
                   "block_tables": (rows, max_blocks)}
         nbytes = sum(math.prod(shapes[name]) * dtype.itemsize for name, dtype in FIELDS)
-        on_host = device.type == "cpu"
-        self.host_memory = torch.zeros(nbytes, dtype=torch.uint8,
-                                       pin_memory=not on_host and torch.cuda.is_available())
-        self.device_memory = (self.host_memory if on_host
-                              else torch.zeros(nbytes, dtype=torch.uint8, device=device))
+        self.host_memory = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+        self.device_memory = (torch.zeros(nbytes, dtype=torch.uint8, device=device) if copies
+                              else self.host_memory)
         self.host: dict[str, Tensor] = {}
         self.views: dict[str, Tensor] = {}  # on the device: what the captured steps read
         offset = 0
@@ -77,33 +82,47 @@ class StaticBatch:
             offset += size
         self.c = {name: _c_array(self.host[name]) for name, _ in FIELDS}
         self.rows, self.max_blocks = rows, max_blocks
+        self.tables_at = nbytes - rows * max_blocks * 4  # the block tables come last (`FIELDS`)
+        # Each row's table as the device has it: the flat batch's tuples, kept as they are.
+        self.held: list[Sequence[int]] = [PADDED_TABLE] * rows
         self.c["query_start_loc"][:] = list(range(rows + 1))
         for name, value in PADDING.items():
             self.c[name][:] = [value] * rows
-        self._sync()
+        self._sync(range(rows))
 
     def write(self, batch: FlatBatch, rows: int) -> None:
         """`batch`'s decodes into the first rows, the rest of `rows` padded (`PADDING`), then
-        one copy to the device."""
-        n, c, width = len(batch.input_ids), self.c, self.max_blocks
+        the copy to the device: the per-row fields, and the tables of the rows that changed."""
+        n, c, width, held = len(batch.input_ids), self.c, self.max_blocks, self.held
         for name, value in PADDING.items():
             c[name][:n] = getattr(batch, name)
             c[name][n:rows] = [value] * (rows - n)
-        tables = c["block_tables"]
-        for row, table in enumerate(batch.block_tables):  # a table may run past the context
-            used = min(len(table), width)
-            tables[row * width:row * width + used] = table[:used]
-        for row in range(n, rows):
-            tables[row * width] = 0
-        self._sync()
+        tables, changed = c["block_tables"], []
+        for row, table in enumerate([*batch.block_tables, *[PADDED_TABLE] * (rows - n)]):
+            if table != held[row]:  # a table may run past the context
+                used = min(len(table), width)
+                tables[row * width:row * width + used] = table[:used]
+                held[row] = table
+                changed.append(row)
+        self._sync(changed)
 
-    def _sync(self) -> None:
-        if self.device_memory is not self.host_memory:
-            self.device_memory.copy_(self.host_memory, non_blocking=True)
+    def _sync(self, rows: Sequence[int]) -> None:
+        """Copy the per-row fields to the device, and the tables of the rows from the first of
+        `rows` (ascending) to the last: one copy each."""
+        if self.device_memory is self.host_memory:
+            return
+        spans = [(0, self.tables_at)]
+        if rows:
+            row_bytes = self.max_blocks * 4
+            spans.append((self.tables_at + rows[0] * row_bytes,
+                          self.tables_at + (rows[-1] + 1) * row_bytes))
+        for begin, end in spans:
+            self.device_memory[begin:end].copy_(self.host_memory[begin:end], non_blocking=True)
 
 
 class StepGraphs:
-    """The captured decode steps of one model over one KV cache (module docstring)."""
+    """The captured decode steps of one model over one KV cache (module docstring), captured
+    when it is made."""
 
     def __init__(self, model: nn.Module, kv_caches: Sequence[Tensor], ops: AttentionOps,
                  platform: Platform, block_size: int, max_model_len: int) -> None:
@@ -111,8 +130,12 @@ class StepGraphs:
         self.sizes = tuple(sorted(platform.graph_sizes))
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_size)
-        self.inputs = StaticBatch(self.sizes[-1], self.max_blocks, kv_caches[0].device)
-        self._captured: dict[tuple[int, int], Captured | None] = {}  # None: cannot capture
+        self.inputs = StaticBatch(self.sizes[-1], self.max_blocks, kv_caches[0].device,
+                                  platform.pin_memory, platform.pin_memory)
+        self._captured: dict[tuple[int, object], Captured | None] = {}  # None: cannot capture
+        key = platform.capture_key()
+        for size in reversed(self.sizes):  # over the padded rows: nothing is written
+            self._captured[size, key] = self._capture(size)
 
     def size_for(self, rows: int) -> int | None:
         """The smallest size of the ladder that holds `rows` decodes, or None."""
@@ -125,24 +148,24 @@ class StepGraphs:
                 and batch.max_seq_len <= self.max_model_len)
 
     def run(self, batch: FlatBatch) -> Tensor | None:
-        """The float32 logits `[rows, vocab]` of a step that `takes` accepts, its K/V written;
-        None where the platform could not capture its size (the caller runs the modules). The
-        logits are the captured buffer's rows, written again by the next replay."""
+        """The hidden states `[rows, hidden]` of a step that `takes` accepts, its K/V written;
+        None where the platform could not capture its size (the caller runs the modules). They
+        are the captured buffer's rows, written again by the next replay."""
         rows = len(batch.input_ids)
         size = self.size_for(rows)
         assert size is not None
-        key = (size, torch.get_num_threads())  # the CPU's calls are bound to a thread count
-        new = key not in self._captured
-        if not new and self._captured[key] is None:
+        key = (size, self.platform.capture_key())
+        if self._captured.get(key, True) is None:
             return None  # the platform could not capture this size
         self.inputs.write(batch, size)
-        if new:  # the capture computes this step
-            self._captured[key] = self._capture(size)
-        else:
+        if key in self._captured:
             self._captured[key].replay()
+        else:  # a key met after start-up: the capture computes this step
+            self._captured[key] = self._capture(size)
         captured = self._captured[key]
-        return None if captured is None else captured.logits[:rows]
+        return None if captured is None else captured.hidden[:rows]
 
+    @torch.inference_mode()
     def _capture(self, size: int) -> Captured | None:
         device = self.inputs.views
         metadata = AttentionMetadata(
@@ -155,17 +178,13 @@ class StepGraphs:
         )
         input_ids, positions = device["input_ids"][:size], device["positions"][:size]
         attention = PagedAttentionBackend(self.kv_caches, metadata, self.ops)
-        model = self.model
-
-        def forward() -> Tensor:
-            return model.compute_logits(model(input_ids, positions, attention))
-
         try:
-            replay, logits = self.platform.capture(forward)
+            replay, hidden = self.platform.capture(
+                lambda: self.model(input_ids, positions, attention))
         except CaptureUnsupported as reason:
             logger.info("decode steps of %d sequences run the modules: %s", size, reason)
             return None
-        return Captured(replay, logits)
+        return Captured(replay, hidden)
 
 
 def _c_array(tensor: Tensor) -> ctypes.Array:

@@ -46,7 +46,7 @@ def profile_runner(
     longest = min(max(max_prefill, max_context), (num_blocks - max_batch) * bs)
     shared = list(range(-(-longest // bs)))
     rng = random.Random(seed)
-    vocab = runner.config.vocab_size
+    vocab = runner.model_config.vocab_size
 
     def entry(seq_id: int, tokens: list[int], start: int, table: list[int]) -> ScheduledSequence:
         return ScheduledSequence(

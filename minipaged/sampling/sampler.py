@@ -241,7 +241,7 @@ class Sampler:
     `generator` serves the unseeded random rows: None uses torch's default generator of the
     logits' device; a generator given here must live on that device. Seeded rows' generators
     are CPU generators whatever the device (`make_generator`). `greedy_tokens`, a platform's
-    (`minipaged.runner.platforms.Platform.greedy_tokens`), takes batches of plain greedy rows in one
+    (`minipaged.platforms.Platform.greedy_tokens`), takes batches of plain greedy rows in one
     call: each row's argmax and its log-probability, or None to leave them to PyTorch.
     """
 

@@ -29,11 +29,8 @@ from minipaged.attention.reference import (
     reshape_and_cache,
     swap_blocks,
 )
-from minipaged.runner.backends import (
-    PagedAttentionBackend,
-    allocate_kv_caches,
-    get_attention_ops,
-)
+from minipaged.platforms import get_attention_ops
+from minipaged.runner.backends import PagedAttentionBackend, allocate_kv_caches
 from minipaged.testing.paged_examples import (
     dense_reference,
     make_attention_case,
@@ -507,7 +504,7 @@ def test_unknown_backend():
 
 
 def test_torch_backend_never_imports_triton():
-    code = ("import sys, minipaged, minipaged.runner.backends as a; "
+    code = ("import sys, minipaged, minipaged.platforms as a; "
             "a.get_attention_ops('torch'); "
             "a.get_attention_ops(device='cpu'); "
             "assert 'triton' not in sys.modules and 'minipaged.kernels.triton' not in sys.modules")

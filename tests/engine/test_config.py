@@ -1,5 +1,6 @@
 """`EngineConfig`: float32 by default, "auto" picks bfloat16 only where native; every field
-of the wrong type is a TypeError naming it, every value out of range a ValueError naming it."""
+of the wrong type is a TypeError naming it, every value out of range a ValueError naming it;
+what the device decides is settled at construction by the device's platform, once."""
 
 from __future__ import annotations
 
@@ -12,13 +13,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from minipaged.engine.config import (
-    DEVICE_DEFAULTS,
-    DTYPE_CHOICES,
-    EngineConfig,
-    cpu_flags,
-    native_bfloat16,
-)
+from minipaged.engine.config import DTYPE_CHOICES, EngineConfig
+from minipaged.platforms import Platform, platform_class
+from minipaged.platforms.cpu import CPUPlatform, cpu_flags
 
 
 def test_the_default_is_exact_float32():
@@ -29,12 +26,30 @@ def test_the_default_is_exact_float32():
 def test_auto_is_bfloat16_exactly_where_the_device_multiplies_it_natively():
     for device in ("cpu", "meta"):
         config = EngineConfig(dtype="auto", device=device)
-        expected = torch.bfloat16 if native_bfloat16(torch.device(device)) else torch.float32
-        assert config.torch_dtype == expected
-    assert not native_bfloat16(torch.device("meta"))
+        native = platform_class(device).native_bfloat16()
+        assert config.dtype == ("bfloat16" if native else "float32")  # settled, not "auto"
+        assert config.torch_dtype == (torch.bfloat16 if native else torch.float32)
+    assert platform_class("meta") is Platform and not Platform.native_bfloat16()
     native = bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
-    assert native_bfloat16(torch.device("cpu")) == native
+    assert CPUPlatform.native_bfloat16() == native
     assert "avx512_bf16" in cpu_flags() or not torch.cpu._is_avx512_bf16_supported()  # agrees
+
+
+def test_the_platform_settles_the_config_once_at_construction():
+    """Defaults, the attention backend and the device come from the device's platform; a
+    settled config settles to itself, and what the device cannot run is refused at once."""
+    config = EngineConfig(device="cpu")
+    assert (config.dtype, config.max_num_seqs, config.max_num_batched_tokens,
+            config.attention_backend) == ("float32", 64, 2048, "cpu")
+    assert EngineConfig(**{f.name: getattr(config, f.name) for f in fields(config)}) == config
+    assert EngineConfig(device="meta").attention_backend == "torch"
+    assert EngineConfig(max_num_seqs=3, attention_backend="torch").max_num_seqs == 3  # as given
+    with pytest.raises(ValueError, match="quantization 'int8' needs a platform that has it"):
+        EngineConfig(device="meta", quantization="int8")
+    with pytest.raises(ValueError, match="dtype float32, got 1 and bfloat16"):
+        EngineConfig(device="cpu", quantization="int8", dtype="bfloat16")
+    with pytest.raises(ValueError, match="tensor parallelism runs on cpu or cuda"):
+        EngineConfig(device="meta", tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize("name", ["float32", "bfloat16", "float16"])
@@ -44,7 +59,7 @@ def test_named_dtypes_are_taken_as_given(name):
 
 def test_an_unknown_dtype_is_refused_naming_the_field():
     assert "auto" in DTYPE_CHOICES
-    with pytest.raises(ValueError, match=r"dtype must be one of .*'auto'.*got 'bf16'"):
+    with pytest.raises(ValueError, match=r"dtype must be None or one of .*'auto'.*got 'bf16'"):
         EngineConfig(dtype="bf16")
 
 
@@ -75,9 +90,12 @@ def test_every_field_is_refused_by_name_or_holds_a_value_of_its_type(name, value
             assert str(exc).startswith(f"{name} must be "), str(exc)
         return
     held = getattr(config, name)
-    device_default = DEVICE_DEFAULTS[config.torch_device.type].get(name)
-    if value is None and device_default is not None:
-        assert held == device_default  # None means "the device's own value"
+    platform = platform_class(config.device)
+    if value is None and name in platform.defaults:
+        assert held == platform.defaults[name]  # None means "the device's own value"
+        return
+    if value in (None, "auto") and name in ("dtype", "device", "attention_backend"):
+        assert held not in (None, "auto")  # settled by the platform
         return
     assert held is value
     default = next(f.default for f in fields(EngineConfig) if f.name == name)

@@ -8,7 +8,8 @@ layer that lets a platform capture it.
   rope scaling stretches positions by its factor.
 * `SiluAndMul` is SwiGLU's `silu(gate) * up`.
 * `check_flat_batch` refuses a batch of the wrong shape or dtype on any device, and reads the
-  values (token ids, positions) only of CPU tensors: on another device that would be a sync.
+  values (token ids, positions) only when asked: a model a runner drives skips it (a device
+  sync; the runner checks every batch on the host first).
 * Between a LLaMA-family layer's modules there are only views (what lets a platform capture a
   step from the model's own forward): with every module's work marked as the platform's, a
   capture of the forward finds nothing else that computes; GPT-2 computes between its modules.
@@ -36,7 +37,7 @@ from minipaged.models.layers import (
     check_input_ranges,
 )
 from minipaged.models.registry import FAMILIES
-from minipaged.runner.platforms.cpu.replay import CaptureError, capture, platform_code
+from minipaged.platforms.cpu.replay import CaptureError, capture, platform_code
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama import modeling_llama as hf_llama  # noqa: E402
@@ -152,7 +153,7 @@ def test_a_flat_batch_of_the_wrong_shape_or_dtype_is_refused_on_any_device():
     ids = torch.tensor([1, 2, 3])
     for device in ("cpu", "meta"):
         good = ids.to(device)
-        check_flat_batch(config, good, good)
+        check_flat_batch(config, good, good, values=device == "cpu")  # meta's cannot be read
         with pytest.raises(ModelInputError, match="must both be"):
             check_flat_batch(config, good[None], good[None])
         with pytest.raises(ModelInputError, match="must both be"):
@@ -163,9 +164,10 @@ def test_a_flat_batch_of_the_wrong_shape_or_dtype_is_refused_on_any_device():
             check_flat_batch(config, good[:0], good[:0])
 
 
-def test_values_are_read_only_on_the_cpu():
-    """On the CPU a batch's ranges are checked; elsewhere reading them would be a sync (the
-    runner checks them on the host first): a meta batch, whose values cannot be read, passes."""
+def test_values_are_read_only_when_asked():
+    """A batch's ranges are checked unless `values` is False (a runner's model: reading them
+    would be a sync, and the runner checks them on the host first): a meta batch, whose values
+    cannot be read, then passes."""
     config = config_of()
     for ids, positions, message in (([0, 64], [0, 1], "token id"), ([-1], [0], "token id"),
                                     ([3, 4], [0, 512], "position"), ([3], [-1], "position")):
@@ -175,7 +177,8 @@ def test_values_are_read_only_on_the_cpu():
         with pytest.raises(ModelInputError, match=f"{message} out of range"):
             check_input_ranges(config, (int(ids.min()), int(ids.max())),
                                (int(positions.min()), int(positions.max())))
-        check_flat_batch(config, ids.to("meta"), positions.to("meta"))
+        check_flat_batch(config, ids, positions, values=False)
+        check_flat_batch(config, ids.to("meta"), positions.to("meta"), values=False)
     check_input_ranges(config, (0, 63), (0, 511))
 
 

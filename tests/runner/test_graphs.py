@@ -3,12 +3,13 @@
 A stand-in platform (`RerunPlatform`) captures a step by running its forward and replays it by
 running the forward again over the static buffers into the same output buffer: what a CUDA
 graph does, with PyTorch's modules and the reference attention, so every check here runs on
-any machine. Checked: a step of n rows runs as the smallest size of the ladder 1, 2, 4, 8 that
-holds it (3 rows -> 4), captured by its first step and replayed after; its logits are the
-eager runner's, captured or replayed; the padded rows write no K/V (every slot but the step's
-own keeps its value, even where the buffers still held an earlier step's slots); only decode
-steps of up to the largest size within the
-context limit replay; a size the platform cannot capture runs the modules and is not retried;
+any machine. Checked: every size of the ladder 1, 2, 4, 8 is captured at start-up, largest
+first, writing nothing; a step of n rows replays the smallest size that holds it (3 rows -> 4);
+its logits are the eager runner's; the padded rows write no K/V (every slot but the step's
+own keeps its value, even where the buffers still held an earlier step's slots); a new capture
+key is captured by the step that meets it; only decode steps of up to the largest size within
+the context limit replay; only the table rows that changed are copied to a device's buffers;
+a size the platform cannot capture runs the modules and is not retried;
 a greedy engine gives the eager engine's tokens; and a replayed step's logits, the buffer the
 next replay writes again, are kept by a caller that reruns requests one by one.
 """
@@ -25,15 +26,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import plan_of, run_bounded, scheduled, tiny_llama_parts
+from tiny_models import cpu_runner, plan_of, run_bounded, scheduled, tiny_llama_parts
 from torch import Tensor, nn
 
 from minipaged.attention.reference import REFERENCE_OPS
 from minipaged.engine.config import EngineConfig
 from minipaged.engine.engine import LLMEngine
+from minipaged.platforms.base import CaptureUnsupported, Platform, Replay
 from minipaged.runner.graphs import StaticBatch, StepGraphs
 from minipaged.runner.model_runner import ModelRunner
-from minipaged.runner.platforms.base import CaptureUnsupported, Platform, Replay
 from minipaged.sampling.params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -55,6 +56,10 @@ class RerunPlatform(Platform):
         self.graph_sizes = sizes
         self.captures: list[int] = []  # the rows of each capture
         self.replays: list[int] = []  # the rows of each replay
+        self.key: object = None
+
+    def capture_key(self) -> object:
+        return self.key
 
     def capture(self, forward: Callable[[], Tensor]) -> tuple[Replay, Tensor]:
         out = forward()
@@ -87,9 +92,9 @@ def runner_of(parts: tuple[nn.Module, Any], platform: Platform | None = None,
               **kwargs: Any) -> ModelRunner:
     model, config = parts
     eager = platform is None
-    return ModelRunner(model, config, block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS,
-                       platform=Platform(CPU, UNPLANNED_OPS) if eager else platform,
-                       enforce_eager=eager, **kwargs)
+    return cpu_runner(model, config, block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS,
+                      platform=Platform(CPU, UNPLANNED_OPS) if eager else platform,
+                      enforce_eager=eager, **kwargs)
 
 
 def fill(*runners: ModelRunner, seed: int = 0) -> None:
@@ -126,38 +131,26 @@ def assert_only_slots_changed(runner: ModelRunner, before: list[Tensor], slots: 
 @given(rows=st.integers(1, 8), seed=st.integers(0, 2**16))
 def test_a_step_runs_as_the_next_size_of_the_ladder_and_writes_only_its_own_slots(
         parts, rows, seed):
-    """The first step of a size is its capture, the next ones replay it: each gives the eager
-    runner's logits and K/V, and writes no other slot."""
+    """Every size is captured at start-up, largest first, over padded rows that write nothing;
+    each step replays its size and gives the eager runner's logits and K/V, writing no other
+    slot."""
     platform = RerunPlatform()
     runner, eager = runner_of(parts, platform), runner_of(parts)
+    assert platform.captures == [8, 4, 2, 1]
+    assert all(not cache.any() for cache in runner.kv_caches)  # the captures wrote nothing
     fill(runner, eager, seed=seed)
     size = next(s for s in LADDER if s >= rows)
-    for start, replays in ((2, []), (3, [size])):  # 3 rows -> 4
+    for start, replays in ((2, [size]), (3, [size, size])):  # 3 rows -> 4
         before = [cache.clone() for cache in runner.kv_caches]
         entries = decodes(rows, first_block=8, start=start, seed=seed)
         logits = runner.execute(plan_of(entries))
-        assert platform.captures == [size] and platform.replays == replays
+        assert platform.captures == [8, 4, 2, 1] and platform.replays == replays
         assert logits.shape == (rows, parts[1].vocab_size)
         torch.testing.assert_close(logits, eager.execute(plan_of(entries)), atol=1e-6,
                                    rtol=1e-6)
         assert_only_slots_changed(runner, before, slots_of(entries))
         for ours, theirs in zip(runner.kv_caches, eager.kv_caches, strict=True):
             torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
-
-
-def test_a_new_size_is_captured_without_rewriting_the_last_steps_slots(parts):
-    """The static buffers still hold the last step's rows when a new size is first met; its
-    capture runs the forward for real, over the new step's rows and padding only: the last
-    step's blocks, which may be another sequence's by now, keep what was written there since."""
-    platform = RerunPlatform()
-    runner = runner_of(parts, platform)
-    runner.execute(plan_of(decodes(3, first_block=0)))  # size 4
-    fill(runner, seed=1)  # blocks 0-2 freed and written by someone else
-    before = [cache.clone() for cache in runner.kv_caches]
-    later = decodes(5, first_block=20)
-    runner.execute(plan_of(later))  # size 8, captured now
-    assert platform.captures == [4, 8]
-    assert_only_slots_changed(runner, before, slots_of(later))
 
 
 def test_only_decode_steps_of_up_to_the_largest_size_within_the_context_replay(parts):
@@ -194,24 +187,45 @@ def test_a_size_the_platform_cannot_capture_runs_the_modules_and_is_not_tried_ag
             entries = decodes(rows, first_block=10)
             torch.testing.assert_close(runner.execute(plan_of(entries)),
                                        eager.execute(plan_of(entries)), atol=1e-6, rtol=1e-6)
-    assert platform.captures == [-1, 2, -1, 4]  # each size tried once; 4 rows refused
-    assert platform.replays == [2]  # the first step of 2 rows was its capture
+    assert platform.captures == [-1, 8, -1, 4, -1, 2, -1, 1]  # each tried once, at start-up
+    assert platform.replays == [2, 2]  # 3 rows (size 4, refused) ran the modules
 
 
-def test_a_size_is_captured_again_for_another_thread_count(parts):
-    """The CPU's kernel calls are bound to a thread count: a step after it changes is a new
-    capture of the same size."""
+def test_a_size_is_captured_again_for_another_capture_key(parts):
+    """A capture is bound to its platform's key (the CPU's: its thread count): the step that
+    meets a new key is its size's capture under it, computed for real over that step's rows and
+    padding only (the last step's blocks, another sequence's by now, keep what they hold), and
+    the old captures replay under the old key."""
     platform = RerunPlatform()
     runner = runner_of(parts, platform)
-    threads = torch.get_num_threads()
+    runner.execute(plan_of(decodes(3, first_block=0)))  # size 4
+    platform.key = "other"
+    fill(runner, seed=1)  # blocks 0-2 freed and written by someone else
+    before = [cache.clone() for cache in runner.kv_caches]
+    later = decodes(5, first_block=20)
+    runner.execute(plan_of(later))  # size 8, captured now under the new key
+    assert_only_slots_changed(runner, before, slots_of(later))
+    platform.key = None
     runner.execute(plan_of(decodes(2)))
-    torch.set_num_threads(threads + 1)
-    try:
-        runner.execute(plan_of(decodes(2)))
-    finally:
-        torch.set_num_threads(threads)
-    runner.execute(plan_of(decodes(2)))
-    assert platform.captures == [2, 2] and platform.replays == [2]
+    assert platform.captures == [8, 4, 2, 1, 8] and platform.replays == [4, 2]
+
+
+def test_only_the_table_rows_that_changed_are_copied_to_the_device():
+    """With a device buffer apart from the host's (a GPU's), a step copies the per-row fields
+    and, of the block tables, only the rows that differ from what the device holds."""
+    batch = StaticBatch(4, 3, CPU, copies=True)
+    assert batch.device_memory is not batch.host_memory
+    first = [scheduled([9], 6, [1, 5], seq_id=0), scheduled([8], 6, [2, 6])]
+    batch.write(_flat(first), 4)
+    assert torch.equal(batch.device_memory, batch.host_memory)
+    tables = batch.views["block_tables"]
+    tables.fill_(99)  # stands for rows the next write must leave alone
+    batch.write(_flat([scheduled([4], 7, [1, 5], seq_id=0), scheduled([3], 8, [2, 6, 7])]), 4)
+    assert batch.views["input_ids"].tolist() == [4, 3, 0, 0]  # the per-row fields: all
+    assert tables[1].tolist() == [2, 6, 7]  # the table that grew
+    assert tables[0].tolist() == tables[2].tolist() == tables[3].tolist() == [99] * 3
+    batch.write(_flat([scheduled([4], 7, [1, 5], seq_id=0)]), 4)  # row 1 padded now
+    assert tables[1, 0] == 0 and tables[0].tolist() == [99] * 3
 
 
 def test_the_static_batch_lies_in_one_buffer_and_pads_what_the_step_leaves():
@@ -290,8 +304,9 @@ def test_a_failed_step_rerun_request_by_request_keeps_each_ones_logits(parts):
 
 def test_the_ladder_is_sorted_and_bounds_the_rows_and_blocks():
     model, config = tiny_llama_parts()
-    caches = [torch.zeros(2, 4, BLOCK_SIZE, 2, 8)]
-    graphs = StepGraphs(model, caches, UNPLANNED_OPS, RerunPlatform((8, 2, 4)), BLOCK_SIZE, 9)
-    assert graphs.sizes == (2, 4, 8)  # sorted
+    caches = [torch.zeros(2, 4, BLOCK_SIZE, 2, 8) for _ in range(config.num_layers)]
+    platform = RerunPlatform((8, 2, 4))
+    graphs = StepGraphs(model, caches, UNPLANNED_OPS, platform, BLOCK_SIZE, 9)
+    assert graphs.sizes == (2, 4, 8) and platform.captures == [8, 4, 2]  # sorted
     assert graphs.max_blocks == 3  # 9 positions in blocks of 4
     assert [graphs.size_for(n) for n in range(1, 10)] == [2, 2, 4, 4, 8, 8, 8, 8, None]

@@ -20,7 +20,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import dense_last_logits, plan_of, scheduled
+from tiny_models import BudgetPlatform, cpu_runner, dense_last_logits, plan_of, scheduled
 
 from minipaged.attention.reference import paged_attention, plan_attention
 from minipaged.models.checkpoint.model_config import ModelConfig
@@ -28,10 +28,10 @@ from minipaged.models.gpt2 import GPT2ForCausalLM
 from minipaged.models.layers import ModelInputError
 from minipaged.models.llama import LlamaForCausalLM
 from minipaged.models.registry import FAMILIES
-from minipaged.runner.backends import PagedAttentionBackend, ProfileAttention
+from minipaged.platforms.base import GiB, Platform
+from minipaged.platforms.cpu import CPUPlatform
+from minipaged.runner.backends import PagedAttentionBackend
 from minipaged.runner.model_runner import ModelRunner, kv_bytes_per_block
-from minipaged.runner.platforms.base import GiB, Platform
-from minipaged.runner.platforms.cpu import CPUPlatform
 from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 
 VOCAB = 64
@@ -64,7 +64,7 @@ def tiny_model(architecture: str = "llama", seed: int = 0) -> torch.nn.Module:
 
 def make_runner(model, num_gpu_blocks=32, num_cpu_blocks=16, block_size=4,
                 **kwargs) -> ModelRunner:
-    return ModelRunner(
+    return cpu_runner(
         model,
         model.config,
         block_size=block_size,
@@ -272,7 +272,7 @@ def test_bfloat16_runner_follows_the_float32_oracle_up_to_near_ties(bundled_mode
     two were within that tolerance (a near-tie that bfloat16 rounding may flip)."""
     model, config = bundled_model
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
-    runner = ModelRunner(bf16, config, block_size=16, num_gpu_blocks=16, dtype=torch.bfloat16)
+    runner = cpu_runner(bf16, config, block_size=16, num_gpu_blocks=16, dtype=torch.bfloat16)
     assert runner.ops.name == "cpu" and runner.kv_caches[0].dtype == torch.bfloat16
     rng = random.Random(0)
     tokens = [[rng.randrange(17, config.vocab_size) for _ in range(n)] for n in (41, 7)]
@@ -294,8 +294,8 @@ def test_bfloat16_runner_follows_the_float32_oracle_up_to_near_ties(bundled_mode
 
 @pytest.mark.parametrize("architecture", ["llama", "gpt2"])
 def test_the_gemm_choice_is_made_when_the_runner_starts_not_in_a_step(architecture):
-    from minipaged.runner.platforms.cpu.linear import CPULinear
-    from minipaged.runner.platforms.cpu.onednn import onednn_is_faster
+    from minipaged.platforms.cpu.linear import CPULinear
+    from minipaged.platforms.cpu.onednn import onednn_is_faster
 
     onednn_is_faster.cache_clear()  # earlier tests' choices must not stand in for this one's
     model = tiny_model(architecture, seed=5)
@@ -332,31 +332,6 @@ def test_a_token_or_position_outside_the_model_is_refused_before_any_kernel_runs
 # -- the KV cache's size --------------------------------------------------------------------------
 
 
-class BudgetPlatform(Platform):
-    """The reference platform granting the KV cache `budget` bytes once the profile has run;
-    it records the profile's forward (the tokens of the batch, the rows of its logits)."""
-
-    def __init__(self, budget: float) -> None:
-        super().__init__(torch.device("cpu"))
-        self.budget = budget
-        self.forwards: list[tuple[int, bool]] = []  # (tokens, attended through no cache)
-        self.logit_rows: list[int] = []
-
-    def kv_cache_bytes(self, profile, gpu_memory_utilization: float,
-                       kv_cache_memory: float) -> float:
-        assert (gpu_memory_utilization, kv_cache_memory) == (0.5, 2.0)  # handed through
-        profile()
-        return self.budget
-
-    def load(self, model: torch.nn.Module, quantization: str | None = None) -> torch.nn.Module:
-        model = super().load(model, quantization)
-        model.register_forward_hook(lambda module, args, out: self.forwards.append(
-            (args[0].shape[0], isinstance(args[2], ProfileAttention))))
-        model.lm_head.register_forward_hook(
-            lambda module, args, out: self.logit_rows.append(args[0].shape[0]))
-        return model
-
-
 @settings(max_examples=20, deadline=None)
 @given(blocks=st.floats(0, 300), block_size=st.sampled_from([1, 4, 16]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]),
@@ -369,22 +344,39 @@ def test_the_cache_takes_the_platforms_budget_after_a_profile_of_the_largest_ste
     model = tiny_model().to(dtype)
 
     def build() -> ModelRunner:
-        return ModelRunner(model, config, block_size=block_size, dtype=dtype, platform=platform,
-                           max_num_batched_tokens=max_num_batched_tokens,
-                           max_num_seqs=max_num_seqs, gpu_memory_utilization=0.5,
-                           kv_cache_memory=2.0)
+        return cpu_runner(model, config, block_size=block_size, dtype=dtype, platform=platform,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          max_num_seqs=max_num_seqs, gpu_memory_utilization=0.5,
+                          kv_cache_memory=2.0)
 
     if int(blocks) < 1:
         with pytest.raises(ValueError, match="no memory left for even one KV block"):
             build()
     else:
         runner = build()
+        assert platform.configs == [runner.config]  # the settings handed to the platform
         assert runner.num_gpu_blocks == int(platform.budget // per_block)
         assert all(c.shape[1] == runner.num_gpu_blocks for c in runner.kv_caches)
         assert runner.kv_caches[0].dtype == dtype
     tokens = min(max_num_batched_tokens, config.max_position_embeddings)
     assert platform.forwards == [(tokens, True)]  # the profile ran the largest step, no cache
     assert platform.logit_rows == [min(max_num_seqs, tokens)]
+
+
+def test_where_decode_steps_are_captured_the_largest_is_profiled_too():
+    """The memory a capture keeps is counted before the cache is sized: the platform is handed
+    a profile of the largest captured decode step (its rows, their logits) after the largest
+    step's."""
+    config = tiny_config()
+    platform = BudgetPlatform(9 * kv_bytes_per_block(config, 4, torch.float32), (2, 4))
+    runner = cpu_runner(tiny_model(), config, block_size=4, platform=platform,
+                        max_num_batched_tokens=32, max_num_seqs=8)
+    assert runner.num_gpu_blocks == 9 and runner.graphs is not None
+    assert platform.forwards == [(32, True), (4, True)] and platform.logit_rows == [8, 4]
+    eager = BudgetPlatform(9 * kv_bytes_per_block(config, 4, torch.float32), (2, 4))
+    cpu_runner(tiny_model(), config, block_size=4, platform=eager, max_num_batched_tokens=32,
+               max_num_seqs=8, enforce_eager=True)
+    assert eager.forwards == [(32, True)]
 
 
 def test_a_given_number_of_blocks_runs_no_profile():
@@ -397,6 +389,6 @@ def test_the_cpu_and_reference_platforms_grant_kv_cache_memory_gib():
     config = tiny_config()
     per_block = kv_bytes_per_block(config, 4, torch.float32)
     for platform in (Platform(torch.device("cpu")), CPUPlatform(torch.device("cpu"))):
-        runner = ModelRunner(tiny_model(), config, block_size=4, platform=platform,
-                             kv_cache_memory=0.001)
+        runner = cpu_runner(tiny_model(), config, block_size=4, platform=platform,
+                            kv_cache_memory=0.001)
         assert runner.num_gpu_blocks == int(0.001 * GiB // per_block)

@@ -31,7 +31,7 @@ class FakeRunner:
         self.block_size = block_size
         self.kv_caches = [torch.empty(2, num_blocks, 1)]
         self.host_caches = [torch.empty(2, num_host, 1)] if num_host else []
-        self.config = SimpleNamespace(vocab_size=37)
+        self.model_config = SimpleNamespace(vocab_size=37)
         self.batches: list[list[ScheduledSequence]] = []
         self.swaps: list[SchedulerOutput] = []
 
@@ -43,7 +43,7 @@ class FakeRunner:
         bs, num_blocks = self.block_size, self.kv_caches[0].shape[1]
         written: set[tuple[int, int]] = set()
         for e in entries:
-            assert e.token_ids and all(0 <= t < self.config.vocab_size for t in e.token_ids)
+            assert e.token_ids and all(0 <= t < self.model_config.vocab_size for t in e.token_ids)
             end = e.start + len(e.token_ids)
             assert len(e.block_table) * bs >= end, "the block table does not cover the tokens"
             assert all(0 <= b < num_blocks for b in e.block_table)

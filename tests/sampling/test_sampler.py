@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.runner.platforms.cpu import CPUPlatform
+from minipaged.platforms.cpu import CPUPlatform
 from minipaged.sampling.beam_scoring import (
     BeamCandidate,
     beam_search_candidates,

@@ -60,6 +60,9 @@ class FamilySpec:
     gguf_permuted_qk: bool = False  # llama.cpp's converter permuted the Q/K rows (interleaved)
     check: Callable[[ModelConfig], None] | None = None  # the family's own rules, ValueError
     model_class: Any = None  # the `CausalLM` class that runs it (layer 3)
+    # Every computation of its layers is a module the CPU platform swaps (only views between
+    # them), so the CPU replays its decode steps (`minipaged.platforms.cpu.replay`).
+    cpu_replays: bool = False
     # Module parameter name pattern -> how tensor parallelism splits it (`split_of`).
     tp_splits: Mapping[str, str] = field(default_factory=dict)
 

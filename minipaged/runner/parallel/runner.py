@@ -22,7 +22,6 @@ import time
 import weakref
 from contextlib import suppress
 from dataclasses import replace
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +34,8 @@ from minipaged.models.tensor_parallel import (
     check_shardable,
     checkpoint_state_dict,
 )
-from minipaged.runner.model_runner import ModelRunner, blocks_that_fit
+from minipaged.runner.config import RunnerConfig
+from minipaged.runner.model_runner import ModelRunner
 from minipaged.runner.parallel.worker import (
     READY,
     PlanBroadcast,
@@ -45,6 +45,7 @@ from minipaged.runner.parallel.worker import (
     WorkerProcess,
     free_port,
     join_group,
+    keep_smallest_cache,
     load_shard,
     send_spec,
     start_worker,
@@ -71,19 +72,20 @@ class TensorParallelRunner(ModelRunner):
         self, spec: RankSpec, start_timeout_s: float = 600.0, launched: bool = False
     ) -> None:
         """Start `spec.world_size - 1` workers from `spec` (rank 0's), load rank 0's shard and
-        wait until every worker has loaded its own (at most `start_timeout_s`). `launched`:
-        `torchrun` started the other ranks (`torchrun_worker`); plans go out as broadcasts."""
+        wait until every worker has loaded its own (at most `start_timeout_s`), then join the
+        group and build rank 0's runner as each worker builds its own (`start_runner`).
+        `launched`: `torchrun` started the other ranks (`torchrun_worker`); plans go out as
+        broadcasts."""
         if dist.is_initialized():
             raise RuntimeError(
                 "a tensor-parallel engine is already running in this process; close() it first"
             )
-        self.world_size, self.timeout_s = spec.world_size, spec.timeout_s
+        self.world_size, self.timeout_s = spec.world_size, spec.config.tensor_parallel_timeout
         self.closed = False
-        # Rank 0 runs as many torch threads as each worker (one on CPU): a rank with more
-        # threads than its share of the cores stalls every collective; restored by `close()`.
+        # Rank 0 runs as many torch threads as each worker (the platform's `rank_threads`);
+        # restored by `close()`.
         self._threads_before = torch.get_num_threads()
-        if spec.num_threads is not None:
-            torch.set_num_threads(spec.num_threads)
+        spec.set_threads()
         self._workers: list[WorkerProcess] = []
         self._broadcast: PlanBroadcast | None = None
         self._finalizer = weakref.finalize(self, stop_workers, self._workers)
@@ -97,10 +99,11 @@ class TensorParallelRunner(ModelRunner):
                     send_spec(worker, replace(spec, rank=worker.rank))
                 except OSError:  # it exited before reading its spec
                     raise died_while_loading(worker) from None
-            model, config, runner_args = load_shard(spec)  # while the workers load theirs
-            super().__init__(model, config, **runner_args)
+            args, kwargs = load_shard(spec)  # while the workers load theirs
             self._wait_ready(start_timeout_s)
-            join_group(spec)
+            join_group(spec)  # then every rank's runner: their profiles' collectives meet
+            super().__init__(*args, **kwargs)
+            keep_smallest_cache(self)
             if launched:
                 self._broadcast = PlanBroadcast()
         except BaseException:
@@ -209,50 +212,23 @@ def stop_workers(workers: list[WorkerProcess]) -> None:
 # -- choosing the runner --------------------------------------------------------------------------
 
 
-def build_runner(
-    model: nn.Module | ShardSource,
-    model_config: ModelConfig,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    tensor_parallel_size: int,
-    tensor_parallel_timeout: float,
-    attention_backend: str,
-    block_size: int,
-    num_gpu_blocks: int | None,
-    num_cpu_blocks: int,
-    **runner_args: Any,
-) -> ModelRunner:
-    """The engine's runner: a `ModelRunner` over `model`, or with `tensor_parallel_size` > 1 a
-    `TensorParallelRunner` whose ranks take their shards of it (a model in memory is sliced;
-    a `CheckpointShards` is read slice by slice on every rank). `runner_args` go to a one-rank
-    `ModelRunner` (quantization, memory accounting, batch limits, `enforce_eager`: the ranks
-    always run eagerly). Without `num_gpu_blocks`, a one-rank runner sizes its KV cache after
-    its weights (`ModelRunner`); the ranks take `kv_cache_memory` GiB each, or on CUDA what the
-    card has free before their weights.
+def build_runner(model: nn.Module | ShardSource, model_config: ModelConfig,
+                 config: RunnerConfig) -> ModelRunner:
+    """The engine's runner for a settled `config`: a `ModelRunner` over `model`, or with
+    `tensor_parallel_size` > 1 a `TensorParallelRunner` whose ranks take their shards of it (a
+    model in memory is sliced; a `CheckpointShards` is read slice by slice on every rank), each
+    sizing its shard of the KV cache after its own weights, and all keeping the smallest
+    (`join_group`). The ranks always run eagerly.
 
     Under `torchrun`, every rank runs the same program: rank 0 gets the runner, and on any
     other rank this call serves rank 0's plans until rank 0 closes, then exits the process
     (`SystemExit(0)`), so that the program's own code runs on rank 0 only."""
-    size = tensor_parallel_size
+    size = config.tensor_parallel_size
     if size == 1:
         if not isinstance(model, nn.Module):
-            model = model.load(SINGLE_RANK, dtype, device)[0]
-        return ModelRunner(
-            model.to(device=device, dtype=dtype).eval(), model_config,
-            block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-            num_cpu_blocks=num_cpu_blocks, device=device, dtype=dtype,
-            attention_backend=attention_backend, **runner_args,
-        )
-    if runner_args.get("quantization") is not None:
-        raise TensorParallelError("int8 weights run on one rank, not tensor-parallel")
-    if num_gpu_blocks is None:
-        num_gpu_blocks = blocks_that_fit(
-            model_config, block_size, dtype, device,
-            runner_args.get("gpu_memory_utilization", 0.9),
-            runner_args.get("kv_cache_memory", 4.0))
+            model = model.load(SINGLE_RANK, config.torch_dtype, config.torch_device)[0]
+        return ModelRunner(model, model_config, config)
     check_shardable(model_config, size)
-    check_backend(device, size)
     if isinstance(model, nn.Module):
         model = StateDictShards(model_config, checkpoint_state_dict(model_config, model))
     launched = torchrun_rank()
@@ -263,32 +239,9 @@ def build_runner(
     spec = RankSpec(
         rank=0 if launched is None else launched.rank, world_size=size, source=model,
         init_method=f"tcp://127.0.0.1:{free_port()}" if launched is None else "env://",
-        timeout_s=tensor_parallel_timeout, device=device.type, dtype=dtype,
-        block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
-        attention_backend=attention_backend,
-        num_threads=1 if device.type == "cpu" else None,
-        local_rank=None if launched is None else launched.local_rank,
+        config=config, local_rank=None if launched is None else launched.local_rank,
     )
     if launched is not None and launched.rank != 0:
         torchrun_worker(spec)
         raise SystemExit(0)
     return TensorParallelRunner(spec, launched=launched is not None)
-
-
-def check_backend(device: torch.device, size: int) -> None:
-    """Raise `TensorParallelError` unless `device` has the collectives `size` ranks need."""
-    backends = {"cpu": ("gloo", dist.is_gloo_available), "cuda": ("nccl", dist.is_nccl_available)}
-    if device.type not in backends:
-        raise TensorParallelError(f"tensor parallelism runs on cpu or cuda, not {device.type!r}")
-    name, available = backends[device.type]
-    if not dist.is_available() or not available():
-        raise TensorParallelError(
-            f"tensor parallelism on {device.type} needs the {name} backend of torch.distributed,"
-            f" which this torch build lacks"
-        )
-    if device.type == "cuda" and torch.cuda.device_count() < size:
-        raise TensorParallelError(
-            f"tensor_parallel_size {size} needs {size} CUDA devices, "
-            f"{torch.cuda.device_count()} visible"
-        )
-

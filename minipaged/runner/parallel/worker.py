@@ -1,11 +1,14 @@
 """A tensor-parallel rank: where its shard comes from, how it starts, and the workers' loop.
 
-Every rank, rank 0 included, starts the same way (`load_shard`): load its shard of the model
-(`minipaged.models.tensor_parallel`), build a `ModelRunner` over it and its own shard of the paged
-KV cache (its KV heads), and only then join the process group, so that the rendezvous does not wait
-on anyone's loading. A worker (ranks 1..N-1, `worker_main`) then receives each step's plan -- the
-batch entries and cache operations rank 0's scheduler produced -- over a pipe from rank 0, runs
-the same `execute` (whose collectives meet rank 0's), and drops the logits: only rank 0 samples.
+Every rank, rank 0 included, starts the same way: load its shard of the model and make it its
+platform's (`load_shard`, `minipaged.models.tensor_parallel`); once every rank has (a worker
+reports it to rank 0), join the process group, so that neither the rendezvous nor the first
+collectives wait on anyone's loading; then build a `ModelRunner` over the shard, which sizes
+its own shard of the paged KV cache (its KV heads) after a profile whose collectives meet the
+other ranks', and keep the ranks' smallest cache (`keep_smallest_cache`). A worker (ranks
+1..N-1, `worker_main`) then receives each step's plan -- the batch entries and cache operations
+rank 0's scheduler produced -- over a pipe from rank 0, runs the same `execute` (whose
+collectives meet rank 0's), and drops the logits: only rank 0 samples.
 
 On one machine rank 0 starts each worker as `python -m minipaged.runner.parallel FD`
 (`start_worker`), a fresh interpreter that imports only minipaged and whatever the rank's `RankSpec`
@@ -36,7 +39,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -50,6 +53,8 @@ from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.layers import CausalLM
 from minipaged.models.registry import build_model, load_model
 from minipaged.models.tensor_parallel import TensorParallel, kv_heads, q_heads, shard_state_dict
+from minipaged.platforms import Platform, get_platform, platform_class
+from minipaged.runner.config import RunnerConfig
 from minipaged.runner.model_runner import ModelRunner
 from minipaged.sched.output import SchedulerOutput
 
@@ -99,26 +104,23 @@ class StateDictShards:
 
 @dataclass(frozen=True)
 class RankSpec:
-    """Everything one rank needs to start (picklable: it is sent to the worker process)."""
+    """Everything one rank needs to start (picklable: it is sent to the worker process).
+    `platform` builds the rank's platform from its config (`get_platform`; a test's stand-in
+    grants a chosen memory budget)."""
 
     rank: int
     world_size: int
     source: ShardSource
     init_method: str  # tcp://127.0.0.1:PORT, rank 0's store
-    timeout_s: float  # how long a collective waits for the other ranks
-    device: str  # "cpu" or "cuda" (rank r takes cuda:r)
-    dtype: torch.dtype
-    block_size: int
-    num_gpu_blocks: int
-    num_cpu_blocks: int
-    attention_backend: str | None
-    num_threads: int | None  # torch threads of a worker process (None: torch's default)
-    local_rank: int | None = None  # the rank's CUDA device on its machine (None: `rank`)
+    config: RunnerConfig  # the engine's, settled; each rank takes its own device from it
+    local_rank: int | None = None  # the rank's device on its machine (None: `rank`)
+    platform: Callable[[RunnerConfig], Platform] = get_platform
 
-    @property
-    def torch_device(self) -> torch.device:
-        index = self.rank if self.local_rank is None else self.local_rank
-        return torch.device(f"cuda:{index}" if self.device == "cuda" else "cpu")
+    def set_threads(self) -> None:
+        """This process's torch threads: the platform's for a rank (`rank_threads`)."""
+        threads = platform_class(self.config.device).rank_threads
+        if threads is not None:
+            torch.set_num_threads(threads)
 
 
 @dataclass(frozen=True)
@@ -165,38 +167,52 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def load_shard(spec: RankSpec) -> tuple[CausalLM, ModelConfig, dict[str, Any]]:
-    """This rank's shard of the model, its config, and the `ModelRunner` arguments that give
-    it this rank's shard of the KV cache (its KV heads)."""
+def load_shard(spec: RankSpec) -> tuple[tuple, dict[str, Any]]:
+    """The `ModelRunner` arguments of this rank: its shard of the model, already made its
+    platform's (the part of a start that takes each rank its own time, done before the ranks
+    meet), the model's config, its settled config on its own device, run eagerly (a capture
+    would run collectives on one rank alone), its platform and its heads (its shard of the KV
+    cache)."""
     tp = TensorParallel(spec.rank, spec.world_size)
-    device = spec.torch_device
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    model, config = spec.source.load(tp, spec.dtype, device)
-    runner_args = dict(
-        block_size=spec.block_size,
-        num_gpu_blocks=spec.num_gpu_blocks,
-        num_cpu_blocks=spec.num_cpu_blocks,
-        device=device,
-        dtype=spec.dtype,
-        attention_backend=spec.attention_backend,
-        heads=(len(q_heads(config, tp)), len(kv_heads(config, tp))),
-        # every rank runs every step through its modules: a capture would run collectives
-        # on one rank alone
-        enforce_eager=True,
-    )
-    return model.to(device=device, dtype=spec.dtype).eval(), config, runner_args
+    index = spec.rank if spec.local_rank is None else spec.local_rank
+    device = platform_class(spec.config.device).rank_device(spec.config.torch_device, index)
+    config = replace(spec.config, device=str(device), enforce_eager=True)
+    model, model_config = spec.source.load(tp, config.torch_dtype, device)
+    platform = spec.platform(config)
+    model = platform.load(model.to(device, config.torch_dtype).eval(), config.quantization)
+    heads = (len(q_heads(model_config, tp)), len(kv_heads(model_config, tp)))
+    return (model, model_config, config), dict(platform=platform, heads=heads, loaded=True)
 
 
 def join_group(spec: RankSpec) -> None:
-    """Join the default process group (gloo on CPU, NCCL on CUDA) over rank 0's TCP store."""
+    """Join the default process group (the platform's collectives: gloo on CPU, NCCL on CUDA)
+    over rank 0's TCP store."""
+    config = spec.config
     dist.init_process_group(
-        "nccl" if spec.device == "cuda" else "gloo",
+        platform_class(config.device).collective_backend,
         init_method=spec.init_method,
         rank=spec.rank,
         world_size=spec.world_size,
-        timeout=timedelta(seconds=spec.timeout_s),
+        timeout=timedelta(seconds=config.tensor_parallel_timeout),
     )
+
+
+def keep_smallest_cache(runner: ModelRunner) -> None:
+    """Every rank sized its shard of the KV cache after its weights and a profile (whose
+    collectives met the other ranks'): all use the smallest count, which rank 0's scheduler
+    plans with (a rank with more room leaves the rest of its cache unused)."""
+    blocks = torch.tensor([runner.num_gpu_blocks], device=runner.device)
+    dist.all_reduce(blocks, op=dist.ReduceOp.MIN)
+    runner.num_gpu_blocks = int(blocks.item())
+
+
+def start_runner(spec: RankSpec, args: tuple, kwargs: dict[str, Any]) -> ModelRunner:
+    """A worker rank's runner over its loaded shard (`load_shard`'s arguments): join the group,
+    build it, keep the ranks' smallest cache."""
+    join_group(spec)
+    runner = ModelRunner(*args, **kwargs)
+    keep_smallest_cache(runner)
+    return runner
 
 
 @dataclass
@@ -274,10 +290,8 @@ def worker_main(conn: Connection) -> None:
     parent = os.getppid()
     try:
         spec = receive_spec(conn)
-        if spec.num_threads is not None:
-            torch.set_num_threads(spec.num_threads)
-        model, config, runner_args = load_shard(spec)
-        runner = ModelRunner(model, config, **runner_args)
+        spec.set_threads()
+        args, kwargs = load_shard(spec)
     except Exception:  # noqa: BLE001 - rank 0 raises it in the parent, with this traceback
         with suppress(OSError):  # rank 0 is gone too
             conn.send(traceback.format_exc())
@@ -286,13 +300,12 @@ def worker_main(conn: Connection) -> None:
         conn.send(READY)
     except OSError:  # rank 0 is gone
         return
-    serve_plans(spec, runner, lambda: pipe_plans(conn, parent))
+    serve_plans(start_runner(spec, args, kwargs), lambda: pipe_plans(conn, parent))
 
 
 def torchrun_worker(spec: RankSpec) -> None:
     """A rank `torchrun` started, other than 0: load, join, run rank 0's broadcast plans."""
-    model, config, runner_args = load_shard(spec)
-    serve_plans(spec, ModelRunner(model, config, **runner_args), PlanBroadcast)
+    serve_plans(start_runner(spec, *load_shard(spec)), PlanBroadcast)
 
 
 def pipe_plans(conn: Connection, parent: int) -> Iterator[Plan]:
@@ -310,10 +323,9 @@ def pipe_plans(conn: Connection, parent: int) -> Iterator[Plan]:
         yield plan
 
 
-def serve_plans(spec: RankSpec, runner: ModelRunner, plans: Callable[[], Iterable[Plan]]) -> None:
-    """Join the process group, run each of `plans()` (made once joined: a `PlanBroadcast` needs
-    the group) on this rank's shard, dropping the logits (rank 0 has them), then leave it."""
-    join_group(spec)
+def serve_plans(runner: ModelRunner, plans: Callable[[], Iterable[Plan]]) -> None:
+    """Run each of `plans()` (made now, the group joined: a `PlanBroadcast` needs it) on this
+    rank's shard, dropping the logits (rank 0 has them), then leave the process group."""
     try:
         for plan in plans():
             try:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parents[3] / "benchmarks"))
 
 from cpu.roofline import time_decode_steps, weight_bytes  # noqa: E402
 from minipaged.models.layers import RotaryEmbedding  # noqa: E402
-from minipaged.runner.platforms.cpu.weight_layout import lay_out_weights  # noqa: E402
+from minipaged.platforms.cpu.weight_layout import lay_out_weights  # noqa: E402
 
 PARTS = tiny_llama_parts()
 

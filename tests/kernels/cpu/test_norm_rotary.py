@@ -2,8 +2,8 @@
 
 `minipaged.models.layers` computes each in plain PyTorch (`RMSNorm`, `RotaryEmbedding`, whose
 rotary is Hugging Face's `rotate_half` form, `SiluAndMul`), and those modules are the reference
-here; the CPU platform's subclasses of them call these kernels (`runner.platforms.cpu.modules`,
-tested in `tests/runner/platforms/cpu/test_modules.py`). The rotary must equal
+here; the CPU platform's subclasses of them call these kernels (`platforms.cpu.modules`,
+tested in `tests/platforms/cpu/test_modules.py`). The rotary must equal
 PyTorch's bit for bit in float32 and bfloat16 (each product and the sum rounded to the dtype, no
 fused multiply-add); the norm adds its squares in another order, so it is within a few units in
 the last place in float32 and within two bfloat16 steps (its normalised value and then its

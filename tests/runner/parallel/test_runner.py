@@ -18,7 +18,15 @@ import torch
 import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
-from tiny_models import SMALL_LLAMA, minipaged_parts, plan_of, random_gpt2, random_llama, scheduled
+from tiny_models import (
+    SMALL_LLAMA,
+    RankBudgets,
+    minipaged_parts,
+    plan_of,
+    random_gpt2,
+    random_llama,
+    scheduled,
+)
 
 from minipaged.engine.config import EngineConfig
 from minipaged.engine.engine import LLMEngine
@@ -29,13 +37,21 @@ from minipaged.models.tensor_parallel import (
     TensorParallel,
     TensorParallelError,
     check_shardable,
+    checkpoint_state_dict,
     kv_heads,
     q_heads,
     token_embedding,
     vocab_range,
 )
-from minipaged.runner.parallel.runner import WorkerDiedError
-from minipaged.runner.parallel.worker import CheckpointShards, StateDictShards
+from minipaged.runner.config import RunnerConfig
+from minipaged.runner.model_runner import kv_bytes_per_block
+from minipaged.runner.parallel.runner import TensorParallelRunner, WorkerDiedError
+from minipaged.runner.parallel.worker import (
+    CheckpointShards,
+    RankSpec,
+    StateDictShards,
+    free_port,
+)
 from minipaged.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.xdist_group("tensor_parallel")
@@ -271,6 +287,31 @@ def test_tp2_gqa_llama_equals_tp1():
     parts = minipaged_parts(random_llama(**SMALL_LLAMA))  # 4 query heads, 2 KV heads
     with assert_engine_matches_tp1(parts, 64, 2, preemption_mode="swap") as engine:
         assert engine.runner.kv_caches[0].shape[-2] == 1  # one KV head per rank
+    assert not dist.is_initialized()
+
+
+def test_every_rank_sizes_its_cache_after_its_weights_and_all_keep_the_smallest():
+    """Each rank's platform grants its own budget only once that rank's weights are placed and
+    its profile has run (`BudgetPlatform` asserts it, in the worker too); the ranks then agree
+    on the smallest count, which rank 0 plans with and a step runs over."""
+    model, config = minipaged_parts(random_llama(**SMALL_LLAMA))  # one KV head per rank
+    per_block = kv_bytes_per_block(config, 4, torch.float32, num_kv_heads=1)
+    for first, others in ((30, 12), (9, 25)):
+        shards = StateDictShards(config, checkpoint_state_dict(config, model))
+        spec = RankSpec(
+            rank=0, world_size=2, source=shards, init_method=f"tcp://127.0.0.1:{free_port()}",
+            config=RunnerConfig(device="cpu", block_size=4, num_cpu_blocks=0,
+                                tensor_parallel_size=2, tensor_parallel_timeout=TIMEOUT_S),
+            platform=RankBudgets(first * per_block, others * per_block))
+        runner = TensorParallelRunner(spec)
+        try:
+            assert runner.platform.forwards and runner.platform.configs  # sized after a profile
+            assert runner.kv_caches[0].shape[1] == first  # its own budget's blocks
+            assert runner.num_gpu_blocks == min(first, others)  # the ranks' smallest
+            logits = runner.execute(plan_of([scheduled([5, 9, 2], 0, [min(first, others) - 1])]))
+            assert logits.shape == (1, config.vocab_size)
+        finally:
+            runner.close()
     assert not dist.is_initialized()
 
 

@@ -7,7 +7,7 @@ layer, as much as the bandwidth itself). CUDA records a step's kernel launches o
 them (a CUDA graph); vLLM and nano-vllm capture one per batch size from the model's forward.
 
 `capture` does the same on a CPU. It runs the forward once over the runner's static buffers
-under a `Recorder`: each of the platform's modules (`minipaged.runner.platforms.cpu.modules`,
+under a `Recorder`: each of the platform's modules (`minipaged.platforms.cpu.modules`,
 `.linear`, the attention ops) does its work by binding a kernel call over its input and output
 tensors (`KernelCall`) and running it through `launch`, which also appends the call to the
 recording. Between the modules the model computes nothing, only views (its layers are written

@@ -5,14 +5,23 @@ few-row GEMV kernel, oneDNN or MKL GEMM, int8 weights; `modules`: RMSNorm, rotar
 the embedding in C), its weights are copied into one buffer on huge pages in the order a step
 reads them (`weight_layout`), and the few-row choice is made per weight shape (measured once on
 this CPU, or fixed by `gemv_rows` / `MINIPAGED_GEMV_ROWS`, for tests and comparisons). Decode
-steps of up to as many sequences as every projection's kernel takes are captured from the
-model's forward and replayed (`replay`); attention is `attention.CPU_OPS`.
+steps of up to `max_num_seqs` sequences may be captured from the model's forward and replayed
+(`replay`), as many as every projection's kernel takes once the model is loaded; attention is
+`attention.CPU_OPS`.
+
+The CPU's answers to the device questions: float32 and a few cores' batch by default, bfloat16
+native where the CPU has AMX-BF16 or AVX-512 BF16 (its flags, from /proc/cpuinfo), weight-only
+int8 on one rank, gloo's collectives with one torch thread per rank, and captured steps bound to
+the thread count that recorded them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -22,36 +31,49 @@ from minipaged.kernels.cpu.calls import kernel_calls_available
 from minipaged.kernels.cpu.gemv import fetch_ahead
 from minipaged.kernels.cpu.greedy import greedy_tokens, greedy_tokens_available
 from minipaged.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
-from minipaged.runner.platforms.base import (
+from minipaged.platforms.base import (
+    QUANTIZATIONS,
     CaptureUnsupported,
     Platform,
     Replay,
     logger,
     swap_modules,
 )
-from minipaged.runner.platforms.cpu.attention import CPU_OPS
-from minipaged.runner.platforms.cpu.linear import (
+from minipaged.platforms.cpu.attention import CPU_OPS
+from minipaged.platforms.cpu.linear import (
     CPULinear,
     Int8Linear,
     choose_few_rows,
     pack_for_onednn,
 )
-from minipaged.runner.platforms.cpu.modules import (
+from minipaged.platforms.cpu.modules import (
     CPUEmbedding,
     CPURMSNorm,
     CPURotaryEmbedding,
     CPUSiluAndMul,
 )
-from minipaged.runner.platforms.cpu.quantization import QUANTIZATIONS, quantize_model
-from minipaged.runner.platforms.cpu.replay import Arena, CaptureError, capture
-from minipaged.runner.platforms.cpu.weight_layout import lay_out_weights
+from minipaged.platforms.cpu.quantization import quantize_model
+from minipaged.platforms.cpu.replay import Arena, CaptureError, capture
+from minipaged.platforms.cpu.weight_layout import lay_out_weights
 
-__all__ = ["GEMV_ROWS_VARIABLE", "QUANTIZATIONS", "CPUPlatform", "replay_ladder"]
+__all__ = ["GEMV_ROWS_VARIABLE", "CPUPlatform", "cpu_flags", "replay_ladder"]
 
 SWAPS = {nn.Linear: CPULinear, RMSNorm: CPURMSNorm, RotaryEmbedding: CPURotaryEmbedding,
          SiluAndMul: CPUSiluAndMul, nn.Embedding: CPUEmbedding}
 FETCH_AHEAD_ROWS = (1, 4, 8)  # a row count of each of the GEMV kernel's tile shapes
 GEMV_ROWS_VARIABLE = "MINIPAGED_GEMV_ROWS"  # fixes the few-row choice (0: no GEMV kernel)
+# The x86 CPU flags (Linux's /proc/cpuinfo names) of instructions that multiply bfloat16.
+BFLOAT16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none: not Linux)."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
 def replay_ladder(max_rows: int) -> tuple[int, ...]:
@@ -68,14 +90,41 @@ class CPUPlatform(Platform):
     replayed); None measures it per weight shape (or reads `MINIPAGED_GEMV_ROWS`)."""
 
     name = "cpu"
+    attention_backend = "cpu"
+    quantizations = QUANTIZATIONS
+    collective_backend = "gloo"
+    # A rank with more threads than its share of the cores stalls every collective.
+    rank_threads = 1
 
-    def __init__(self, device: torch.device, *, attention: AttentionOps = CPU_OPS,
-                 capture: bool = True, gemv_rows: int | None = None) -> None:
+    def __init__(self, device: torch.device, attention: AttentionOps = CPU_OPS, *,
+                 capture: bool = True, max_num_seqs: int = 256,
+                 gemv_rows: int | None = None) -> None:
         super().__init__(device, attention)
-        self.captures = capture and attention is CPU_OPS  # the replay records its kernels
+        if capture and attention is CPU_OPS and kernel_calls_available():  # records its kernels
+            self.graph_sizes = replay_ladder(max_num_seqs)  # `load` keeps what the kernels take
         self.arena = Arena()  # the captured steps' buffers
         env = os.environ.get(GEMV_ROWS_VARIABLE)
         self.gemv_rows = gemv_rows if gemv_rows is not None or not env else int(env)
+
+    @classmethod
+    def check_and_update_config(cls, config: Any) -> None:
+        """The base's settling, and int8's rule: float32 weights on one rank."""
+        super().check_and_update_config(config)
+        if config.quantization is not None and (config.tensor_parallel_size != 1
+                                                or config.dtype != "float32"):
+            raise ValueError(
+                f"quantization {config.quantization!r} runs on one rank over float32 weights: "
+                f"tensor_parallel_size must be 1 and dtype float32, got "
+                f"{config.tensor_parallel_size} and {config.dtype}")
+
+    @classmethod
+    def native_bfloat16(cls) -> bool:
+        """AMX-BF16 or AVX-512 BF16 among the CPU's flags."""
+        return bool(cpu_flags() & BFLOAT16_CPU_FLAGS)
+
+    def capture_key(self) -> object:
+        """The thread count: a recorded step's kernel calls are bound to it."""
+        return torch.get_num_threads()
 
     def load(self, model: nn.Module, quantization: str | None = None) -> nn.Module:
         """Swap the CPU's modules in, quantise (`quantization`: one of `QUANTIZATIONS`), lay the
@@ -98,8 +147,7 @@ class CPUPlatform(Platform):
                 for rows in FETCH_AHEAD_ROWS:  # measured now, not by a step's first call
                     fetch_ahead(path.plan.weight_dtype, rows)
         max_rows = min((p.max_rows if p is not None else 0 for p in paths), default=0)
-        if self.captures and kernel_calls_available():
-            self.graph_sizes = replay_ladder(max_rows)
+        self.graph_sizes = self.graph_sizes[:max_rows]
         logger.info("cpu platform: %d projections, the GEMV kernel up to %s rows; decode steps "
                     "of up to %d sequences replayed", len(layers),
                     sorted({p.max_rows for p in paths if p is not None}) or "no",

@@ -1,4 +1,4 @@
-"""The platform seam (`runner.platforms.base`): the reference platform, `swap_modules`, and
+"""The platform seam (`platforms.base`): the reference platform, `swap_modules`, and
 which platform a device and an attention backend get.
 
 The reference platform is the model as written: its `load` leaves every module of its class
@@ -8,7 +8,8 @@ runner on it computes the plain model's logits. `swap_modules` changes the class
 types it is given (a subclass, such as a tensor-parallel layer, keeps its own), in place: the
 same objects, parameters, ties and shared modules. `get_platform`: the reference attention
 with `enforce_eager` is the reference platform on any device; a CPU otherwise gets the CPU
-platform, capturing unless eager or on another attention backend.
+platform, whose decode sizes are known before it loads anything, capturing unless eager or on
+another attention backend.
 """
 
 from __future__ import annotations
@@ -19,16 +20,16 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import dense_last_logits, plan_of, scheduled, tiny_llama_parts
+from tiny_models import cpu_runner, dense_last_logits, plan_of, scheduled, tiny_llama_parts
 from torch import nn
 
 from minipaged.attention.reference import REFERENCE_OPS
 from minipaged.models.layers import RMSNorm, SiluAndMul
-from minipaged.runner.backends import get_platform
-from minipaged.runner.model_runner import ModelRunner
-from minipaged.runner.platforms.base import CaptureUnsupported, GiB, Platform, swap_modules
-from minipaged.runner.platforms.cpu import CPUPlatform
-from minipaged.runner.platforms.cpu.attention import CPU_OPS
+from minipaged.platforms import get_platform
+from minipaged.platforms.base import CaptureUnsupported, GiB, Platform, swap_modules
+from minipaged.platforms.cpu import CPUPlatform
+from minipaged.platforms.cpu.attention import CPU_OPS
+from minipaged.runner.config import RunnerConfig
 
 CPU = torch.device("cpu")
 
@@ -43,10 +44,10 @@ def test_the_reference_platform_runs_the_model_as_written(tied):
     model, config = tiny_llama_parts(tie_word_embeddings=tied)
     oracle = copy.deepcopy(model)
     before = classes_and_weights(model)
-    platform = get_platform("cpu", "torch", enforce_eager=True)
+    platform = platform_of("cpu", "torch", eager=True)
     assert type(platform) is Platform and platform.attention is REFERENCE_OPS
-    runner = ModelRunner(model, config, block_size=4, num_gpu_blocks=16, platform=platform,
-                         enforce_eager=True)
+    runner = cpu_runner(model, config, block_size=4, num_gpu_blocks=16, platform=platform,
+                        enforce_eager=True)
     assert runner.model is model and runner.graphs is None
     assert classes_and_weights(model) == before  # no module swapped, no weight laid out
     assert (model.lm_head.weight is model.embed_tokens.weight) == tied
@@ -61,14 +62,14 @@ def test_the_reference_platform_runs_the_model_as_written(tied):
 
 def test_the_reference_platform_quantises_captures_and_measures_nothing():
     platform = Platform(CPU)
-    model, _ = tiny_llama_parts()
     with pytest.raises(ValueError, match="quantization 'int8' needs a platform that has it"):
-        platform.load(model, "int8")
+        RunnerConfig(device="meta", quantization="int8")
     ran = []
     with pytest.raises(CaptureUnsupported, match="reference platform captures no steps"):
         platform.capture(lambda: ran.append(1))
     assert platform.graph_sizes == ()
-    assert platform.kv_cache_bytes(lambda: ran.append(1), 0.9, 1.5) == 1.5 * GiB
+    settings = RunnerConfig(device="meta", kv_cache_memory=1.5)
+    assert platform.kv_cache_bytes([lambda: ran.append(1)], settings) == 1.5 * GiB
     assert ran == []  # neither the forward nor the profile ran
     assert platform.greedy_tokens(torch.randn(2, 8)) is None
 
@@ -82,18 +83,23 @@ def test_the_reference_platform_quantises_captures_and_measures_nothing():
 ])
 def test_a_cpu_gets_the_cpu_platform_but_for_the_reference_run_eagerly(
         backend, eager, kind, ops, captures):
-    platform = get_platform("cpu", backend, enforce_eager=eager)
+    platform = platform_of("cpu", backend, eager=eager)
     assert type(platform) is kind and platform.attention is ops
-    assert getattr(platform, "captures", False) == captures
+    assert platform.graph_sizes == (tuple(range(1, 65)) if captures else ())  # before `load`
 
 
 def test_another_device_gets_the_reference_platform():
     for eager in (False, True):
-        platform = get_platform("meta", enforce_eager=eager)
+        platform = platform_of("meta", eager=eager)
         assert type(platform) is Platform and platform.device == torch.device("meta")
         assert platform.attention is REFERENCE_OPS
     with pytest.raises(ValueError, match="unknown attention backend"):
-        get_platform("cpu", "cuda")
+        platform_of("cpu", "cuda")
+
+
+def platform_of(device: str, backend: str | None = None, eager: bool = False) -> Platform:
+    return get_platform(RunnerConfig(device=device, attention_backend=backend,
+                                     enforce_eager=eager))
 
 
 class Subclassed(nn.Linear):

@@ -1,4 +1,4 @@
-"""The CPU's linear layers (`minipaged.runner.platforms.cpu.linear`) against `F.linear`.
+"""The CPU's linear layers (`minipaged.platforms.cpu.linear`) against `F.linear`.
 
 `CPULinear` takes the GEMV kernel up to its `few_rows.max_rows` rows and the faster GEMM above;
 `Int8Linear` the kernel over int8 weights, or PyTorch's GEMM over the dequantised weight: each
@@ -20,9 +20,8 @@ from hypothesis import strategies as st
 from native_kernels import NEEDS_COMPILER
 from torch import nn
 
-import minipaged.runner.platforms.cpu.linear as linear_module
-from minipaged.kernels.cpu.gemv import quantize_int8
-from minipaged.runner.platforms.cpu.linear import (
+import minipaged.platforms.cpu.linear as linear_module
+from minipaged.platforms.cpu.linear import (
     INT8_GEMV_ROWS,
     CPULinear,
     FewRows,
@@ -31,7 +30,7 @@ from minipaged.runner.platforms.cpu.linear import (
     few_rows_product,
     linear,
 )
-from minipaged.runner.platforms.cpu.onednn import onednn_linear
+from minipaged.platforms.cpu.onednn import onednn_linear
 
 pytestmark = NEEDS_COMPILER
 
@@ -50,10 +49,7 @@ def cpu_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dty
 def int8_linear(in_features: int, out_features: int, bias: bool, group_size: int | None,
                 max_rows: int | None = None, seed: int = 0) -> Int8Linear:
     torch.manual_seed(seed)
-    layer = nn.Linear(in_features, out_features, bias=bias)
-    layer.__class__ = Int8Linear
-    layer.int8 = quantize_int8(layer.weight.detach(), group_size)
-    layer.weight = None
+    layer = Int8Linear.from_linear(nn.Linear(in_features, out_features, bias=bias), group_size)
     choose_few_rows(layer, max_rows)
     return layer
 
@@ -89,7 +85,7 @@ def test_a_cpu_linear_is_f_linear_on_the_kernel_and_past_it(rows, dtype, bias, l
        group_size=st.sampled_from([None, 16, 64]), seed=st.integers(0, 2**16))
 def test_an_int8_linear_is_f_linear_of_its_dequantised_weight(rows, bias, group_size, seed):
     layer = int8_linear(64, 24, bias, group_size, seed=seed)
-    assert layer.weight is None  # no float copy: the int8 values stand for it
+    assert not hasattr(layer, "weight")  # no float copy: the int8 values stand for it
     assert layer.few_rows is not None and layer.few_rows.max_rows == INT8_GEMV_ROWS
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(seed))
     with torch.inference_mode():

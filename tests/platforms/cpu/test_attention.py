@@ -9,7 +9,7 @@ chunk budgets that cut a batch into many chunks. float32 matches the oracle with
 and float16 within the tolerances of `minipaged.testing.paged_examples.TOLERANCES` (about two units
 in the last place of the output).
 
-Under a capture (`minipaged.runner.platforms.cpu.replay`) the KV write and the native decode are
+Under a capture (`minipaged.platforms.cpu.replay`) the KV write and the native decode are
 recorded, and their replay over new queries, keys and values equals the eager call; a step the
 replay cannot repeat (one that gathers, a KV write the native kernel does not take) is refused.
 """
@@ -27,14 +27,14 @@ from paged_utils import seq_and_query_lens
 
 from minipaged.attention import reference as attention
 from minipaged.attention.reference import paged_attention
-from minipaged.runner.backends import get_attention_ops
-from minipaged.runner.platforms.cpu.attention import (
+from minipaged.platforms import get_attention_ops
+from minipaged.platforms.cpu.attention import (
     CPU_OPS,
     cpu_paged_attention,
     cpu_reshape_and_cache,
     plan_cpu_attention,
 )
-from minipaged.runner.platforms.cpu.replay import CaptureError, capture
+from minipaged.platforms.cpu.replay import CaptureError, capture
 from minipaged.testing.paged_examples import dense_reference, make_attention_case, tolerance
 
 GQA_RATIOS = [1, 2, 3, 4, 8]  # 3: SmolLM2's 9 query heads over 3 KV heads

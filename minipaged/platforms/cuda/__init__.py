@@ -11,16 +11,20 @@ left after the weights and a profile step.
   for the ladder of batch sizes nano-vllm and vLLM use (1, 2, 4, 8, then every 16 up to
   `max_num_seqs`).
 * **Memory** (`kv_cache_bytes`): vLLM's accounting: with the weights on the card, a forward of
-  the largest step runs and its peak is measured; the cache gets `gpu_memory_utilization` of
-  the card minus that peak and minus what other than PyTorch's allocator holds (the CUDA
-  context, other processes).
+  the largest step runs and its peak is measured, then one of the largest captured step (what
+  its graph keeps in the pool); the cache gets `gpu_memory_utilization` of the card minus the
+  weights, both peaks and what other than PyTorch's allocator holds (the CUDA context, other
+  processes).
+* **Device questions**: bfloat16 where the card multiplies it, vLLM's batch limits, NCCL's
+  collectives with a card per tensor-parallel rank, pinned host memory for the copies.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -28,8 +32,9 @@ from torch import Tensor, nn
 from minipaged.attention.contract import AttentionOps
 from minipaged.attention.reference import swap_blocks
 from minipaged.models.layers import RMSNorm, SiluAndMul
-from minipaged.runner.platforms.base import CaptureUnsupported, Platform, Replay, swap_modules
-from minipaged.runner.platforms.cuda.modules import CUDARMSNorm, CUDASiluAndMul
+from minipaged.models.tensor_parallel import TensorParallelError
+from minipaged.platforms.base import CaptureUnsupported, Platform, Replay, swap_modules
+from minipaged.platforms.cuda.modules import CUDARMSNorm, CUDASiluAndMul
 
 __all__ = ["CUDAPlatform", "graph_ladder", "triton_ops"]
 
@@ -61,20 +66,43 @@ class CUDAPlatform(Platform):
     """The Triton kernels, CUDA graphs and the profiled memory budget (module docstring)."""
 
     name = "cuda"
+    attention_backend = "triton"
+    defaults: ClassVar[dict[str, object]] = {
+        "dtype": "auto", "max_num_seqs": 256, "max_num_batched_tokens": 8192}
+    collective_backend = "nccl"
+    pin_memory = True
 
-    def __init__(self, device: torch.device, *, attention: AttentionOps | None = None,
+    def __init__(self, device: torch.device, attention: AttentionOps | None = None, *,
                  capture: bool = True, max_num_seqs: int = 256) -> None:
         super().__init__(device, attention if attention is not None else triton_ops())
         self.graph_sizes = graph_ladder(max_num_seqs) if capture else ()
         self._pool = None
 
+    @classmethod
+    def check_and_update_config(cls, config: Any) -> None:
+        """The base's settling, and a card for every tensor-parallel rank."""
+        super().check_and_update_config(config)
+        if 1 < config.tensor_parallel_size > torch.cuda.device_count():
+            raise TensorParallelError(
+                f"tensor_parallel_size {config.tensor_parallel_size} needs "
+                f"{config.tensor_parallel_size} CUDA devices, {torch.cuda.device_count()} visible")
+
+    @classmethod
+    def native_bfloat16(cls) -> bool:
+        return torch.cuda.is_bf16_supported()
+
+    @classmethod
+    def rank_device(cls, device: torch.device, index: int) -> torch.device:
+        """Card `index`, made the current one."""
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+
     def load(self, model: nn.Module, quantization: str | None = None) -> nn.Module:
-        """The model on the card, its norms and SwiGLU activations swapped for one-launch
-        Triton modules (`modules`) where the attention is Triton's too."""
-        super().load(model, quantization)
+        """The model's norms and SwiGLU activations swapped for one-launch Triton modules
+        (`modules`) where the attention is Triton's too."""
         if self.attention.name == "triton":
             swap_modules(model, {RMSNorm: CUDARMSNorm, SiluAndMul: CUDASiluAndMul})
-        return model.to(self.device)
+        return model
 
     def capture(self, forward: Callable[[], Tensor]) -> tuple[Replay, Tensor]:
         """A CUDA graph of `forward`, after one warm-up run, replayed once so that its output
@@ -92,15 +120,19 @@ class CUDAPlatform(Platform):
         graph.replay()  # a capture records the kernels without running them
         return graph.replay, out
 
-    def kv_cache_bytes(self, profile: Callable[[], object], gpu_memory_utilization: float,
-                       kv_cache_memory: float) -> float:
-        """`gpu_memory_utilization` of the card, less the peak of `profile` (weights and the
-        largest step's activations) and less the memory PyTorch's allocator does not hold."""
+    def kv_cache_bytes(self, profiles: Sequence[Callable[[], object]], config: Any) -> float:
+        """`config.gpu_memory_utilization` of this rank's card, less what is allocated (the
+        weights), less the sum of the peaks each of `profiles` adds (the largest step's
+        activations, and those the largest captured step's graph keeps in its pool), and less
+        the memory PyTorch's allocator does not hold."""
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        profile()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
+        held = torch.cuda.memory_allocated(self.device)
+        peaks = 0
+        for profile in profiles:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            profile()
+            torch.cuda.synchronize(self.device)
+            peaks += torch.cuda.max_memory_allocated(self.device) - held
         free, total = torch.cuda.mem_get_info(self.device)
         outside_torch = total - free - torch.cuda.memory_reserved(self.device)
-        return total * gpu_memory_utilization - peak - max(0, outside_torch)
+        return total * config.gpu_memory_utilization - held - peaks - max(0, outside_torch)

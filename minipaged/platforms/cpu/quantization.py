@@ -2,8 +2,9 @@
 
 A decode step of one request reads every weight once, so its time is the weights' bytes over the
 memory's bandwidth; int8 weights are a quarter of float32's bytes. `quantize_model` makes every
-`nn.Linear` of a loaded model an `Int8Linear` (`minipaged.runner.platforms.cpu.linear`): int8 values
-with a float32 scale per group of `group_size` input features of each output row
+`nn.Linear` of a loaded model an `Int8Linear` (`minipaged.platforms.cpu.linear`), built by
+`Int8Linear.from_linear` and put in its place with `set_submodule`: int8 values with a float32
+scale per group of `group_size` input features of each output row
 (`minipaged.kernels.cpu.gemv.quantize_int8`), its float weight dropped. Activations, norms and
 the KV cache stay float32: only the weights are rounded. The model's classes know nothing of
 it: the layers are swapped, as gpt-fast swaps `WeightOnlyInt8Linear` in for `nn.Linear`.
@@ -18,12 +19,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minipaged.kernels.cpu.gemv import quantize_int8
 from minipaged.models.layers import CausalLM
-from minipaged.runner.platforms.cpu.linear import CPULinear, Int8Linear
-from minipaged.runner.platforms.cpu.modules import CPUEmbedding, Int8Embedding
+from minipaged.platforms.base import QUANTIZATIONS
+from minipaged.platforms.cpu.linear import CPULinear, Int8Linear
+from minipaged.platforms.cpu.modules import CPUEmbedding, Int8Embedding
 
-QUANTIZATIONS = ("int8",)  # what `quantize_model` (and `EngineConfig.quantization`) takes
 GROUP_SIZE = 64  # input features per scale (a divisor of the hidden sizes models use)
 
 
@@ -50,13 +50,10 @@ def quantize_model(model: CausalLM, quantization: str, group_size: int = GROUP_S
     for name, module in list(model.named_modules()):
         if type(module) not in (nn.Linear, CPULinear):
             continue
-        weight = module.weight
-        if weight.device.type != "cpu":
-            raise ValueError(f"int8 weights run on the CPU; {name} is on {weight.device}")
-        int8 = quantize_int8(weight, group_size_for(weight.shape[1], group_size))
-        module.__class__ = Int8Linear
-        module.int8, module.few_rows = int8, None
-        module.weight = None  # the int8 values stand for it: no float copy is kept
+        if module.weight.device.type != "cpu":
+            raise ValueError(f"int8 weights run on the CPU; {name} is on {module.weight.device}")
+        group = group_size_for(module.weight.shape[1], group_size)
+        model.set_submodule(name, Int8Linear.from_linear(module, group))
     if tied:
         name = next(name for name, module in model.named_modules() if module is embedding)
         model.set_submodule(name, Int8Embedding(model.lm_head.int8, dtype))

@@ -25,8 +25,8 @@ from minipaged.kernels.cpu.gemv import Int8Weight
 from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.registry import FAMILIES, build_model
 from minipaged.models.tensor_parallel import checkpoint_state_dict
-from minipaged.runner.platforms.cpu import CPUPlatform
-from minipaged.runner.platforms.cpu.weight_layout import ALIGNMENT, lay_out_weights
+from minipaged.platforms.cpu import CPUPlatform
+from minipaged.platforms.cpu.weight_layout import ALIGNMENT, lay_out_weights
 
 
 def held_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -3,8 +3,9 @@ same platform's modules run eagerly and against the reference platform (the plai
 
 The replay makes the very kernel calls the modules made while it was recorded, over the
 runner's static buffers, so its logits and the K/V it writes must be the eager modules' to the
-bit: for every family of the LLaMA kind (LLaMA, Qwen2's q/k/v biases, Qwen3's per-head q/k
-norms and own head size, Mistral), float32, bfloat16 and int8 weights (a tied head: its
+bit: for every model type of every family the registry says the CPU replays (`cpu_replays`:
+the LLaMA kind, LLaMA, Qwen2's q/k/v biases, Qwen3's per-head q/k norms and own head size,
+Mistral), float32, bfloat16 and int8 weights (a tied head: its
 embedding is a Python look-up in the replay), one to eight sequences of random lengths in
 shuffled blocks over a cache full of garbage, several steps through one capture, the CPU's
 ladder of every size and a ladder of 1, 2, 4, 8 (padded rows). Against the reference (PyTorch's
@@ -31,19 +32,27 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from native_kernels import NEEDS_COMPILER
-from tiny_models import SMALL_LLAMA, cpu_platform, minipaged_parts, plan_of, random_hf, scheduled
+from tiny_models import (
+    SMALL_LLAMA,
+    cpu_platform,
+    cpu_runner,
+    minipaged_parts,
+    plan_of,
+    random_hf,
+    scheduled,
+)
 from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile
 
 from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.layers import RMSNorm
 from minipaged.models.llama import LlamaMLP
-from minipaged.runner.model_runner import ModelRunner
-from minipaged.runner.platforms.base import CaptureUnsupported, Platform
-from minipaged.runner.platforms.cpu import CPUPlatform
-from minipaged.runner.platforms.cpu.linear import CPULinear, Int8Linear, choose_few_rows
-from minipaged.runner.platforms.cpu.modules import CPURMSNorm
-from minipaged.runner.platforms.cpu.replay import (
+from minipaged.models.registry import FAMILIES as REGISTRY
+from minipaged.platforms.base import CaptureUnsupported, Platform
+from minipaged.platforms.cpu import CPUPlatform
+from minipaged.platforms.cpu.linear import CPULinear, Int8Linear, choose_few_rows
+from minipaged.platforms.cpu.modules import CPURMSNorm
+from minipaged.platforms.cpu.replay import (
     PROFILER_NAME,
     Arena,
     CaptureError,
@@ -51,17 +60,19 @@ from minipaged.runner.platforms.cpu.replay import (
     launch_python,
     platform_code,
 )
+from minipaged.runner.model_runner import ModelRunner
 
 pytestmark = NEEDS_COMPILER
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 64  # eight sequences of up to 12 + 3 tokens fit, shuffled
 CPU = torch.device("cpu")
 
-# model type -> its config over SMALL_LLAMA: Qwen3's head size differs from hidden / heads;
-# Mistral is served up to its window (a shorter context: fewer blocks per static row).
-FAMILIES: dict[str, dict[str, Any]] = {
-    "llama": {}, "qwen2": {}, "qwen3": {"head_dim": 16}, "mistral": {"sliding_window": 64},
-}
+# Every model type of each family the CPU replays, as the registry says (`cpu_replays`).
+FAMILIES = [kind for spec in REGISTRY.values() if spec.cpu_replays for kind in spec.hf_model_types]
+# A model type's config over SMALL_LLAMA where it needs one: Qwen3's head size differs from
+# hidden / heads; Mistral is served up to its window (a shorter context: fewer blocks per row).
+OVERRIDES: dict[str, dict[str, Any]] = {"qwen3": {"head_dim": 16},
+                                        "mistral": {"sliding_window": 64}}
 # (model type, dtype, int8 weights): the int8 models have a tied head (an `Int8Embedding`).
 VARIANTS = ([(family, torch.float32, False) for family in FAMILIES]
             + [(family, torch.bfloat16, False) for family in FAMILIES]
@@ -82,8 +93,8 @@ def plain_parts(family: str, dtype: torch.dtype, tied: bool) -> tuple[nn.Module,
     """A random tiny model of `family` (a template: every runner loads its own deep copy)."""
     with warnings.catch_warnings():  # Mistral's window is its context here, on purpose
         warnings.filterwarnings("ignore", "config.json: sliding_window")
-        model, config = minipaged_parts(random_hf(family, **(SMALL_LLAMA | FAMILIES[family]),
-                                                  tie_word_embeddings=tied))
+        overrides = SMALL_LLAMA | OVERRIDES.get(family, {})
+        model, config = minipaged_parts(random_hf(family, **overrides, tie_word_embeddings=tied))
     return model.to(dtype), config
 
 
@@ -99,8 +110,8 @@ class LadderPlatform(CPUPlatform):
 
 def runner_of(model: nn.Module, config: ModelConfig, dtype: torch.dtype,
               **kwargs: Any) -> ModelRunner:
-    return ModelRunner(copy.deepcopy(model), config, block_size=BLOCK_SIZE,
-                       num_gpu_blocks=NUM_BLOCKS, dtype=dtype, **kwargs)
+    return cpu_runner(copy.deepcopy(model), config, block_size=BLOCK_SIZE,
+                      num_gpu_blocks=NUM_BLOCKS, dtype=dtype, **kwargs)
 
 
 def dequantised_copy(model: nn.Module, quantised: nn.Module) -> nn.Module:
@@ -228,6 +239,13 @@ def assert_runs_eagerly_and_right(model: nn.Module, config: ModelConfig,
         torch.testing.assert_close(ours, reference.execute(plan), atol=1e-5, rtol=1e-5)
     assert replayed == [False] * 3
     assert_caches(replaying, eager)
+
+
+def test_the_registry_says_which_families_replay():
+    """The LLaMA kind replays (the test above covers each of its model types); GPT-2, whose
+    layer norms and residual adds compute between modules, does not (the test below)."""
+    assert {"llama", "mistral", "qwen2", "qwen3"} <= set(FAMILIES)
+    assert not REGISTRY["gpt2"].cpu_replays
 
 
 def test_gpt2_is_refused_by_the_capture_and_its_steps_run_the_modules():
@@ -425,5 +443,5 @@ def test_replayed_steps_are_profiled_under_their_name_once_per_step():
         for entries in decode_steps(2):
             replaying.execute(plan_of(entries))
     events = [event for event in prof.key_averages() if event.key == PROFILER_NAME]
-    # the first decode was the capture, the two after it replayed; the prefill ran the modules
-    assert events and events[0].count == 2
+    # the three decodes replayed (captured at start-up); the prefill ran the modules
+    assert events and events[0].count == 3

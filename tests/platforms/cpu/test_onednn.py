@@ -1,4 +1,4 @@
-"""oneDNN's linear over packed weights (`runner.platforms.cpu.onednn`): the same product as
+"""oneDNN's linear over packed weights (`platforms.cpu.onednn`): the same product as
 `F.linear`, chosen where it measured faster and autograd does not need `F.linear`, and a
 packed copy never stale."""
 
@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.runner.platforms.cpu.linear import CPULinear, linear
-from minipaged.runner.platforms.cpu.onednn import (
+from minipaged.platforms.cpu.linear import CPULinear, linear
+from minipaged.platforms.cpu.onednn import (
     ONEDNN_AVAILABLE,
     onednn_is_faster,
     onednn_linear,
@@ -31,8 +31,8 @@ NEEDS_BF16 = pytest.mark.skipif(
 # A CPU without them, on any x86 machine: oneDNN capped at AVX2 (its own setting).
 WITHOUT_BF16 = """
 import logging, torch, torch.nn.functional as F
-from minipaged.runner.platforms.cpu.linear import linear
-from minipaged.runner.platforms.cpu.onednn import may_use_onednn, onednn_runs
+from minipaged.platforms.cpu.linear import linear
+from minipaged.platforms.cpu.onednn import may_use_onednn, onednn_runs
 logging.basicConfig(level=logging.INFO)
 w = torch.randn(256, 256).bfloat16()
 x = torch.randn(3, 256).bfloat16()

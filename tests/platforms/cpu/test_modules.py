@@ -1,4 +1,4 @@
-"""The CPU's small modules (`minipaged.runner.platforms.cpu.modules`) against the model's own.
+"""The CPU's small modules (`minipaged.platforms.cpu.modules`) against the model's own.
 
 Each is a subclass of the module of `minipaged.models.layers` it is swapped in for, with the
 same parameters, and must give that module's result: the rotary and the embedding's look-up
@@ -30,14 +30,14 @@ from minipaged.kernels.cpu.gemv import quantize_int8
 from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from minipaged.models.registry import FAMILIES
-from minipaged.runner.platforms.cpu.modules import (
+from minipaged.platforms.cpu.modules import (
     CPUEmbedding,
     CPURMSNorm,
     CPURotaryEmbedding,
     CPUSiluAndMul,
     Int8Embedding,
 )
-from minipaged.runner.platforms.cpu.replay import capture
+from minipaged.platforms.cpu.replay import capture
 
 pytestmark = NEEDS_COMPILER
 

@@ -2,7 +2,7 @@
 PyTorch's two GEMMs, the few-row GEMV kernel at the rows it wins, and weight-only int8.
 
 * `CPULinear`: `nn.Linear` (same parameters) whose product runs on the GEMM `linear` picks
-  (MKL's through `F.linear`, or oneDNN's over a copy packed once: `minipaged.runner.platforms.cpu.
+  (MKL's through `F.linear`, or oneDNN's over a copy packed once: `minipaged.platforms.cpu.
   onednn`), and at a few rows on the GEMV kernel (`minipaged.kernels.cpu.gemv`), which reads
   the weight in its checkpoint layout at the memory's speed. Up to how many rows the kernel
   takes is the layer's `few_rows`, chosen at load (`choose_few_rows`): measured on this CPU
@@ -13,7 +13,7 @@ PyTorch's two GEMMs, the few-row GEMV kernel at the rows it wins, and weight-onl
   `WeightOnlyInt8Linear` swap).
 
 Through `launch`, a kernel call is recorded when a step is being captured
-(`minipaged.runner.platforms.cpu.replay`); a GEMM is not a kernel call, so a captured step is one
+(`minipaged.platforms.cpu.replay`); a GEMM is not a kernel call, so a captured step is one
 whose every projection takes the kernel.
 """
 
@@ -31,9 +31,10 @@ from minipaged.kernels.cpu.gemv import (
     Int8Weight,
     gemv_available,
     gemv_row_limit,
+    quantize_int8,
 )
 from minipaged.kernels.cpu.norm_rotary import bind_to_float32
-from minipaged.runner.platforms.cpu.onednn import (
+from minipaged.platforms.cpu.onednn import (
     may_use_onednn,
     onednn_is_faster,
     onednn_linear,
@@ -41,7 +42,7 @@ from minipaged.runner.platforms.cpu.onednn import (
     packed_weight,
     uses_onednn,
 )
-from minipaged.runner.platforms.cpu.replay import (
+from minipaged.platforms.cpu.replay import (
     CaptureError,
     empty,
     launch,
@@ -91,13 +92,23 @@ class CPULinear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-class Int8Linear(nn.Linear):
-    """`nn.Linear` over `int8` weights (its float `weight` dropped: the int8 values stand for
-    it), the GEMV kernel at up to `few_rows.max_rows` rows, else the dequantised weight."""
+class Int8Linear(nn.Module):
+    """A linear layer over `int8` weights (no float weight: the int8 values stand for it), the
+    GEMV kernel at up to `few_rows.max_rows` rows, else the dequantised weight."""
 
-    int8: Int8Weight
     few_rows: FewRows | None = None
     logits: bool = False
+
+    def __init__(self, int8: Int8Weight, bias: Tensor | None) -> None:
+        super().__init__()
+        self.int8, self.bias = int8, bias
+        self.out_features, self.in_features = int8.shape
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int | None) -> Int8Linear:
+        """`linear`'s weight quantised, a float32 scale per `group_size` input features of each
+        output row (None: one per row; `quantize_int8`); its bias kept as it is."""
+        return cls(quantize_int8(linear.weight.detach(), group_size), linear.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         out = few_rows_product(self.few_rows, x, self.logits)

@@ -1,4 +1,4 @@
-"""The CUDA platform (`minipaged.runner.platforms.cuda`): its ladder of captured batch sizes, its
+"""The CUDA platform (`minipaged.platforms.cuda`): its ladder of captured batch sizes, its
 attention operations, and on a GPU its CUDA graphs and memory accounting.
 
 * `graph_ladder` (1, 2, 4, 8, then every 16, and `max_num_seqs` itself) covers every decode
@@ -21,9 +21,10 @@ from hypothesis import strategies as st
 from tiny_models import plan_of, scheduled, tiny_llama_parts
 
 from minipaged.attention.reference import swap_blocks
+from minipaged.platforms.base import GiB
+from minipaged.platforms.cuda import CUDAPlatform, graph_ladder, triton_ops
+from minipaged.runner.config import RunnerConfig
 from minipaged.runner.model_runner import ModelRunner
-from minipaged.runner.platforms.base import GiB
-from minipaged.runner.platforms.cuda import CUDAPlatform, graph_ladder, triton_ops
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -47,7 +48,9 @@ def test_a_platform_captures_its_ladder_unless_eager():
                                                                                 32, 40)
     assert CUDAPlatform(torch.device("cuda"), capture=False).graph_sizes == ()
     with pytest.raises(ValueError, match="quantization 'int8' needs a platform that has it"):
-        CUDAPlatform(torch.device("cuda")).load(torch.nn.Linear(2, 2), "int8")
+        RunnerConfig(device="cuda", quantization="int8")
+    assert (CUDAPlatform.collective_backend, CUDAPlatform.pin_memory) == ("nccl", True)
+    assert RunnerConfig(device="cuda").max_num_seqs == 256  # vLLM's batch limits
 
 
 def test_its_attention_is_the_triton_kernels():
@@ -82,8 +85,10 @@ def test_replayed_cuda_graphs_give_the_eager_runners_logits_and_caches(dtype):
                  else dict(atol=2e-2, rtol=2e-2))
 
     def runner(eager: bool) -> ModelRunner:
-        return ModelRunner(copy.deepcopy(model), config, block_size=4, num_gpu_blocks=64,
-                           device="cuda", dtype=dtype, enforce_eager=eager, max_num_seqs=24)
+        settings = RunnerConfig(device="cuda", dtype=str(dtype).removeprefix("torch."),
+                                block_size=4, num_gpu_blocks=64, num_cpu_blocks=0,
+                                enforce_eager=eager, max_num_seqs=24)
+        return ModelRunner(copy.deepcopy(model), config, settings)
 
     replaying, eager = runner(False), runner(True)
     assert isinstance(replaying.platform, CUDAPlatform) and replaying.graphs is not None
@@ -111,8 +116,12 @@ def test_the_kv_budget_falls_by_what_the_profile_holds_at_its_peak():
         held.append(torch.empty(nbytes, dtype=torch.uint8, device="cuda"))
         held.clear()  # freed again: the peak counts, not what is left
 
-    light = platform.kv_cache_bytes(lambda: profile(1 << 20), 0.5, 4.0)
-    heavy = platform.kv_cache_bytes(lambda: profile(1 << 30), 0.5, 4.0)
+    settings = RunnerConfig(device="cuda", gpu_memory_utilization=0.5, kv_cache_memory=4.0)
+    light = platform.kv_cache_bytes([lambda: profile(1 << 20)], settings)
+    heavy = platform.kv_cache_bytes([lambda: profile(1 << 30)], settings)
+    both = platform.kv_cache_bytes([lambda: profile(1 << 30), lambda: profile(1 << 29)],
+                                   settings)  # a step's peak and a capture's: held together
+    assert abs((heavy - both) - (1 << 29)) < 64 << 20
     total = torch.cuda.get_device_properties(0).total_memory
     assert light < 0.5 * total
     assert abs((light - heavy) - ((1 << 30) - (1 << 20))) < 64 << 20

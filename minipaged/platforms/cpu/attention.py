@@ -56,7 +56,7 @@ from minipaged.kernels.cpu.native import (
     native_decode_supports,
     write_kv_supports,
 )
-from minipaged.runner.platforms.cpu.replay import (
+from minipaged.platforms.cpu.replay import (
     CaptureError,
     empty,
     launch,

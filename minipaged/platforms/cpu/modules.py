@@ -1,7 +1,7 @@
 """The CPU's versions of the model's small modules, swapped in at load: RMSNorm (with the residual
 add), rotary embeddings, SwiGLU's activation and the token embedding, each one C call
 (`minipaged.kernels.cpu.norm_rotary`) made through `launch`, so a capture records it
-(`minipaged.runner.platforms.cpu.replay`).
+(`minipaged.platforms.cpu.replay`).
 
 Each is a subclass of the model's module with the same parameters and the same result: the same
 roundings, a sum taken in another order where the docstring of its kernel says so. Where the
@@ -30,7 +30,7 @@ from minipaged.kernels.cpu.norm_rotary import (
     silu_mul_supports,
 )
 from minipaged.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
-from minipaged.runner.platforms.cpu.replay import empty, launch, launch_python, platform_code
+from minipaged.platforms.cpu.replay import empty, launch, launch_python, platform_code
 
 EMBEDDING_PROFILER_NAME = "minipaged::embedding"
 

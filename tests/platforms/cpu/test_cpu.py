@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from native_kernels import NEEDS_COMPILER
 from tiny_models import (
     SMALL_LLAMA,
+    cpu_runner,
     dense_last_logits,
     minipaged_parts,
     plan_of,
@@ -34,7 +35,7 @@ from tiny_models import (
 )
 from torch import nn
 
-import minipaged.runner.platforms.cpu as cpu_platform_module
+import minipaged.platforms.cpu as cpu_platform_module
 from minipaged.attention.reference import REFERENCE_OPS
 from minipaged.kernels.cpu.gemv import MAX_ROWS
 from minipaged.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
@@ -45,22 +46,22 @@ from minipaged.models.tensor_parallel import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
-from minipaged.runner.model_runner import ModelRunner
-from minipaged.runner.platforms.base import CaptureUnsupported
-from minipaged.runner.platforms.cpu import (
+from minipaged.platforms.base import CaptureUnsupported
+from minipaged.platforms.cpu import (
     GEMV_ROWS_VARIABLE,
     SWAPS,
     CPUPlatform,
     replay_ladder,
 )
-from minipaged.runner.platforms.cpu.linear import CPULinear, Int8Linear
-from minipaged.runner.platforms.cpu.modules import (
+from minipaged.platforms.cpu.linear import CPULinear, Int8Linear
+from minipaged.platforms.cpu.modules import (
     CPUEmbedding,
     CPURMSNorm,
     CPURotaryEmbedding,
     CPUSiluAndMul,
     Int8Embedding,
 )
+from minipaged.runner.config import RunnerConfig
 
 pytestmark = NEEDS_COMPILER
 
@@ -125,8 +126,8 @@ def test_load_leaves_a_tensor_parallel_shards_own_layers_alone():
 def test_int8_load_keeps_no_float_weight_of_a_projection(tied):
     model, _ = tiny_llama_parts(tie_word_embeddings=tied)
     CPUPlatform(CPU, gemv_rows=8).load(model, "int8")
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    assert linears and all(type(m) is Int8Linear and m.weight is None for m in linears)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear | Int8Linear)]
+    assert linears and all(type(m) is Int8Linear and not hasattr(m, "weight") for m in linears)
     assert all(m.few_rows is not None and m.few_rows.max_rows == 8 for m in linears)
     embedding = model.input_embedding()
     if tied:
@@ -152,9 +153,25 @@ def test_the_steps_it_captures_are_those_every_projection_takes(monkeypatch, opt
         monkeypatch.setenv(GEMV_ROWS_VARIABLE, env)
     model, config = tiny_llama_parts()
     platform = CPUPlatform(CPU, **options)
-    runner = ModelRunner(model, config, block_size=4, num_gpu_blocks=8, platform=platform)
+    runner = cpu_runner(model, config, block_size=4, num_gpu_blocks=8, platform=platform)
     assert platform.graph_sizes == sizes
     assert (runner.graphs is None) == (sizes == ())
+
+
+def test_the_cpu_answers_its_device_questions():
+    """Its sizes are known before it loads anything (up to `max_num_seqs`; `load` keeps those
+    every projection's kernel takes), its captures are bound to the thread count, its ranks
+    run gloo with one thread each, its host memory is not pinned, and int8 runs on one rank
+    over float32 weights."""
+    platform = CPUPlatform(CPU, max_num_seqs=12, gemv_rows=8)
+    assert platform.graph_sizes == tuple(range(1, 13))
+    platform.load(tiny_llama_parts()[0])
+    assert platform.graph_sizes == tuple(range(1, 9))
+    assert platform.capture_key() == torch.get_num_threads()
+    assert (CPUPlatform.collective_backend, CPUPlatform.rank_threads) == ("gloo", 1)
+    assert not CPUPlatform.pin_memory and "int8" in CPUPlatform.quantizations
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
+        RunnerConfig(device="cpu", quantization="int8", tensor_parallel_size=2)
 
 
 @given(st.integers(0, 200))
@@ -164,8 +181,9 @@ def test_every_row_count_the_kernel_takes_replays_at_its_own_size(max_rows):
 
 
 def test_int8_decodes_past_a_tile_are_captured_at_their_own_size_and_replayed(monkeypatch):
-    """Int8 weights take the kernel past one tile of rows: a 13-row decode is captured at 13
-    rows and replayed, both steps bit-equal to the same platform's eager modules."""
+    """Int8 weights take the kernel past one tile of rows: every size up to 24 is captured at
+    start-up, largest first, and a 13-row decode replays at 13 rows, bit-equal to the same
+    platform's eager modules."""
     monkeypatch.delenv(GEMV_ROWS_VARIABLE, raising=False)
     captured = []
 
@@ -176,20 +194,20 @@ def test_int8_decodes_past_a_tile_are_captured_at_their_own_size_and_replayed(mo
             return replay, out
 
     model, config = tiny_llama_parts()
-    runners = [ModelRunner(copy.deepcopy(model), config, block_size=4, num_gpu_blocks=64,
-                           platform=Counting(CPU, gemv_rows=24), quantization="int8",
-                           enforce_eager=eager) for eager in (False, True)]
+    runners = [cpu_runner(copy.deepcopy(model), config, block_size=4, num_gpu_blocks=64,
+                          platform=Counting(CPU, gemv_rows=24), quantization="int8",
+                          enforce_eager=eager) for eager in (False, True)]
     assert runners[0].platform.graph_sizes == tuple(range(1, 25))
     rows = 13
     logits = []
     for runner in runners:
         runner.execute(plan_of([scheduled([1 + i, 2, 3], 0, [i * 4, i * 4 + 1], seq_id=i)
                                 for i in range(rows)]))
-        for position in (3, 4):  # the capture, then a replay
+        for position in (3, 4):  # two replays
             step = plan_of([scheduled([5 + i + position], position, [i * 4, i * 4 + 1],
                                       seq_id=i) for i in range(rows)])
             logits.append(runner.execute(step).clone())
-    assert captured == [rows]
+    assert captured == list(range(24, 0, -1))
     assert torch.equal(logits[0], logits[2]) and torch.equal(logits[1], logits[3])
 
 
@@ -226,8 +244,8 @@ def test_fetching_ahead_is_measured_at_load_not_in_a_step(monkeypatch, dtype, qu
 
     monkeypatch.setattr(gemv, "_fetch_ahead", measure)
     model, config = tiny_llama_parts()
-    runner = ModelRunner(model.to(dtype), config, block_size=4, num_gpu_blocks=8, dtype=dtype,
-                         quantization=quantization, platform=CPUPlatform(CPU, gemv_rows=8))
+    runner = cpu_runner(model.to(dtype), config, block_size=4, num_gpu_blocks=8, dtype=dtype,
+                        quantization=quantization, platform=CPUPlatform(CPU, gemv_rows=8))
     plans = [m.few_rows.plan for m in model.modules() if isinstance(m, CPULinear | Int8Linear)]
     expected = [(weights, rows) for rows in cpu_platform_module.FETCH_AHEAD_ROWS]
     assert measured == (expected if plans[0].fetch_ahead_matters() else [])
