@@ -306,12 +306,13 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         except Exception:  # not one request's fault (those fail alone): the step's requests end
             logger.exception("step %d failed after its forward pass", self._num_steps)
             self.processor.fail([s.request_id for s in update.plan.scheduled], update)
+        marks.append(time.perf_counter())
         for group in update.finished:
             self._groups.pop(group.request_id, None)
         changed = {id(g): g for g in update.touched + update.finished}.values()
         outputs = self._publish([self._request_output(g) for g in changed])
         marks.append(time.perf_counter())
-        if self._observers:  # `marks`: the start, then after scheduling, executing and updating
+        if self._observers:  # `marks`: the start, then after each phase
             phases = [b - a for a, b in itertools.pairwise(marks)]
             record = StepRecord(
                 self._num_steps, start, self.clock(), plan, num_running,
