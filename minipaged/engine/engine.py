@@ -154,8 +154,8 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
             eos_token_ids.add(tokenizer.eos_token_id)
         self.processor = processor(
             scheduler,
-            Sampler(torch.Generator().manual_seed(config.seed),
-                    greedy_tokens=getattr(runner, "platform", Platform(device)).greedy_tokens),
+            Sampler(greedy_tokens=getattr(runner, "platform", Platform(device)).greedy_tokens,
+                    seed=config.seed),
             eos_token_ids=eos_token_ids,
             max_model_len=self.max_model_len,
             clock=clock,
@@ -292,9 +292,11 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
 
     # -- one step ---------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule, execute and update one step; return the requests that got new tokens or
-        finished."""
+    def step(self, *, final_only: bool = False) -> list[RequestOutput]:
+        """Schedule, execute and update one step; return the outputs of the requests that got
+        new tokens or finished. `final_only` (vLLM's FINAL_ONLY: `run_until_done`, streams)
+        builds only those of the requests that finished or have an open stream (which queues
+        them): no output is built that nobody reads."""
         marks, start = [time.perf_counter()], self.clock()
         plan = self.scheduler.schedule(start)
         marks.append(time.perf_counter())
@@ -309,7 +311,10 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         marks.append(time.perf_counter())
         for group in update.finished:
             self._groups.pop(group.request_id, None)
-        changed = {id(g): g for g in update.touched + update.finished}.values()
+        touched = update.touched
+        if final_only:
+            touched = [g for g in touched if g.request_id in self._streams] if self._streams else []
+        changed = dict.fromkeys(touched + update.finished)
         outputs = self._publish([self._request_output(g) for g in changed])
         marks.append(time.perf_counter())
         if self._observers:  # `marks`: the start, then after each phase
@@ -356,7 +361,7 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         """Keep the step's finished outputs for `get_request` and queue every output of a
         request with an open stream for that stream."""
         self._finished = {o.request_id: o for o in outputs if o.finished}
-        for output in outputs:
+        for output in outputs if self._streams else ():
             if output.request_id in self._streams:
                 self._streams[output.request_id].append(output)
         return outputs
@@ -407,7 +412,7 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         total = len(self._groups)
         with tqdm(total=total, desc="requests", disable=not use_tqdm, unit="req") as bar:
             while self.has_unfinished_requests():
-                for output in self.step():
+                for output in self.step(final_only=True):
                     if output.finished:
                         finals[output.request_id] = output
                         bar.update(1)

@@ -17,7 +17,6 @@ to the GPU pool's prefix cache (`minipaged.kv.pool`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -31,7 +30,9 @@ class BlockTable:
 
     gpu: GPUPool
     cpu: CPUPool
-    blocks: list[int]  # GPU block ids, or CPU block ids while swapped out
+    # GPU block ids, or CPU block ids while swapped out: a tuple, replaced (not changed) when
+    # a block is added, copied on write or moved, so that the same object means the same table
+    blocks: tuple[int, ...]
     block_hashes: list[bytes]  # chained hashes of the full blocks known so far
     num_registered_blocks: int  # blocks [0, n) offered to the prefix cache
     on_cpu: bool = False
@@ -50,39 +51,40 @@ class BlockTable:
             return self.cpu.num_tokens[block_id]
         return self.gpu.blocks[block_id].num_tokens
 
-    @property
-    def last_block_is_shared_and_partial(self) -> bool:
-        return (
-            self.num_slots % self.gpu.block_size != 0
-            and self.gpu.blocks[self.blocks[-1]].ref_count > 1
-        )
+    def shared_and_partial(self, covered: int) -> bool:
+        """Whether the last block, holding slot `covered - 1`, is partly filled and shared."""
+        return covered % self.gpu.block_size != 0 and self.gpu.blocks[self.blocks[-1]].ref_count > 1
 
     def blocks_to_append(self, num_tokens: int) -> int:
         """Free GPU blocks `append(num_tokens)` takes: new blocks plus a copy-on-write copy."""
-        if num_tokens <= self.num_slots:
+        covered = self.num_slots
+        if num_tokens <= covered:
             return 0
-        new_blocks = math.ceil(num_tokens / self.gpu.block_size) - len(self.blocks)
-        return new_blocks + int(self.last_block_is_shared_and_partial)
+        new_blocks = -(-num_tokens // self.gpu.block_size) - len(self.blocks)
+        return new_blocks + self.shared_and_partial(covered)
 
     def append(self, num_tokens: int) -> list[BlockCopy]:
         """Cover the first `num_tokens` tokens (the caller made sure `blocks_to_append` blocks
         are free, and that the table covers no more); returns the copy-on-write copy, if the
-        last block was shared and partly filled."""
-        pool, covered = self.gpu, self.num_slots
-        copies: list[BlockCopy] = []
+        last block was shared and partly filled. Within the last block's free slots (most
+        decode steps) only its fill changes: the table stays the same object."""
+        pool, covered, blocks = self.gpu, self.num_slots, self.blocks
         if num_tokens == covered:
-            return copies
-        if self.last_block_is_shared_and_partial:
-            src = self.blocks[-1]
+            return []
+        copies: list[BlockCopy] = []
+        if self.shared_and_partial(covered):
+            src = blocks[-1]
             dst = pool.take_free(num_tokens=pool.blocks[src].num_tokens)
             pool.release(src)
-            self.blocks[-1] = dst
+            blocks = blocks[:-1] + (dst,)
             copies.append((src, dst))
         bs = pool.block_size
-        if self.blocks:
-            pool.set_num_tokens(self.blocks[-1], min(bs, num_tokens - (len(self.blocks) - 1) * bs))
-        for index in range(len(self.blocks), math.ceil(num_tokens / bs)):
-            self.blocks.append(pool.take_free(num_tokens=min(bs, num_tokens - index * bs)))
+        if blocks:
+            pool.set_num_tokens(blocks[-1], min(bs, num_tokens - (len(blocks) - 1) * bs))
+        new = range(len(blocks), -(-num_tokens // bs))
+        self.blocks = blocks + tuple(
+            pool.take_free(num_tokens=min(bs, num_tokens - i * bs)) for i in new
+        ) if new else blocks
         return copies
 
     def register_computed(self, computed: Sequence[int]) -> None:
@@ -104,7 +106,7 @@ class BlockTable:
         """A table sharing every block of this one (in the GPU pool)."""
         for block_id in self.blocks:
             self.gpu.take_shared(block_id)
-        return replace(self, blocks=list(self.blocks), block_hashes=list(self.block_hashes))
+        return replace(self, block_hashes=list(self.block_hashes))
 
     def release(self) -> None:
         """Drop this table's references (cached blocks stay findable until evicted)."""

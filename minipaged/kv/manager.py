@@ -120,9 +120,10 @@ class KVCacheManager:
     def seq_ids(self) -> list[SeqId]:
         return list(self._tables)
 
-    def block_table(self, seq_id: SeqId) -> list[int]:
-        """The sequence's physical block ids (CPU block ids while it is swapped out)."""
-        return list(self._table(seq_id).blocks)
+    def block_table(self, seq_id: SeqId) -> tuple[int, ...]:
+        """The sequence's physical block ids (CPU block ids while it is swapped out): the
+        table's own tuple, the same object until a block is added, copied or moved."""
+        return self._table(seq_id).blocks
 
     def num_slots(self, seq_id: SeqId) -> int:
         """Token slots the sequence's table covers: its blocks' fills (for pictures and tests;
@@ -183,7 +184,7 @@ class KVCacheManager:
             self.prefix_cache_misses += (len(tokens) - 1) // self.block_size - len(hits)
         for block_id in hits:
             self._gpu.take_shared(block_id)
-        table = BlockTable(self._gpu, self._cpu, list(hits), hashes, len(hits))
+        table = BlockTable(self._gpu, self._cpu, tuple(hits), hashes, len(hits))
         table.append(len(tokens))
         self._tables[seq_id] = table
         return len(hits) * self.block_size
@@ -260,7 +261,7 @@ class KVCacheManager:
             raise NoFreeBlocksError("CPU", len(uses), self.num_free_cpu_blocks)
         cpu_tables, copies = self._cpu.move_out([t.blocks for t in group], self._gpu)
         for table, blocks in zip(group, cpu_tables, strict=True):
-            table.blocks, table.on_cpu = blocks, True
+            table.blocks, table.on_cpu = tuple(blocks), True
         return copies
 
     def can_swap_in(self, seq_ids: SeqId | Sequence[SeqId]) -> bool:
@@ -291,7 +292,7 @@ class KVCacheManager:
             raise NoFreeBlocksError("GPU", len(uses), self.num_free_blocks)
         gpu_tables, copies = self._cpu.move_in([t.blocks for t in group], self._gpu)
         for table, blocks in zip(group, gpu_tables, strict=True):
-            table.blocks, table.on_cpu, table.num_registered_blocks = blocks, False, 0
+            table.blocks, table.on_cpu, table.num_registered_blocks = tuple(blocks), False, 0
         return copies
 
     # -- invariants -------------------------------------------------------------------------------
@@ -325,7 +326,9 @@ class KVCacheManager:
     def _check_growth(table: BlockTable, num_tokens: int) -> int:
         """The slots `table` covers, after checking that `num_tokens` is a length it may grow
         to (a table never shrinks: a sequence's tokens are only ever appended)."""
-        if not isinstance(num_tokens, Integral) or isinstance(num_tokens, bool):
+        if type(num_tokens) is not int and (  # the common case first: a plain int
+            not isinstance(num_tokens, Integral) or isinstance(num_tokens, bool)
+        ):
             raise KVCacheError(f"num_tokens must be an integer, got {num_tokens!r}")
         covered = table.num_slots
         if num_tokens < covered:

@@ -85,16 +85,14 @@ class StaticBatch:
     def write(self, batch: FlatBatch, rows: int) -> None:
         """`batch`'s decodes into the first rows, the rest of `rows` padded (`PADDING`), then
         one copy to the device."""
-        n, c, width = len(batch.input_ids), self.c, self.max_blocks
+        n, c = len(batch.input_ids), self.c
         for name, value in PADDING.items():
             c[name][:n] = getattr(batch, name)
             c[name][n:rows] = [value] * (rows - n)
-        tables = c["block_tables"]
-        for row, table in enumerate(batch.block_tables):  # a table may run past the context
-            used = min(len(table), width)
-            tables[row * width:row * width + used] = table[:used]
-        for row in range(n, rows):
-            tables[row * width] = 0
+        tables = self.host["block_tables"].numpy()
+        used = min(batch.block_tables.shape[1], self.max_blocks)  # a table may run past the
+        tables[:n, :used] = batch.block_tables[:, :used]  # context
+        tables[n:rows, 0] = 0
         self._sync()
 
     def _sync(self) -> None:

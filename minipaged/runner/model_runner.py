@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from functools import partial
+from functools import cached_property, partial
 
 import torch
 from torch import Tensor
@@ -29,7 +29,7 @@ from minipaged.runner.backends import (
     allocate_kv_caches,
     get_platform,
 )
-from minipaged.runner.flat_batch import FlatBatch, batch_tensors, flat_batch
+from minipaged.runner.flat_batch import BlockTables, FlatBatch, batch_tensors, flat_batch
 from minipaged.runner.graphs import StepGraphs
 from minipaged.runner.platforms import Platform, logger
 from minipaged.sched.output import ScheduledSequence, SchedulerOutput
@@ -193,9 +193,14 @@ class ModelRunner:
         for every layer (`flat_batch`: `ValueError` naming the problem)."""
         return batch_tensors(self.flat_batch(entries), self.device)
 
+    @cached_property
+    def block_tables(self) -> BlockTables:
+        """The block tables of the steps, kept from one to the next (`BlockTables`)."""
+        return BlockTables(self.num_gpu_blocks)
+
     def flat_batch(self, entries: Sequence[ScheduledSequence]) -> FlatBatch:
-        """The step's flat batch as lists, checked against this runner's cache."""
-        batch = flat_batch(entries, self.block_size, self.num_gpu_blocks)
+        """The step's flat batch, checked against this runner's cache."""
+        batch = flat_batch(entries, self.block_size, self.num_gpu_blocks, self.block_tables)
         check_input_ranges(self.config, (min(batch.input_ids), max(batch.input_ids)),
                            (min(batch.positions), max(batch.positions)))
         return batch
@@ -221,7 +226,7 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, attention)
         last_rows = [
             end - 1
-            for entry, end in zip(entries, metadata.query_start_loc[1:].tolist(), strict=True)
+            for entry, end in zip(entries, batch.query_start_loc[1:], strict=True)
             if entry.needs_logits
         ]
         return self.model.compute_logits(hidden[last_rows])

@@ -63,6 +63,12 @@ class SamplerOutput:
     top_logprobs: Tensor | None = None  # [B, K] float32
     num_logprobs: list[int | None] = field(default_factory=list)  # per row, as asked
 
+    def to_host(self) -> tuple[list[int], list[float]]:
+        """The sampled ids and their log-probabilities as Python lists, in one device-to-host
+        copy (float64 holds every token id and float32 exactly)."""
+        ids, logprobs = torch.stack((self.token_ids.double(), self.logprobs.double())).tolist()
+        return [int(t) for t in ids], logprobs
+
     def logprobs_dict(self, row: int) -> dict[int, float] | None:
         """vLLM's per-token logprobs: the row's top `logprobs` alternatives plus the sampled token.
 
@@ -96,12 +102,13 @@ def derive_seed(seed: int, sample_index: int) -> int:
     return x ^ (x >> 31)
 
 
-def make_generator(seed: int, sample_index: int = 0) -> torch.Generator:
-    """The CPU random generator of one sample of a seeded request.
-
-    Noise is always drawn on the CPU and then moved, so a seed means the same noise on any device.
-    """
-    return torch.Generator(device="cpu").manual_seed(derive_seed(seed, sample_index))
+def make_generator(
+    seed: int, sample_index: int = 0, device: torch.device | str = "cpu"
+) -> torch.Generator:
+    """The random generator of one sample of a seeded request, on the device of the logits it
+    draws noise for: the noise is drawn where the logits are, with no copy and no sync (a seed
+    then means the same draws on one kind of device, as in vLLM)."""
+    return torch.Generator(device=device).manual_seed(derive_seed(seed, sample_index))
 
 
 def min_tokens_banned_ids(
@@ -238,15 +245,26 @@ def finite_logits(logits: Tensor, fallback: Tensor) -> Tensor:
 class Sampler:
     """Samples one token per row of a [B, V] logits batch; see the module docstring for the order.
 
-    `generator` serves the unseeded random rows: None uses torch's default generator of the
-    logits' device; a generator given here must live on that device. Seeded rows' generators
-    are CPU generators whatever the device (`make_generator`). `greedy_tokens`, a platform's
+    The unseeded random rows draw from `generator`, which must live on the logits' device, or
+    else from a generator seeded with `seed` made on the logits' device at its first use there
+    (`generator_on`; both None: torch's default generator of that device). Seeded rows'
+    generators live on the logits' device too (`make_generator`). `greedy_tokens`, a platform's
     (`minipaged.runner.platforms.Platform.greedy_tokens`), takes batches of plain greedy rows in one
     call: each row's argmax and its log-probability, or None to leave them to PyTorch.
     """
 
     generator: torch.Generator | None = None
     greedy_tokens: Callable[[Tensor], tuple[Tensor, Tensor] | None] | None = None
+    seed: int | None = None
+    generators: dict[torch.device, torch.Generator] = field(default_factory=dict)
+
+    def generator_on(self, device: torch.device) -> torch.Generator | None:
+        """The generator of the unseeded random rows of logits on `device` (class docstring)."""
+        if self.generator is not None or self.seed is None:
+            return self.generator
+        if device not in self.generators:
+            self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generators[device]
 
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         greedy = self._greedy_only(logits, rows)
@@ -330,11 +348,10 @@ class Sampler:
 
         Seeded rows draw from their own generator, so their draws do not depend on the batch.
         """
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator_on(probs.device))
         for i, row in enumerate(rows):
             if row.generator is not None:
-                q = torch.empty(probs.shape[1], dtype=probs.dtype)
-                noise[i] = q.exponential_(generator=row.generator).to(probs.device)
+                noise[i].exponential_(generator=row.generator)
         # Exp(1) can return 0.0 in floating point; keep the division finite.
         return noise.clamp_(min=torch.finfo(probs.dtype).tiny)
 

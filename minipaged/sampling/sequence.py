@@ -43,7 +43,7 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISH_REASONS
+        return self._value_.startswith("finished")  # a string test: no enum hash per call
 
     @property
     def finish_reason(self) -> str | None:
@@ -107,8 +107,8 @@ class Sequence:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"sequence {seq_id}: the prompt must contain at least one token")
         self.seq_id = seq_id
-        self.prompt_token_ids: list[int] = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        self.token_ids: list[int] = list(prompt_token_ids)  # the prompt, then the output
+        self.num_prompt_tokens = len(self.token_ids)
         self.status = SequenceStatus.WAITING
         self.cumulative_logprob = 0.0
         self.output_logprobs: list[dict[int, float]] = []
@@ -125,18 +125,27 @@ class Sequence:
             f"prompt_len={self.get_prompt_len()}, output_len={self.get_output_len()})"
         )
 
-    # lengths and tokens
+    # lengths and tokens: one list, appended to, never copied on a step
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
     def get_len(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
 
     def get_prompt_len(self) -> int:
-        return len(self.prompt_token_ids)
+        return self.num_prompt_tokens
 
     def get_output_len(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
 
     def get_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt and output: the sequence's own list, to read and never to change."""
+        return self.token_ids
 
     def is_finished(self) -> bool:
         return self.status.is_finished
@@ -146,7 +155,7 @@ class Sequence:
         self, token_id: int, logprob: float, logprobs: dict[int, float] | None = None
     ) -> str:
         """Add a sampled token; returns the text it completes (detokenizer permitting)."""
-        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
         self.cumulative_logprob += logprob
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
@@ -175,8 +184,7 @@ class Sequence:
         """
         child = copy.copy(self)
         child.seq_id = new_seq_id
-        child.prompt_token_ids = list(self.prompt_token_ids)
-        child.output_token_ids = list(self.output_token_ids)
+        child.token_ids = list(self.token_ids)
         child.output_logprobs = list(self.output_logprobs)
         child.detokenizer = _fork_detokenizer(self.detokenizer)
         if sample_index is not None:
@@ -188,7 +196,7 @@ class Sequence:
     ) -> float:
         """vLLM's beam score: the length counts prompt + output tokens, minus a final EOS."""
         seq_len = self.get_len()
-        if self.output_token_ids and self.output_token_ids[-1] in eos_token_ids:
+        if self.get_output_len() and self.token_ids[-1] in eos_token_ids:
             seq_len -= 1
         return beam_search_score(self.cumulative_logprob, seq_len, length_penalty)
 
@@ -240,7 +248,7 @@ class SequenceGroup:
         self.prompt = prompt
         now = time.monotonic() if arrival_time is None else arrival_time
         self.metrics = RequestMetrics(arrival_time=now)
-        self._generators: dict[int, torch.Generator] = {}
+        self._generators: dict[tuple[int, torch.device], torch.Generator] = {}
 
     def __repr__(self) -> str:
         return f"SequenceGroup(request_id={self.request_id!r}, seqs={self.seqs})"
@@ -292,26 +300,29 @@ class SequenceGroup:
             seq.status = SequenceStatus.FINISHED_ABORTED
 
     # sampling
-    def generator_for(self, sample_index: int) -> torch.Generator | None:
-        """The seeded generator of sample `sample_index` (None unless the request is seeded)."""
+    def generator_for(
+        self, sample_index: int, device: torch.device | str = "cpu"
+    ) -> torch.Generator | None:
+        """The seeded generator of sample `sample_index` on `device`, the logits' (None unless
+        the request is seeded)."""
         params = self.sampling_params
         if params.sampling_type != SamplingType.RANDOM_SEED or params.seed is None:
             return None
-        if sample_index not in self._generators:
-            self._generators[sample_index] = make_generator(params.seed, sample_index)
-        return self._generators[sample_index]
+        key = (sample_index, torch.device(device))
+        if key not in self._generators:
+            self._generators[key] = make_generator(params.seed, sample_index, key[1])
+        return self._generators[key]
 
-    def sampling_row(self, seq: Sequence, eos_token_ids: Collection[int] = ()) -> SamplingRow:
-        """What the sampler needs for `seq`'s next token (its history, generator, bans)."""
-        return SamplingRow(
-            params=self.sampling_params,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
-            generator=self.generator_for(seq.sample_index),
-            banned_token_ids=min_tokens_banned_ids(
-                self.sampling_params, seq.get_output_len(), eos_token_ids
-            ),
-        )
+    def sampling_row(
+        self, seq: Sequence, eos_token_ids: Collection[int] = (), device: torch.device | str = "cpu"
+    ) -> SamplingRow:
+        """What the sampler needs for `seq`'s next token on logits on `device`: its history
+        (copied only when penalties read it), its generator, its bans."""
+        params = self.sampling_params
+        history = (seq.prompt_token_ids, seq.output_token_ids) if params.has_penalties else ()
+        banned = min_tokens_banned_ids(params, seq.get_output_len(), eos_token_ids)
+        generator = None if params.seed is None else self.generator_for(seq.sample_index, device)
+        return SamplingRow(params, *history, generator=generator, banned_token_ids=banned)
 
     def by_beam_score(
         self, seqs: list[Sequence], eos_token_ids: Collection[int] = ()
@@ -332,7 +343,7 @@ class SequenceGroup:
             CompletionOutput(
                 index=index,
                 text=seq.output_text,
-                token_ids=list(seq.output_token_ids),
+                token_ids=seq.output_token_ids,
                 cumulative_logprob=seq.cumulative_logprob,
                 logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
                 finish_reason=seq.status.finish_reason,
@@ -343,7 +354,7 @@ class SequenceGroup:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
-            prompt_token_ids=list(self.prompt_token_ids),
+            prompt_token_ids=self.prompt_token_ids,
             outputs=outputs,
             finished=self.is_finished(),
             metrics=self.metrics,

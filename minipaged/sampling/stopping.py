@@ -33,7 +33,7 @@ def check_stop(
     if num_output == 0:
         return None
     if num_output >= params.min_tokens:
-        last = seq.output_token_ids[-1]
+        last = seq.token_ids[-1]
         text_without_last = len(seq.output_text) - seq.new_char_count
         if (not params.ignore_eos and last in eos_token_ids) or last in params.stop_token_ids:
             return StopDecision(SequenceStatus.FINISHED_STOPPED, last, text_without_last)

@@ -22,7 +22,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
 from typing import NamedTuple
 
 from minipaged.kv.interface import KVManager
@@ -188,10 +187,6 @@ class Scheduler(ABC):
             config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill
         )
         self.choose(now, out, budget)
-        out.scheduled = [
-            replace(item, block_table=tuple(self.kv_manager.block_table(item.seq_id)))
-            for item in out.scheduled
-        ]
         return out
 
     @abstractmethod
@@ -199,15 +194,19 @@ class Scheduler(ABC):
         """The policy: fill `out` within `budget` by the moves below (`fits_budget` and `fits`
         say whether a group can run now, `run` runs it)."""
 
-    def mark_computed(self, out: SchedulerOutput) -> None:
-        """Record that the step's forward pass computed (wrote the K/V of) its tokens.
+    def mark_computed(self, out: SchedulerOutput) -> list[GroupMember]:
+        """Record that the step's forward pass computed (wrote the K/V of) its tokens; return
+        the group and sequence of each item that samples, in plan order (the logits' rows).
 
         Full blocks become findable in the prefix cache only now, never before their K/V exist.
+        A decode step computed every token of a sequence: its token list goes as it is.
         """
-        for item, (_, seq) in zip(out.scheduled, self.resolve(out.scheduled), strict=True):
-            seq.num_computed_tokens = item.start + item.num_new_tokens
-            computed = seq.get_token_ids()[: seq.num_computed_tokens]
-            self.kv_manager.mark_computed(seq.seq_id, computed)
+        members = self.resolve(out.scheduled)
+        for item, (_, seq) in zip(out.scheduled, members, strict=True):
+            seq.num_computed_tokens = n = item.start + len(item.token_ids)
+            tokens = seq.token_ids
+            self.kv_manager.mark_computed(seq.seq_id, tokens if n == len(tokens) else tokens[:n])
+        return [m for item, m in zip(out.scheduled, members, strict=True) if item.needs_logits]
 
     def resolve(self, items: Iterable[ScheduledSequence]) -> list[GroupMember]:
         """The running group and the sequence each scheduled item names (the plan holds ids;
@@ -221,10 +220,13 @@ class Scheduler(ABC):
 
         Call after the engine appended the sampled tokens and marked finished sequences.
         """
-        for seq in (s for group in self.running for s in group.seqs if s.is_finished()):
-            self._release(seq)
-        finished = [g for g in self.running if g.is_finished()]
-        self.running[:] = [g for g in self.running if not g.is_finished()]
+        finished, running = [], []
+        for group in self.running:
+            done = [seq for seq in group.seqs if seq.is_finished()]
+            for seq in done:
+                self._release(seq)
+            (finished if len(done) == len(group.seqs) else running).append(group)
+        self.running[:] = running
         return finished
 
     # -- fit checks -------------------------------------------------------------------------------
@@ -348,9 +350,9 @@ class Scheduler(ABC):
         if to_gpu is not None:
             to_gpu(group, out)
         for seq in seqs:
-            out.copy.extend(self.kv_manager.append_slots(seq.seq_id, num_tokens=seq.get_len()))
+            out.copy += self.kv_manager.append_slots(seq.seq_id, num_tokens=seq.get_len())
         for seq, n in self.step_plan(seqs, budget):
-            out.scheduled.append(scheduled_share(group, seq, n))
+            out.scheduled.append(self.scheduled_share(group, seq, n))
             budget.take(n)
         if group.metrics.first_scheduled_time is None:
             group.metrics.first_scheduled_time = self._now
@@ -366,7 +368,7 @@ class Scheduler(ABC):
         shared = self.shared_prompt_blocks(seqs) * self.kv_manager.block_size
         if shared:  # samples or beams back from recomputation: one copy of the prompt blocks
             first = seqs[0]
-            cached = self.kv_manager.allocate(first.seq_id, first.get_token_ids()[:shared])
+            cached = self.kv_manager.allocate(first.seq_id, first.token_ids[:shared])
             for seq in seqs[1:]:
                 self.kv_manager.fork(first.seq_id, seq.seq_id)
         for i, seq in enumerate(seqs):
@@ -441,21 +443,21 @@ class Scheduler(ABC):
         if seq.seq_id in self.kv_manager:
             self.kv_manager.free(seq.seq_id)
 
+    def scheduled_share(
+        self, group: SequenceGroup, seq: Sequence, num_new_tokens: int
+    ) -> ScheduledSequence:
+        """The plan's entry for `seq` computing its next `num_new_tokens` tokens, over its
+        block table as `run` left it (no later move of the step touches a scheduled group's
+        blocks: preemption and swaps take groups not yet run)."""
+        start = seq.num_computed_tokens
+        end = start + num_new_tokens
+        return ScheduledSequence(
+            group.request_id, seq.seq_id, start, tuple(seq.token_ids[start:end]),
+            needs_logits=end == len(seq.token_ids),
+            is_prefill=num_new_tokens > 1 or start < seq.num_prompt_tokens,
+            block_table=self.kv_manager.block_table(seq.seq_id),
+        )
+
 
 # What a registry or the simulator holds: builds a scheduler over a given KV manager.
 SchedulerFactory = Callable[[SchedulerConfig, KVManager], Scheduler]
-
-
-def scheduled_share(group: SequenceGroup, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
-    """The plan's entry for `seq` computing its next `num_new_tokens` tokens (its block table
-    is added once the step's blocks are settled)."""
-    start = seq.num_computed_tokens
-    end = start + num_new_tokens
-    return ScheduledSequence(
-        group.request_id,
-        seq.seq_id,
-        start,
-        tuple(seq.get_token_ids()[start:end]),
-        needs_logits=end == seq.get_len(),
-        is_prefill=num_new_tokens > 1 or start < seq.get_prompt_len(),
-    )

@@ -198,12 +198,12 @@ class SimulatedOutputProcessor(OutputProcessor):
     def sample_isolated(
         self, members: list[GroupMember], logits: Tensor, update: StepUpdate
     ) -> None:
-        requests = self.requests_of(members)  # forks a finished prompt's parallel samples
-        for seq in (s for request in requests for s in request.seqs):
-            seq.append_token(0, 0.0)
+        samples = self.samples_of(members)  # forks a finished prompt's parallel samples
+        for sample in samples:
+            sample.seq.append_token(0, 0.0)
         if self.on_sample is not None:
             self.on_sample(self.scheduler, members, self.seq_ids)
-        for group, _, _ in requests:  # forked samples and beams included
+        for group in dict.fromkeys(sample.group for sample in samples):  # forks, beams included
             for seq in group.get_unfinished_seqs():
                 self.check_stop(seq, group)
 
