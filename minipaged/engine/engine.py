@@ -273,7 +273,9 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         """The current output of a running request, or the final one of a request that finished
         in the last step; None for any other id."""
         group = self._groups.get(str(request_id))
-        return self._finished.get(str(request_id)) if group is None else self._request_output(group)
+        if group is None:
+            return self._finished.get(str(request_id))
+        return group.to_request_output(self.processor.eos_token_ids)
 
     def get_sampling_params(self, request_id: str) -> SamplingParams | None:
         """The sampling parameters of a running request (None when it is not running)."""
@@ -311,11 +313,14 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         marks.append(time.perf_counter())
         for group in update.finished:
             self._groups.pop(group.request_id, None)
-        touched = update.touched
-        if final_only:
-            touched = [g for g in touched if g.request_id in self._streams] if self._streams else []
-        changed = dict.fromkeys(touched + update.finished)
-        outputs = self._publish([self._request_output(g) for g in changed])
+        streams = self._streams
+        touched = [g for g in update.touched if not final_only or g.request_id in streams]
+        eos = self.processor.eos_token_ids
+        outputs = [g.to_request_output(eos) for g in dict.fromkeys(touched + update.finished)]
+        self._finished = {o.request_id: o for o in outputs if o.finished}  # for `get_request`
+        for output in outputs:
+            if output.request_id in streams:
+                streams[output.request_id].append(output)
         marks.append(time.perf_counter())
         if self._observers:  # `marks`: the start, then after each phase
             phases = [b - a for a, b in itertools.pairwise(marks)]
@@ -356,27 +361,6 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
             plan, scheduled=[s for s in plan.scheduled if s.request_id not in failed]
         )
         return torch.cat(rows) if rows else torch.empty(0, 0), update
-
-    def _publish(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Keep the step's finished outputs for `get_request` and queue every output of a
-        request with an open stream for that stream."""
-        self._finished = {o.request_id: o for o in outputs if o.finished}
-        for output in outputs if self._streams else ():
-            if output.request_id in self._streams:
-                self._streams[output.request_id].append(output)
-        return outputs
-
-    def _request_output(self, group: SequenceGroup) -> RequestOutput:
-        """The user's view of a request. While a sample runs, the end of its text that may be
-        the start of a stop string is held back (as vLLM does), so streamed text never has to be
-        taken back when the stop string completes and is cut off."""
-        output = group.to_request_output(self.processor.eos_token_ids)
-        hold_back = max((len(stop) for stop in group.sampling_params.stop), default=1) - 1
-        if hold_back and not group.sampling_params.use_beam_search:
-            by_index = {seq.sample_index: seq for seq in group.seqs}
-            for completion in output.outputs:
-                completion.text = by_index[completion.index].stream_text(hold_back)
-        return output
 
     def stream(self, request_id: str) -> RequestStream:
         """Follow `request_id`: iterating yields its output after every step that gave it new

@@ -124,8 +124,7 @@ class OutputProcessor:
             if group.metrics.first_token_time is None:  # time to first token ends here
                 group.metrics.first_token_time = now
         self.sample_isolated(members, logits, update)
-        failed = set(update.failed)
-        update.touched = [g for g in touched if g.request_id not in failed] if failed else touched
+        update.touched = [g for g in touched if g.request_id not in update.failed]
         finished = self.scheduler.finish_step()
         end = self.clock()
         for group in finished:
@@ -163,8 +162,12 @@ class OutputProcessor:
         for row, (group, seq) in enumerate(members):
             samples.append(Sample(group, seq, row))
             params = group.sampling_params
-            if params.n > len(group.seqs) and not params.use_beam_search:
-                samples += [Sample(group, child, row) for child in self.fork_samples(group, seq)]
+            # Parallel sampling (vLLM paper §4.4): once the prompt is done, samples 1..n-1 fork
+            # from sample 0 and share its blocks, through the scheduler (the block tables').
+            for index in range(len(group.seqs), 0 if params.use_beam_search else params.n):
+                child = seq.fork(next(self.seq_ids), sample_index=index)
+                self.scheduler.fork_sequence(group, seq, child)
+                samples.append(Sample(group, child, row))
         return samples
 
     def try_sample(self, samples: list[Sample], logits: Tensor) -> bool:
@@ -193,21 +196,6 @@ class OutputProcessor:
             return
         in_order = rows == list(range(logits.shape[0]))  # a decode step's: no copy
         result = self.sampler(logits if in_order else logits[rows], sampling_rows)
-        tokens, logprobs = result.to_host()
-        for i, (group, seq, _) in enumerate(samples):
-            seq.append_token(tokens[i], logprobs[i], result.logprobs_dict(i))
-            self.check_stop(seq, group)
-
-    def fork_samples(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
-        """Parallel sampling (vLLM paper §4.4): once the prompt is done, samples 1..n-1 fork
-        from sample 0 and share its blocks, through the scheduler, which owns the block tables.
-        Returns the new samples (none when the group has them all)."""
-        children = []
-        for index in range(len(group.seqs), group.sampling_params.n):
-            child = parent.fork(next(self.seq_ids), sample_index=index)
-            self.scheduler.fork_sequence(group, parent, child)
-            children.append(child)
-        return children
-
-    def check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
-        finish_if_stopped(seq, group.sampling_params, self.eos_token_ids, self.max_model_len)
+        for (group, seq, _), sampled in zip(samples, result.to_host(), strict=True):
+            seq.append_token(*sampled)
+            finish_if_stopped(seq, group.sampling_params, eos, self.max_model_len)

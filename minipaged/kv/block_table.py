@@ -55,20 +55,23 @@ class BlockTable:
         """Whether the last block, holding slot `covered - 1`, is partly filled and shared."""
         return covered % self.gpu.block_size != 0 and self.gpu.blocks[self.blocks[-1]].ref_count > 1
 
-    def blocks_to_append(self, num_tokens: int) -> int:
-        """Free GPU blocks `append(num_tokens)` takes: new blocks plus a copy-on-write copy."""
-        covered = self.num_slots
+    def blocks_to_append(self, num_tokens: int, covered: int | None = None) -> int:
+        """Free GPU blocks `append(num_tokens)` takes: new blocks plus a copy-on-write copy
+        (`covered`: `num_slots`, when the caller has it)."""
+        covered = self.num_slots if covered is None else covered
         if num_tokens <= covered:
             return 0
         new_blocks = -(-num_tokens // self.gpu.block_size) - len(self.blocks)
         return new_blocks + self.shared_and_partial(covered)
 
-    def append(self, num_tokens: int) -> list[BlockCopy]:
+    def append(self, num_tokens: int, covered: int | None = None) -> list[BlockCopy]:
         """Cover the first `num_tokens` tokens (the caller made sure `blocks_to_append` blocks
-        are free, and that the table covers no more); returns the copy-on-write copy, if the
-        last block was shared and partly filled. Within the last block's free slots (most
-        decode steps) only its fill changes: the table stays the same object."""
-        pool, covered, blocks = self.gpu, self.num_slots, self.blocks
+        are free, and that the table covers no more than `covered`, its `num_slots`); returns
+        the copy-on-write copy, if the last block was shared and partly filled. Within the last
+        block's free slots (most decode steps) only its fill changes: the table stays the same
+        object."""
+        pool, blocks = self.gpu, self.blocks
+        covered = self.num_slots if covered is None else covered
         if num_tokens == covered:
             return []
         copies: list[BlockCopy] = []

@@ -194,8 +194,7 @@ class KVCacheManager:
         plus a copy-on-write copy); the scheduler sums them over a group whose sequences must
         grow together."""
         table = self._gpu_table(seq_id)
-        self._check_growth(table, num_tokens)
-        return table.blocks_to_append(num_tokens)
+        return table.blocks_to_append(num_tokens, self._check_growth(table, num_tokens))
 
     def can_append(self, seq_id: SeqId, *, num_tokens: int) -> bool:
         """Whether `append_slots` would find enough free blocks to cover `num_tokens` tokens.
@@ -213,10 +212,12 @@ class KVCacheManager:
         private copy: the engine must copy block `src` to `dst` for every returned pair before
         writing the new tokens. Raises `NoFreeBlocksError` (state untouched) when short.
         """
-        needed = self.num_blocks_to_append(seq_id, num_tokens=num_tokens)
+        table = self._gpu_table(seq_id)
+        covered = self._check_growth(table, num_tokens)
+        needed = table.blocks_to_append(num_tokens, covered)
         if needed > self.num_free_blocks:
             raise NoFreeBlocksError("GPU", needed, self.num_free_blocks)
-        return self._tables[seq_id].append(num_tokens)
+        return table.append(num_tokens, covered)
 
     def mark_computed(self, seq_id: SeqId, computed_token_ids: Sequence[int]) -> None:
         """Record that the K/V of the sequence's computed prefix `computed_token_ids` (from its

@@ -41,48 +41,41 @@ class FlatBatch:
 
 class BlockTables:
     """The block tables of the steps, kept from step to step (vLLM v1's persistent batch): one
-    int32 row per table, written once, when a step first names it. A table is the scheduler's
+    int32 row per table, written when a step first names it. A table is the scheduler's
     immutable tuple (`ScheduledSequence.block_table`), the same object until a block is added,
-    copied or moved, so a decode step that fills no block rewrites nothing; a step gathers its
-    rows. Each row also knows how many of its leading blocks lie in the cache, so that a step
+    copied or moved, so a decode step that fills no block writes no row; a step gathers its
+    rows. A row also knows how many of its leading blocks lie in the cache, so that a step
     checks a table against the cache without reading it."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.array = np.full((64, 64), -1, dtype=np.int32)
-        # id of a table (held, so the id stays its own) -> (its row, it, its leading blocks
-        # within the cache)
+        # id of a table (held, so that the id stays its own) -> its row, it, its leading
+        # blocks within the cache
         self.rows: dict[int, tuple[int, tuple[int, ...], int]] = {}
         self.free_rows: list[int] = []
 
     def row(self, table: tuple[int, ...]) -> tuple[int, int]:
-        """The row holding `table`, written now if it is new, and its leading blocks that lie
-        in the cache."""
+        """The row of `table`, written if it is new, and its leading blocks in the cache."""
         known = self.rows.get(id(table))
-        if known is not None:
-            return known[0], known[2]
-        row = self.free_rows.pop() if self.free_rows else len(self.rows)
-        rows, width = self.array.shape
-        if row >= rows or len(table) > width:  # grow, by doubling
-            grown = np.full((max(rows, 2 * row), max(width, 2 * len(table))), -1, np.int32)
-            grown[:rows, :width] = self.array
-            self.array = grown
-        self.array[row, : len(table)] = table
-        self.array[row, len(table) :] = -1
-        written = self.array[row, : len(table)]
-        outside = np.flatnonzero((written < 0) | (written >= self.num_blocks))
-        within = int(outside[0]) if len(outside) else len(table)
-        self.rows[id(table)] = (row, table, within)
-        return row, within
+        if known is None:
+            row = self.free_rows.pop() if self.free_rows else len(self.rows)
+            width = len(table)
+            if row >= self.array.shape[0] or width > self.array.shape[1]:  # about doubled
+                self.array = np.pad(self.array, ((0, row + 1), (0, width)), constant_values=-1)
+            self.array[row, :width] = table
+            self.array[row, width:] = -1
+            within = next((i for i, b in enumerate(table) if not 0 <= b < self.num_blocks), width)
+            known = self.rows[id(table)] = (row, table, within)
+        return known[0], known[2]
 
     def gather(self, rows: list[int], tables: Sequence[Sequence[int]]) -> np.ndarray:
-        """The rows of a step's tables, padded with -1 to the longest; then the rows of tables
-        no longer in use are freed, once they outnumber the step's."""
+        """The rows of a step's tables, padded with -1 to the longest. Once the rows outnumber
+        the step's, those of tables no step names now (replaced, finished) are let go."""
         out = self.array[rows, : max(map(len, tables))]
         if len(self.rows) > 2 * len(rows) + 64:
             live = set(map(id, tables))
-            for key in self.rows.keys() - live:
-                self.free_rows.append(self.rows.pop(key)[0])
+            self.free_rows += [self.rows.pop(k)[0] for k in self.rows.keys() - live]
         return out
 
 
@@ -91,18 +84,13 @@ def flat_batch(entries: Sequence[ScheduledSequence], block_size: int, num_blocks
     """The flat batch of a step's `entries` over a cache of `num_blocks` blocks of
     `block_size` tokens, with the rows of `tables` (the runner's, kept from step to step; by
     default new ones). Raises `ValueError` naming the problem (module docstring)."""
-    tables = tables or BlockTables(num_blocks)
+    tables, bs = tables or BlockTables(num_blocks), block_size
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    query_start_loc = [0]
-    seq_lens: list[int] = []
-    rows: list[int] = []
-    bs = block_size
+    query_start_loc, seq_lens, rows = [0], [], []
     for entry in entries:
-        n = len(entry.token_ids)
-        start, table = entry.start, entry.block_table
-        end = start + n
+        start, table, end = entry.start, entry.block_table, entry.start + len(entry.token_ids)
         if len(table) * bs < end:
             raise ValueError(f"block table of {len(table)} blocks cannot hold {end} tokens")
         row, within = tables.row(table)
@@ -113,7 +101,7 @@ def flat_batch(entries: Sequence[ScheduledSequence], block_size: int, num_blocks
         input_ids += entry.token_ids
         positions += range(start, end)
         slots += [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
-        query_start_loc.append(query_start_loc[-1] + n)
+        query_start_loc.append(query_start_loc[-1] + end - start)
         seq_lens.append(end)
     if len(set(slots)) != len(slots):
         raise ValueError("two tokens of the step write the same cache slot")

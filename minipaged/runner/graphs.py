@@ -20,11 +20,11 @@ buffers are the static buffers themselves).
 
 from __future__ import annotations
 
-import ctypes
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -54,7 +54,7 @@ class StaticBatch:
     """The static inputs of every captured step: `[rows]` token ids, positions, slot mapping and
     sequence lengths, `[rows + 1]` query starts (one query per row) and `[rows, max_blocks]`
     block tables, as views of one device buffer, and their host twins, as views of one host
-    buffer (pinned for a GPU), written through `ctypes` without a PyTorch operator."""
+    buffer (pinned for a GPU), written through numpy without a PyTorch operator."""
 
     def __init__(self, rows: int, max_blocks: int, device: torch.device) -> None:
         shapes = {"input_ids": (rows,), "positions": (rows,), "slot_mapping": (rows,),
@@ -75,24 +75,23 @@ class StaticBatch:
                                   (self.views, self.device_memory)):
                 views[name] = memory[offset:offset + size].view(dtype).view(shapes[name])
             offset += size
-        self.c = {name: _c_array(self.host[name]) for name, _ in FIELDS}
+        self.arrays = {name: self.host[name].numpy() for name, _ in FIELDS}
         self.rows, self.max_blocks = rows, max_blocks
-        self.c["query_start_loc"][:] = list(range(rows + 1))
+        self.arrays["query_start_loc"][:] = np.arange(rows + 1)
         for name, value in PADDING.items():
-            self.c[name][:] = [value] * rows
+            self.arrays[name][:] = value
         self._sync()
 
     def write(self, batch: FlatBatch, rows: int) -> None:
         """`batch`'s decodes into the first rows, the rest of `rows` padded (`PADDING`), then
         one copy to the device."""
-        n, c = len(batch.input_ids), self.c
+        n, arrays = len(batch.input_ids), self.arrays
         for name, value in PADDING.items():
-            c[name][:n] = getattr(batch, name)
-            c[name][n:rows] = [value] * (rows - n)
-        tables = self.host["block_tables"].numpy()
-        used = min(batch.block_tables.shape[1], self.max_blocks)  # a table may run past the
-        tables[:n, :used] = batch.block_tables[:, :used]  # context
-        tables[n:rows, 0] = 0
+            arrays[name][:n] = getattr(batch, name)
+            arrays[name][n:rows] = value
+        used = min(batch.block_tables.shape[1], self.max_blocks)  # past the context: not read
+        arrays["block_tables"][:n, :used] = batch.block_tables[:, :used]
+        arrays["block_tables"][n:rows, 0] = 0
         self._sync()
 
     def _sync(self) -> None:
@@ -164,10 +163,4 @@ class StepGraphs:
             logger.info("decode steps of %d sequences run the modules: %s", size, reason)
             return None
         return Captured(replay, logits)
-
-
-def _c_array(tensor: Tensor) -> ctypes.Array:
-    """A contiguous int64 or int32 host tensor's elements as a `ctypes` array over its memory."""
-    kind = ctypes.c_int64 if tensor.dtype == torch.int64 else ctypes.c_int32
-    return (kind * tensor.numel()).from_address(tensor.data_ptr())
 

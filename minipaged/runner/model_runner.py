@@ -224,9 +224,5 @@ class ModelRunner:
         input_ids, positions, metadata = batch_tensors(batch, self.device)
         attention = PagedAttentionBackend(self.kv_caches, metadata, self.layer_ops)
         hidden = self.model(input_ids, positions, attention)
-        last_rows = [
-            end - 1
-            for entry, end in zip(entries, batch.query_start_loc[1:], strict=True)
-            if entry.needs_logits
-        ]
-        return self.model.compute_logits(hidden[last_rows])
+        ends = zip(entries, batch.query_start_loc[1:], strict=True)
+        return self.model.compute_logits(hidden[[end - 1 for e, end in ends if e.needs_logits]])

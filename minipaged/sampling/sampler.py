@@ -53,7 +53,7 @@ class SamplerOutput:
     """The sampled tokens of one step, row for row.
 
     `top_token_ids` / `top_logprobs` hold the `K` most likely tokens of every row, where `K` is the
-    largest `logprobs` asked for in the batch (None when no row asked); `logprobs_dict` cuts a
+    largest `logprobs` asked for in the batch (None when no row asked); `to_host` cuts each
     row's share.
     """
 
@@ -63,26 +63,24 @@ class SamplerOutput:
     top_logprobs: Tensor | None = None  # [B, K] float32
     num_logprobs: list[int | None] = field(default_factory=list)  # per row, as asked
 
-    def to_host(self) -> tuple[list[int], list[float]]:
-        """The sampled ids and their log-probabilities as Python lists, in one device-to-host
-        copy (float64 holds every token id and float32 exactly)."""
+    def to_host(self) -> list[tuple[int, float, dict[int, float] | None]]:
+        """Each row's sampled token, its log-probability and vLLM's per-token logprobs (the
+        row's top `logprobs` alternatives plus the sampled token; None when the row did not ask
+        for logprobs), on the host: the tokens and log-probabilities in one device-to-host copy
+        (float64 holds every token id and float32 exactly), the alternatives in a second one,
+        only when a row asked for them."""
         ids, logprobs = torch.stack((self.token_ids.double(), self.logprobs.double())).tolist()
-        return [int(t) for t in ids], logprobs
-
-    def logprobs_dict(self, row: int) -> dict[int, float] | None:
-        """vLLM's per-token logprobs: the row's top `logprobs` alternatives plus the sampled token.
-
-        None when the row did not ask for logprobs.
-        """
-        k = self.num_logprobs[row]
-        if k is None:
-            return None
-        out: dict[int, float] = {}
-        if k > 0 and self.top_token_ids is not None and self.top_logprobs is not None:
-            ids, lps = self.top_token_ids[row, :k].tolist(), self.top_logprobs[row, :k].tolist()
-            out.update(zip(ids, lps, strict=True))
-        out[int(self.token_ids[row])] = float(self.logprobs[row])
-        return out
+        top_ids = top_logprobs = [[]] * len(ids)  # no row asked for alternatives
+        if self.top_token_ids is not None and self.top_logprobs is not None:
+            top_ids, top_logprobs = self.top_token_ids.tolist(), self.top_logprobs.tolist()
+        rows = []
+        for row, k in enumerate(self.num_logprobs):
+            token, alternatives = int(ids[row]), None
+            if k is not None:
+                alternatives = dict(zip(top_ids[row][:k], top_logprobs[row][:k], strict=True))
+                alternatives[token] = logprobs[row]
+            rows.append((token, logprobs[row], alternatives))
+        return rows
 
 
 # --- seeds and bans ----------------------------------------------------------------------------
@@ -245,9 +243,9 @@ def finite_logits(logits: Tensor, fallback: Tensor) -> Tensor:
 class Sampler:
     """Samples one token per row of a [B, V] logits batch; see the module docstring for the order.
 
-    The unseeded random rows draw from `generator`, which must live on the logits' device, or
-    else from a generator seeded with `seed` made on the logits' device at its first use there
-    (`generator_on`; both None: torch's default generator of that device). Seeded rows'
+    The unseeded random rows draw from `generator`, which must live on the logits' device;
+    with a `seed`, it is made on the logits' device at its first use there (`generator_on`;
+    both None: torch's default generator of that device). Seeded rows'
     generators live on the logits' device too (`make_generator`). `greedy_tokens`, a platform's
     (`minipaged.runner.platforms.Platform.greedy_tokens`), takes batches of plain greedy rows in one
     call: each row's argmax and its log-probability, or None to leave them to PyTorch.
@@ -256,15 +254,12 @@ class Sampler:
     generator: torch.Generator | None = None
     greedy_tokens: Callable[[Tensor], tuple[Tensor, Tensor] | None] | None = None
     seed: int | None = None
-    generators: dict[torch.device, torch.Generator] = field(default_factory=dict)
 
     def generator_on(self, device: torch.device) -> torch.Generator | None:
         """The generator of the unseeded random rows of logits on `device` (class docstring)."""
-        if self.generator is not None or self.seed is None:
-            return self.generator
-        if device not in self.generators:
-            self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
-        return self.generators[device]
+        if self.seed is not None and (self.generator is None or self.generator.device != device):
+            self.generator = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generator
 
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         greedy = self._greedy_only(logits, rows)

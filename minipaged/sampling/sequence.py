@@ -143,10 +143,6 @@ class Sequence:
     def get_output_len(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
-    def get_token_ids(self) -> list[int]:
-        """Prompt and output: the sequence's own list, to read and never to change."""
-        return self.token_ids
-
     def is_finished(self) -> bool:
         return self.status.is_finished
 
@@ -268,9 +264,6 @@ class SequenceGroup:
     def get_unfinished_seqs(self) -> list[Sequence]:
         return [seq for seq in self.seqs if not seq.is_finished()]
 
-    def get_finished_seqs(self) -> list[Sequence]:
-        return [seq for seq in self.seqs if seq.is_finished()]
-
     def find(self, seq_id: int) -> Sequence:
         for seq in self.seqs:
             if seq.seq_id == seq_id:
@@ -294,10 +287,6 @@ class SequenceGroup:
         search, else its `n` samples."""
         params = self.sampling_params
         return params.beam_width if params.use_beam_search else params.n
-
-    def abort(self) -> None:
-        for seq in self.get_unfinished_seqs():
-            seq.status = SequenceStatus.FINISHED_ABORTED
 
     # sampling
     def generator_for(
@@ -333,16 +322,21 @@ class SequenceGroup:
 
     # output
     def to_request_output(self, eos_token_ids: Collection[int] = ()) -> RequestOutput:
-        """The request as the user sees it: samples in index order, or the best `n` beams."""
+        """The request as the user sees it: samples in index order, or the best `n` beams.
+        While a sample runs, the end of its text that may be the start of a stop string is
+        held back (as vLLM does), so streamed text never has to be taken back when the stop
+        string completes and is cut off."""
         params = self.sampling_params
+        hold_back = max((len(stop) for stop in params.stop), default=1) - 1
         if params.use_beam_search:
             indexed = list(enumerate(self.by_beam_score(self.seqs, eos_token_ids)[: params.n]))
+            hold_back = 0
         else:
             indexed = [(s.sample_index, s) for s in sorted(self.seqs, key=lambda s: s.sample_index)]
         outputs = [
             CompletionOutput(
                 index=index,
-                text=seq.output_text,
+                text=seq.stream_text(hold_back),
                 token_ids=seq.output_token_ids,
                 cumulative_logprob=seq.cumulative_logprob,
                 logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,

@@ -264,7 +264,7 @@ class Scheduler(ABC):
         """Whether admitting these waiting sequences leaves the watermark free."""
         kv = self.kv_manager
         if len(seqs) == 1:  # token ids let the manager count prefix-cache hits
-            return kv.can_allocate(seqs[0].seq_id, seqs[0].get_token_ids())
+            return kv.can_allocate(seqs[0].seq_id, seqs[0].token_ids)
         # Several sequences come back only after recomputation; `admit` shares their prompt's
         # full blocks, counted once, as `check_request` counted them.
         return kv.num_free_blocks - self.admit_blocks(seqs) >= kv.watermark_blocks
@@ -373,7 +373,7 @@ class Scheduler(ABC):
                 self.kv_manager.fork(first.seq_id, seq.seq_id)
         for i, seq in enumerate(seqs):
             if not shared:
-                cached = self.kv_manager.allocate(seq.seq_id, seq.get_token_ids())
+                cached = self.kv_manager.allocate(seq.seq_id, seq.token_ids)
             seq.num_computed_tokens = shared if i and shared else cached  # `run` orders them
             if first_admission:
                 group.metrics.num_cached_tokens += cached

@@ -37,6 +37,7 @@ from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.registry import FAMILIES
 from minipaged.sampling.params import SamplingParams
 from minipaged.sampling.sequence import GroupMember, Sequence, SequenceGroup
+from minipaged.sampling.stopping import finish_if_stopped
 from minipaged.sched.base import Scheduler, SchedulerConfig, SchedulerFactory
 from minipaged.sched.cost_model import CostModel, StepShape, step_shape
 from minipaged.sched.fcfs import FCFSScheduler
@@ -203,9 +204,10 @@ class SimulatedOutputProcessor(OutputProcessor):
             sample.seq.append_token(0, 0.0)
         if self.on_sample is not None:
             self.on_sample(self.scheduler, members, self.seq_ids)
+        eos, max_len = self.eos_token_ids, self.max_model_len
         for group in dict.fromkeys(sample.group for sample in samples):  # forks, beams included
             for seq in group.get_unfinished_seqs():
-                self.check_stop(seq, group)
+                finish_if_stopped(seq, group.sampling_params, eos, max_len)
 
 
 class StepTally:
