@@ -272,10 +272,9 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
     def get_request(self, request_id: str) -> RequestOutput | None:
         """The current output of a running request, or the final one of a request that finished
         in the last step; None for any other id."""
-        group = self._groups.get(str(request_id))
-        if group is None:
-            return self._finished.get(str(request_id))
-        return group.to_request_output(self.processor.eos_token_ids)
+        request_id, eos = str(request_id), self.processor.eos_token_ids
+        group = self._groups.get(request_id)
+        return self._finished.get(request_id) if group is None else group.to_request_output(eos)
 
     def get_sampling_params(self, request_id: str) -> SamplingParams | None:
         """The sampling parameters of a running request (None when it is not running)."""
@@ -318,9 +317,8 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         eos = self.processor.eos_token_ids
         outputs = [g.to_request_output(eos) for g in dict.fromkeys(touched + update.finished)]
         self._finished = {o.request_id: o for o in outputs if o.finished}  # for `get_request`
-        for output in outputs:
-            if output.request_id in streams:
-                streams[output.request_id].append(output)
+        for output in (o for o in outputs if o.request_id in streams):
+            streams[output.request_id].append(output)
         marks.append(time.perf_counter())
         if self._observers:  # `marks`: the start, then after each phase
             phases = [b - a for a, b in itertools.pairwise(marks)]

@@ -141,17 +141,15 @@ class OutputProcessor:
         (a request's own parameters never end another's). Forks come first, outside the
         retries: they are bookkeeping that bad parameters cannot break, and a retry must not
         fork twice."""
-        plain: list[Sample] = []
-        alone: dict[str, list[Sample]] = {}  # beam search: each request's beams on their own
-        for sample in self.samples_of(members):
-            if sample.group.sampling_params.use_beam_search:
-                alone.setdefault(sample.group.request_id, []).append(sample)
-            else:
-                plain.append(sample)
-        if plain and not self.try_sample(plain, logits):
+        samples = self.samples_of(members)
+        plain = [s for s in samples if not s.group.sampling_params.use_beam_search]
+        if plain and self.try_sample(plain, logits):  # what is left: beam search
+            samples = [s for s in samples if s.group.sampling_params.use_beam_search]
+        elif plain:
             logger.warning("sampling the step failed; sampling its requests one at a time")
-            for sample in plain:
-                alone.setdefault(sample.group.request_id, []).append(sample)
+        alone: dict[str, list[Sample]] = {}  # each request on its own
+        for sample in samples:
+            alone.setdefault(sample.group.request_id, []).append(sample)
         self.fail([r for r, own in alone.items() if not self.try_sample(own, logits)], update)
 
     def samples_of(self, members: list[GroupMember]) -> list[Sample]:

@@ -59,12 +59,10 @@ class BlockTables:
         """The row of `table`, written if it is new, and its leading blocks in the cache."""
         known = self.rows.get(id(table))
         if known is None:
-            row = self.free_rows.pop() if self.free_rows else len(self.rows)
-            width = len(table)
+            row, width = self.free_rows.pop() if self.free_rows else len(self.rows), len(table)
             if row >= self.array.shape[0] or width > self.array.shape[1]:  # about doubled
                 self.array = np.pad(self.array, ((0, row + 1), (0, width)), constant_values=-1)
-            self.array[row, :width] = table
-            self.array[row, width:] = -1
+            self.array[row] = table + (-1,) * (self.array.shape[1] - width)
             within = next((i for i, b in enumerate(table) if not 0 <= b < self.num_blocks), width)
             known = self.rows[id(table)] = (row, table, within)
         return known[0], known[2]
@@ -74,8 +72,7 @@ class BlockTables:
         the step's, those of tables no step names now (replaced, finished) are let go."""
         out = self.array[rows, : max(map(len, tables))]
         if len(self.rows) > 2 * len(rows) + 64:
-            live = set(map(id, tables))
-            self.free_rows += [self.rows.pop(k)[0] for k in self.rows.keys() - live]
+            self.free_rows += [self.rows.pop(k)[0] for k in self.rows.keys() - set(map(id, tables))]
         return out
 
 

@@ -244,7 +244,7 @@ class SequenceGroup:
         self.prompt = prompt
         now = time.monotonic() if arrival_time is None else arrival_time
         self.metrics = RequestMetrics(arrival_time=now)
-        self._generators: dict[tuple[int, torch.device], torch.Generator] = {}
+        self._generators: dict[int, torch.Generator] = {}
 
     def __repr__(self) -> str:
         return f"SequenceGroup(request_id={self.request_id!r}, seqs={self.seqs})"
@@ -297,10 +297,9 @@ class SequenceGroup:
         params = self.sampling_params
         if params.sampling_type != SamplingType.RANDOM_SEED or params.seed is None:
             return None
-        key = (sample_index, torch.device(device))
-        if key not in self._generators:
-            self._generators[key] = make_generator(params.seed, sample_index, key[1])
-        return self._generators[key]
+        if sample_index not in self._generators:  # a request's logits stay on one device
+            self._generators[sample_index] = make_generator(params.seed, sample_index, device)
+        return self._generators[sample_index]
 
     def sampling_row(
         self, seq: Sequence, eos_token_ids: Collection[int] = (), device: torch.device | str = "cpu"

@@ -204,8 +204,8 @@ class Scheduler(ABC):
         members = self.resolve(out.scheduled)
         for item, (_, seq) in zip(out.scheduled, members, strict=True):
             seq.num_computed_tokens = n = item.start + len(item.token_ids)
-            tokens = seq.token_ids
-            self.kv_manager.mark_computed(seq.seq_id, tokens if n == len(tokens) else tokens[:n])
+            tokens = seq.token_ids if n == len(seq.token_ids) else seq.token_ids[:n]
+            self.kv_manager.mark_computed(seq.seq_id, tokens)
         return [m for item, m in zip(out.scheduled, members, strict=True) if item.needs_logits]
 
     def resolve(self, items: Iterable[ScheduledSequence]) -> list[GroupMember]:
@@ -222,8 +222,7 @@ class Scheduler(ABC):
         """
         finished, running = [], []
         for group in self.running:
-            done = [seq for seq in group.seqs if seq.is_finished()]
-            for seq in done:
+            for seq in (done := [s for s in group.seqs if s.is_finished()]):
                 self._release(seq)
             (finished if len(done) == len(group.seqs) else running).append(group)
         self.running[:] = running
