@@ -41,15 +41,11 @@ class BlockTable:
     def num_slots(self) -> int:
         """Token slots the table covers: every block but the last is full, the last holds its
         fill."""
-        if not self.blocks:
+        blocks, gpu = self.blocks, self.gpu
+        if not blocks:
             return 0
-        return (len(self.blocks) - 1) * self.gpu.block_size + self.fill(self.blocks[-1])
-
-    def fill(self, block_id: int) -> int:
-        """Slots of one of the table's blocks holding tokens, from the pool it is in."""
-        if self.on_cpu:
-            return self.cpu.num_tokens[block_id]
-        return self.gpu.blocks[block_id].num_tokens
+        last = self.cpu.num_tokens[blocks[-1]] if self.on_cpu else gpu.blocks[blocks[-1]].num_tokens
+        return (len(blocks) - 1) * gpu.block_size + last
 
     def shared_and_partial(self, covered: int) -> bool:
         """Whether the last block, holding slot `covered - 1`, is partly filled and shared."""
@@ -94,8 +90,10 @@ class BlockTable:
         """Hash the full blocks of the computed prefix `computed` and offer them to the cache."""
         bs = self.gpu.block_size
         num_full = len(computed) // bs
+        if num_full <= self.num_registered_blocks:  # most steps fill no block: nothing to do
+            return
         start = len(self.block_hashes)  # the hashes of blocks [start, num_full) are new
-        if start < num_full:  # most steps fill no block: nothing to hash
+        if start < num_full:
             parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
             new_tokens = as_token_ids(computed[start * bs : num_full * bs], "computed_token_ids")
             self.block_hashes.extend(chained_hashes(new_tokens, bs, 0, parent))
@@ -126,10 +124,10 @@ class BlockTable:
     ) -> None:
         """Check this table and add its references and GPU block fills to the counts the pools
         are then checked against; raise AssertionError naming the first broken invariant."""
-        bs = self.gpu.block_size
+        bs, gpu = self.gpu.block_size, self.gpu
         assert self.blocks, f"sequence {name} has no blocks"
         for index, block_id in enumerate(self.blocks):
-            fill = self.fill(block_id)
+            fill = self.cpu.num_tokens[block_id] if self.on_cpu else gpu.blocks[block_id].num_tokens
             last = index == len(self.blocks) - 1
             assert (0 < fill <= bs) if last else fill == bs, (
                 f"sequence {name}: block {block_id} at position {index} holds {fill} of {bs} "

@@ -318,7 +318,7 @@ class KVCacheManager:
             raise KVCacheError(f"unknown sequence {seq_id!r}") from None
 
     def _gpu_table(self, seq_id: SeqId) -> BlockTable:
-        table = self._table(seq_id)
+        table = self._tables.get(seq_id) or self._table(seq_id)  # `_table` names a missing one
         if table.on_cpu:
             raise KVCacheError(f"sequence {seq_id!r} is swapped out; swap it in first")
         return table

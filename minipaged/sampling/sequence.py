@@ -32,6 +32,8 @@ from minipaged.sampling.sampler import SamplingRow, make_generator, min_tokens_b
 class SequenceStatus(enum.Enum):
     """Where a sequence is in its life; the FINISHED_* values say why it ended."""
 
+    __hash__ = object.__hash__  # members are singletons: hashed by identity, in C
+
     WAITING = "waiting"  # not yet scheduled, or preempted by recomputation
     RUNNING = "running"  # its KV blocks are in the GPU pool
     SWAPPED = "swapped"  # preempted: its KV blocks are in the CPU pool
@@ -43,7 +45,7 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self._value_.startswith("finished")  # a string test: no enum hash per call
+        return self in _FINISH_REASONS
 
     @property
     def finish_reason(self) -> str | None:
@@ -308,7 +310,8 @@ class SequenceGroup:
         (copied only when penalties read it), its generator, its bans."""
         params = self.sampling_params
         history = (seq.prompt_token_ids, seq.output_token_ids) if params.has_penalties else ()
-        banned = min_tokens_banned_ids(params, seq.get_output_len(), eos_token_ids)
+        banned = min_tokens_banned_ids(params, len(seq.token_ids) - seq.num_prompt_tokens,
+                                       eos_token_ids) if params.min_tokens else ()
         generator = None if params.seed is None else self.generator_for(seq.sample_index, device)
         return SamplingRow(params, *history, generator=generator, banned_token_ids=banned)
 

@@ -212,8 +212,7 @@ class Scheduler(ABC):
         """The running group and the sequence each scheduled item names (the plan holds ids;
         the scheduler owns the objects)."""
         groups = {group.request_id: group for group in self.running}
-        named = [(groups[item.request_id], item.seq_id) for item in items]
-        return [GroupMember(group, group.find(seq_id)) for group, seq_id in named]
+        return [GroupMember(g := groups[item.request_id], g.find(item.seq_id)) for item in items]
 
     def finish_step(self) -> list[SequenceGroup]:
         """Free the blocks of sequences that finished this step; return the finished groups.
@@ -246,7 +245,7 @@ class Scheduler(ABC):
     def grow_blocks(self, seqs: list[Sequence]) -> int:
         """GPU blocks a running group takes for the slots of its pending tokens."""
         kv = self.kv_manager
-        return sum(kv.num_blocks_to_append(s.seq_id, num_tokens=s.get_len()) for s in seqs)
+        return sum([kv.num_blocks_to_append(s.seq_id, num_tokens=len(s.token_ids)) for s in seqs])
 
     def can_swap_in(self, seqs: list[Sequence]) -> bool:
         """Whether a swapped group fits back in *and* can then take its pending tokens."""
@@ -313,7 +312,7 @@ class Scheduler(ABC):
         tokens, plan, complete = budget.tokens, [], True
         written = 0  # the prompt tokens the first sequence has computed after this step
         for i, (seq, start) in enumerate(self._starts(seqs)):
-            remaining = seq.get_len() - start
+            remaining = len(seq.token_ids) - start
             if budget.chunked_prefill:
                 n = min(remaining, tokens, limit or remaining)
             else:
@@ -327,7 +326,7 @@ class Scheduler(ABC):
             plan.append((seq, start, n))
             tokens -= n
         if len(seqs) > 1 and not complete:
-            plan = [(s, start, n - (start + n == s.get_len())) for s, start, n in plan]
+            plan = [(s, start, n - (start + n == len(s.token_ids))) for s, start, n in plan]
         return [(s, n) for s, _, n in plan if n > 0]
 
     def _starts(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
@@ -349,10 +348,10 @@ class Scheduler(ABC):
         if to_gpu is not None:
             to_gpu(group, out)
         for seq in seqs:
-            out.copy += self.kv_manager.append_slots(seq.seq_id, num_tokens=seq.get_len())
-        for seq, n in self.step_plan(seqs, budget):
-            out.scheduled.append(self.scheduled_share(group, seq, n))
-            budget.take(n)
+            out.copy += self.kv_manager.append_slots(seq.seq_id, num_tokens=len(seq.token_ids))
+        plan = self.step_plan(seqs, budget)
+        out.scheduled += [self.scheduled_share(group, seq, n) for seq, n in plan]
+        budget.take(sum(n for _, n in plan), len(plan))
         if group.metrics.first_scheduled_time is None:
             group.metrics.first_scheduled_time = self._now
 
