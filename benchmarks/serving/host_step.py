@@ -63,10 +63,16 @@ class StandInPlatform(Platform):
     def __init__(self) -> None:
         super().__init__(torch.device("cpu"))
         self.graph_sizes = (1, 2, 4, 8, *range(16, 1025, 16))
+        self.replays = 0
 
     def capture(self, forward):
         out = forward()
-        return (lambda: out.copy_(forward())), out
+
+        def replay() -> None:
+            self.replays += 1
+            out.copy_(forward())
+
+        return replay, out
 
 
 class StandInModel(nn.Module):
@@ -100,9 +106,10 @@ def model_config(max_len: int) -> ModelConfig:
     )
 
 
-def run(num_seqs: int, steps: int, seed: int) -> dict:
-    rng = np.random.default_rng(seed)
-    block_size, max_len = 16, 1024 + steps + 256
+def stand_in_engine(num_seqs: int, max_len: int, **engine: object) -> LLMEngine:
+    """The engine over the stand-in model and platform, with room for `num_seqs` sequences of
+    up to `max_len` tokens; `engine` goes to `LLMEngine` (its processor, its clock)."""
+    block_size = 16
     config = EngineConfig(
         device="cpu", dtype="float32", block_size=block_size,
         num_gpu_blocks=num_seqs * -(-max_len // block_size) + 16, num_cpu_blocks=0,
@@ -114,8 +121,13 @@ def run(num_seqs: int, steps: int, seed: int) -> dict:
         num_gpu_blocks=config.num_gpu_blocks, platform=StandInPlatform(), max_model_len=max_len,
         max_num_seqs=num_seqs,
     )
-    engine = LLMEngine(None, model_config(max_len), config=config, runner=runner,
-                       processor=TimedProcessor, clock=time.thread_time)
+    return LLMEngine(None, model_config(max_len), config=config, runner=runner, **engine)
+
+
+def run(num_seqs: int, steps: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    engine = stand_in_engine(num_seqs, 1024 + steps + 256, processor=TimedProcessor,
+                             clock=time.thread_time)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 240, ignore_eos=True)
     for _ in range(num_seqs):
         prompt = rng.integers(0, VOCAB, int(rng.integers(100, 1025))).tolist()
