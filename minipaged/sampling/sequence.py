@@ -146,7 +146,7 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in _FINISH_REASONS
 
     # changes
     def append_token(
@@ -264,7 +264,7 @@ class SequenceGroup:
         return [seq for seq in self.seqs if status is None or seq.status == status]
 
     def get_unfinished_seqs(self) -> list[Sequence]:
-        return [seq for seq in self.seqs if not seq.is_finished()]
+        return [seq for seq in self.seqs if seq.status not in _FINISH_REASONS]
 
     def find(self, seq_id: int) -> Sequence:
         for seq in self.seqs:
@@ -281,7 +281,7 @@ class SequenceGroup:
         self.seqs.remove(self.find(seq_id))
 
     def is_finished(self) -> bool:
-        return all(seq.is_finished() for seq in self.seqs)
+        return all(seq.status in _FINISH_REASONS for seq in self.seqs)
 
     @property
     def max_width(self) -> int:
