@@ -123,7 +123,7 @@ class KVCacheManager:
     def block_table(self, seq_id: SeqId) -> tuple[int, ...]:
         """The sequence's physical block ids (CPU block ids while it is swapped out): the
         table's own tuple, the same object until a block is added, copied or moved."""
-        return self._table(seq_id).blocks
+        return (self._tables.get(seq_id) or self._table(seq_id)).blocks
 
     def num_slots(self, seq_id: SeqId) -> int:
         """Token slots the sequence's table covers: its blocks' fills (for pictures and tests;
@@ -215,7 +215,7 @@ class KVCacheManager:
         table = self._gpu_table(seq_id)
         covered = self._check_growth(table, num_tokens)
         needed = table.blocks_to_append(num_tokens, covered)
-        if needed > self.num_free_blocks:
+        if needed and needed > self.num_free_blocks:
             raise NoFreeBlocksError("GPU", needed, self.num_free_blocks)
         return table.append(num_tokens, covered)
 

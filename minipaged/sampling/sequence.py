@@ -247,6 +247,7 @@ class SequenceGroup:
         now = time.monotonic() if arrival_time is None else arrival_time
         self.metrics = RequestMetrics(arrival_time=now)
         self._generators: dict[int, torch.Generator] = {}
+        self._rows: dict[int, SamplingRow] = {}  # by sample index: rows without per-step state
 
     def __repr__(self) -> str:
         return f"SequenceGroup(request_id={self.request_id!r}, seqs={self.seqs})"
@@ -307,13 +308,19 @@ class SequenceGroup:
         self, seq: Sequence, eos_token_ids: Collection[int] = (), device: torch.device | str = "cpu"
     ) -> SamplingRow:
         """What the sampler needs for `seq`'s next token on logits on `device`: its history
-        (copied only when penalties read it), its generator, its bans."""
+        (copied only when penalties read it), its generator, its bans. Without penalties or
+        bans a sample's row is the same every step: it is made once."""
+        if (row := self._rows.get(seq.sample_index)) is not None:
+            return row
         params = self.sampling_params
         history = (seq.prompt_token_ids, seq.output_token_ids) if params.has_penalties else ()
         banned = min_tokens_banned_ids(params, len(seq.token_ids) - seq.num_prompt_tokens,
                                        eos_token_ids) if params.min_tokens else ()
         generator = None if params.seed is None else self.generator_for(seq.sample_index, device)
-        return SamplingRow(params, *history, generator=generator, banned_token_ids=banned)
+        row = SamplingRow(params, *history, generator=generator, banned_token_ids=banned)
+        if not (history or banned):
+            self._rows[seq.sample_index] = row
+        return row
 
     def by_beam_score(
         self, seqs: list[Sequence], eos_token_ids: Collection[int] = ()

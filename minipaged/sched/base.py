@@ -239,8 +239,12 @@ class Scheduler(ABC):
         return self.states[seqs[0].status].blocks_needed(seqs)
 
     def can_grow(self, seqs: list[Sequence]) -> bool:
-        """Whether every running sequence of a group gets the slots of its pending tokens."""
-        return self.grow_blocks(seqs) <= self.kv_manager.num_free_blocks
+        """Whether every running sequence of a group gets the slots of its pending tokens. A
+        sequence takes at most a block per pending token and a copy-on-write copy: with that
+        many free (most decode steps) nothing needs counting."""
+        free = self.kv_manager.num_free_blocks
+        bound = sum([len(s.token_ids) - s.num_computed_tokens + 1 for s in seqs])
+        return bound <= free or self.grow_blocks(seqs) <= free
 
     def grow_blocks(self, seqs: list[Sequence]) -> int:
         """GPU blocks a running group takes for the slots of its pending tokens."""
@@ -339,11 +343,12 @@ class Scheduler(ABC):
 
     # -- moves ------------------------------------------------------------------------------------
 
-    def run(self, group: SequenceGroup, out: SchedulerOutput, budget: StepBudget) -> None:
+    def run(self, group: SequenceGroup, out: SchedulerOutput, budget: StepBudget,
+            seqs: list[Sequence] | None = None) -> None:
         """Put a group's blocks in the GPU pool if they are not (admit or swap in), give its
-        sequences the slots of their pending tokens, and schedule what the budget allows.
-        The caller checked `fits`."""
-        seqs = group.get_unfinished_seqs()
+        sequences (`seqs`: its unfinished ones, when the caller has them) the slots of their
+        pending tokens, and schedule what the budget allows. The caller checked `fits`."""
+        seqs = seqs or group.get_unfinished_seqs()
         to_gpu = self.states[seqs[0].status].to_gpu
         if to_gpu is not None:
             to_gpu(group, out)
