@@ -312,9 +312,8 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         marks.append(time.perf_counter())
         for group in update.finished:
             self._groups.pop(group.request_id, None)
-        streams = self._streams
+        streams, eos = self._streams, self.processor.eos_token_ids
         touched = [g for g in update.touched if not final_only or g.request_id in streams]
-        eos = self.processor.eos_token_ids
         outputs = [g.to_request_output(eos) for g in dict.fromkeys(touched + update.finished)]
         self._finished = {o.request_id: o for o in outputs if o.finished}  # for `get_request`
         for output in (o for o in outputs if o.request_id in streams):

@@ -187,10 +187,8 @@ class OutputProcessor:
         group = samples[0].group
         if group.sampling_params.use_beam_search:
             next_logprobs = self.sampler.beam_logprobs(logits[rows], sampling_rows)
-            advance_beams(
-                self.scheduler, group, [s.seq for s in samples], next_logprobs, self.seq_ids,
-                eos, self.max_model_len,
-            )
+            advance_beams(self.scheduler, group, [s.seq for s in samples], next_logprobs,
+                          self.seq_ids, eos, self.max_model_len)
             return
         in_order = rows == list(range(logits.shape[0]))  # a decode step's: no copy
         result = self.sampler(logits if in_order else logits[rows], sampling_rows)

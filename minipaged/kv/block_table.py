@@ -47,18 +47,15 @@ class BlockTable:
         last = self.cpu.num_tokens[blocks[-1]] if self.on_cpu else gpu.blocks[blocks[-1]].num_tokens
         return (len(blocks) - 1) * gpu.block_size + last
 
-    def shared_and_partial(self, covered: int) -> bool:
-        """Whether the last block, holding slot `covered - 1`, is partly filled and shared."""
-        return covered % self.gpu.block_size != 0 and self.gpu.blocks[self.blocks[-1]].ref_count > 1
-
     def blocks_to_append(self, num_tokens: int, covered: int | None = None) -> int:
         """Free GPU blocks `append(num_tokens)` takes: new blocks plus a copy-on-write copy
         (`covered`: `num_slots`, when the caller has it)."""
         covered = self.num_slots if covered is None else covered
         if num_tokens <= covered:
             return 0
-        new_blocks = -(-num_tokens // self.gpu.block_size) - len(self.blocks)
-        return new_blocks + self.shared_and_partial(covered)
+        bs, gpu = self.gpu.block_size, self.gpu  # a copy when the last block is partial and shared:
+        cow = covered % bs != 0 and gpu.blocks[self.blocks[-1]].ref_count > 1
+        return -(-num_tokens // bs) - len(self.blocks) + cow
 
     def append(self, num_tokens: int, covered: int | None = None) -> list[BlockCopy]:
         """Cover the first `num_tokens` tokens (the caller made sure `blocks_to_append` blocks
@@ -71,7 +68,7 @@ class BlockTable:
         if num_tokens == covered:
             return []
         copies: list[BlockCopy] = []
-        if self.shared_and_partial(covered):
+        if covered % pool.block_size and pool.blocks[blocks[-1]].ref_count > 1:  # copy on write
             src = blocks[-1]
             dst = pool.take_free(num_tokens=pool.blocks[src].num_tokens)
             pool.release(src)

@@ -97,10 +97,8 @@ def flat_batch(entries: Sequence[ScheduledSequence], block_size: int, num_blocks
         rows.append(row)
         input_ids += entry.token_ids
         positions += range(start, end)
-        if end - start == 1:  # a decode's one slot
-            slots.append(table[start // bs] * bs + start % bs)
-        else:
-            slots += [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+        slots += ([table[start // bs] * bs + start % bs] if end - start == 1  # a decode's
+                  else [table[pos // bs] * bs + pos % bs for pos in range(start, end)])
         query_start_loc.append(query_start_loc[-1] + end - start)
         seq_lens.append(end)
     if len(set(slots)) != len(slots):

@@ -275,11 +275,8 @@ class Sampler:
                 processed[random_rows], [rows[i] for i in random_rows]
             )
 
-        out = SamplerOutput(
-            token_ids=token_ids,
-            logprobs=logprobs.gather(1, token_ids[:, None])[:, 0],
-            num_logprobs=[row.params.logprobs for row in rows],
-        )
+        out = SamplerOutput(token_ids, logprobs.gather(1, token_ids[:, None])[:, 0],
+                            num_logprobs=[row.params.logprobs for row in rows])
         max_k = max((row.params.logprobs or 0 for row in rows), default=0)
         if max_k > 0:
             top = logprobs.topk(min(max_k, logprobs.shape[1]), dim=-1)

@@ -122,10 +122,8 @@ class Sequence:
         self.stop_reason: int | str | None = None
 
     def __repr__(self) -> str:
-        return (
-            f"Sequence(seq_id={self.seq_id}, status={self.status.name}, "
-            f"prompt_len={self.get_prompt_len()}, output_len={self.get_output_len()})"
-        )
+        return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, "
+                f"prompt_len={self.get_prompt_len()}, output_len={self.get_output_len()})")
 
     # lengths and tokens: one list, appended to, never copied on a step
     @property
@@ -244,8 +242,7 @@ class SequenceGroup:
         self.seqs = list(seqs)
         self.sampling_params = sampling_params
         self.prompt = prompt
-        now = time.monotonic() if arrival_time is None else arrival_time
-        self.metrics = RequestMetrics(arrival_time=now)
+        self.metrics = RequestMetrics(time.monotonic() if arrival_time is None else arrival_time)
         self._generators: dict[int, torch.Generator] = {}
         self._rows: dict[int, SamplingRow] = {}  # by sample index: rows without per-step state
 
@@ -336,10 +333,9 @@ class SequenceGroup:
         held back (as vLLM does), so streamed text never has to be taken back when the stop
         string completes and is cut off."""
         params = self.sampling_params
-        hold_back = max((len(stop) for stop in params.stop), default=1) - 1
+        hold_back = 0 if params.use_beam_search else max(map(len, params.stop), default=1) - 1
         if params.use_beam_search:
             indexed = list(enumerate(self.by_beam_score(self.seqs, eos_token_ids)[: params.n]))
-            hold_back = 0
         else:
             indexed = [(s.sample_index, s) for s in sorted(self.seqs, key=lambda s: s.sample_index)]
         outputs = [

@@ -51,7 +51,8 @@ def test_appends_forks_and_releases_keep_every_count_exact(block_size, ops):
             needed = table.blocks_to_append(tokens_before + n)
             if needed > len(pool.free):
                 continue  # the scheduler would not schedule it
-            was_shared_partial = tokens_before > 0 and table.shared_and_partial(tokens_before)
+            was_shared_partial = (tokens_before % block_size != 0
+                                  and pool.blocks[table.blocks[-1]].ref_count > 1)
             old_last = table.blocks[-1] if table.blocks else None
             blocks_before = table.blocks
             free_before = len(pool.free)
