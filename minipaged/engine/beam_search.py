@@ -72,7 +72,7 @@ def advance_beams(
         # max_tokens or the context: the beam ends as it is (stop tokens were handled above)
         finish_if_stopped(beam, params, (), max_model_len)
     # Keep the `beam_width` best finished beams.
-    hypotheses = group.by_beam_score(group.get_finished_seqs(), eos_token_ids)
+    hypotheses = group.by_beam_score([s for s in group.seqs if s.is_finished()], eos_token_ids)
     for seq in hypotheses[width:]:
         scheduler.free_sequence(group, seq)
     if _is_done(group, eos_token_ids):
@@ -98,7 +98,7 @@ def _is_done(group: SequenceGroup, eos_token_ids: Collection[int]) -> bool:
     live = group.get_unfinished_seqs()
     if not live:
         return True
-    done = group.get_finished_seqs()
+    done = [s for s in group.seqs if s.is_finished()]
     scores = [s.beam_search_score(params.length_penalty, eos_token_ids) for s in done]
     best = max(live, key=lambda s: s.cumulative_logprob)
     return beam_search_is_done(

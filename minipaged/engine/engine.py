@@ -105,8 +105,7 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos_token_ids.add(tokenizer.eos_token_id)
         platform = getattr(runner, "platform", None) or Platform(config.torch_device)
-        sampler = Sampler(torch.Generator().manual_seed(config.seed),
-                          greedy_tokens=platform.greedy_tokens)
+        sampler = Sampler(greedy_tokens=platform.greedy_tokens, seed=config.seed)
         self.processor = processor(scheduler, sampler, eos_token_ids=eos_token_ids,
                                    max_model_len=self.max_model_len, clock=clock)
         self._groups: dict[str, SequenceGroup] = {}
@@ -213,8 +212,9 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
     def get_request(self, request_id: str) -> RequestOutput | None:
         """The current output of a running request, or the final one of a request that finished
         in the last step; None for any other id."""
-        group = self._groups.get(str(request_id))
-        return self._finished.get(str(request_id)) if group is None else self._request_output(group)
+        request_id, eos = str(request_id), self.processor.eos_token_ids
+        group = self._groups.get(request_id)
+        return self._finished.get(request_id) if group is None else group.to_request_output(eos)
 
     def get_sampling_params(self, request_id: str) -> SamplingParams | None:
         """The sampling parameters of a running request (None when it is not running)."""
@@ -233,9 +233,11 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
 
     # -- one step ---------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule, execute and update one step; return the requests that got new tokens or
-        finished."""
+    def step(self, *, final_only: bool = False) -> list[RequestOutput]:
+        """Schedule, execute and update one step; return the outputs of the requests that got
+        new tokens or finished. `final_only` (vLLM's FINAL_ONLY: `run_until_done`, streams)
+        builds only those of the requests that finished or have an open stream (which queues
+        them): no output is built that nobody reads."""
         marks, start = [time.perf_counter()], self.clock()
         plan = self.scheduler.schedule(start)
         marks.append(time.perf_counter())
@@ -247,12 +249,17 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         except Exception:  # not one request's fault (those fail alone): the step's requests end
             logger.exception("step %d failed after its forward pass", self._num_steps)
             self.processor.fail([s.request_id for s in update.plan.scheduled], update)
+        marks.append(time.perf_counter())
         for group in update.finished:
             self._groups.pop(group.request_id, None)
-        changed = {id(g): g for g in update.touched + update.finished}.values()
-        outputs = self._publish([self._request_output(g) for g in changed])
+        streams, eos = self._streams, self.processor.eos_token_ids
+        touched = [g for g in update.touched if not final_only or g.request_id in streams]
+        outputs = [g.to_request_output(eos) for g in dict.fromkeys(touched + update.finished)]
+        self._finished = {o.request_id: o for o in outputs if o.finished}  # for `get_request`
+        for output in (o for o in outputs if o.request_id in streams):
+            streams[output.request_id].append(output)
         marks.append(time.perf_counter())
-        if self._observers:  # `marks`: the start, then after scheduling, executing and updating
+        if self._observers:  # `marks`: the start, then after each phase
             phases = [b - a for a, b in itertools.pairwise(marks)]
             record = StepRecord(
                 self._num_steps, start, self.clock(), plan, num_running,
@@ -292,27 +299,6 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         )
         return torch.cat(rows) if rows else torch.empty(0, 0), update
 
-    def _publish(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Keep the step's finished outputs for `get_request` and queue every output of a
-        request with an open stream for that stream."""
-        self._finished = {o.request_id: o for o in outputs if o.finished}
-        for output in outputs:
-            if output.request_id in self._streams:
-                self._streams[output.request_id].append(output)
-        return outputs
-
-    def _request_output(self, group: SequenceGroup) -> RequestOutput:
-        """The user's view of a request. While a sample runs, the end of its text that may be
-        the start of a stop string is held back (as vLLM does), so streamed text never has to be
-        taken back when the stop string completes and is cut off."""
-        output = group.to_request_output(self.processor.eos_token_ids)
-        hold_back = max((len(stop) for stop in group.sampling_params.stop), default=1) - 1
-        if hold_back and not group.sampling_params.use_beam_search:
-            by_index = {seq.sample_index: seq for seq in group.seqs}
-            for completion in output.outputs:
-                completion.text = by_index[completion.index].stream_text(hold_back)
-        return output
-
     def stream(self, request_id: str) -> RequestStream:
         """Follow `request_id`: iterating yields its output after every step that gave it new
         tokens, stepping the engine when none is waiting; the last one is `finished`. Other
@@ -347,7 +333,7 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         total = len(self._groups)
         with tqdm(total=total, desc="requests", disable=not use_tqdm, unit="req") as bar:
             while self.has_unfinished_requests():
-                for output in self.step():
+                for output in self.step(final_only=True):
                     if output.finished:
                         finals[output.request_id] = output
                         bar.update(1)

@@ -13,8 +13,7 @@ of the step is sampled again on its own, and only those that fail alone end with
 `sample` with made-up tokens and keeps the rest.
 
 The step's sampling sequences come from the scheduler as `GroupMember`s, in the order of the
-logits' rows; grouped by request they become `RequestSamples`, with a finished prompt's forks
-sharing its row.
+logits' rows; with a finished prompt's forks, which share its row, they become `Sample`s.
 """
 
 from __future__ import annotations
@@ -45,15 +44,13 @@ logger = logging.getLogger(__name__)
 # -- data types -----------------------------------------------------------------------------------
 
 
-class RequestSamples(NamedTuple):
-    """One request's sequences that sample this step, and the row of the logits each reads: a
-    request is sampled (and, on failure, retried) as a whole, and a finished prompt's forked
-    samples share its row."""
+class Sample(NamedTuple):
+    """One sequence that samples this step, its request, and the row of the logits it reads
+    (a finished prompt's forked samples share its row)."""
 
     group: SequenceGroup
-    seqs: list[Sequence]
-    rows: list[int]
-
+    seq: Sequence
+    row: int
 
 
 @dataclass
@@ -120,16 +117,14 @@ class OutputProcessor:
         """Everything after the forward pass of `update.plan`, whose sampling sequences' rows
         are `logits` (in plan order); `update` may already hold requests the forward pass
         failed."""
-        self.scheduler.mark_computed(update.plan)
-        members = self.scheduler.resolve(s for s in update.plan.scheduled if s.needs_logits)
+        members = self.scheduler.mark_computed(update.plan)
         now = self.clock()
-        touched = list({id(group): group for group, _ in members}.values())
+        touched = list(dict.fromkeys(group for group, _ in members))
         for group in touched:
             if group.metrics.first_token_time is None:  # time to first token ends here
                 group.metrics.first_token_time = now
         self.sample_isolated(members, logits, update)
-        failed = set(update.failed)
-        update.touched = [g for g in touched if g.request_id not in failed]
+        update.touched = [g for g in touched if g.request_id not in update.failed]
         finished = self.scheduler.finish_step()
         end = self.clock()
         for group in finished:
@@ -141,82 +136,62 @@ class OutputProcessor:
         self, members: list[GroupMember], logits: Tensor, update: StepUpdate
     ) -> None:
         """`sample` the step's requests (`members`: the sampling sequences, row `i` of `logits`
-        the `i`-th's); when that fails, each request again on its own, and only those that fail
-        alone end with "error" (a request's own parameters never end another's). Forks come
-        first, outside the retries: they are bookkeeping that bad parameters cannot break, and
-        a retry must not fork twice."""
-        requests = self.requests_of(members)
-        beams = [r for r in requests if r.group.sampling_params.use_beam_search]
-        plain = [r for r in requests if not r.group.sampling_params.use_beam_search]
-        # each request's beams advance on their own
-        failed = [r.group.request_id for r in beams if not self.try_sample([r], logits)]
-        if plain and not self.try_sample(plain, logits):
+        the `i`-th's): each beam-search request on its own, the others at once; when that
+        fails, each of them again on its own, and only those that fail alone end with "error"
+        (a request's own parameters never end another's). Forks come first, outside the
+        retries: they are bookkeeping that bad parameters cannot break, and a retry must not
+        fork twice."""
+        samples = self.samples_of(members)
+        plain = [s for s in samples if not s.group.sampling_params.use_beam_search]
+        if plain and self.try_sample(plain, logits):  # what is left: beam search
+            samples = [s for s in samples if s.group.sampling_params.use_beam_search]
+        elif plain:
             logger.warning("sampling the step failed; sampling its requests one at a time")
-            failed += [r.group.request_id for r in plain if not self.try_sample([r], logits)]
-        self.fail(failed, update)
+        alone: dict[str, list[Sample]] = {}  # each request on its own
+        for sample in samples:
+            alone.setdefault(sample.group.request_id, []).append(sample)
+        self.fail([r for r, own in alone.items() if not self.try_sample(own, logits)], update)
 
-    def requests_of(self, members: list[GroupMember]) -> list[RequestSamples]:
-        """The step's sampling sequences (row `i` of the logits the `i`-th's) by request; a
-        request whose prompt just finished gets its forked samples here, sharing the prompt's
-        row."""
-        requests: dict[str, RequestSamples] = {}
+    def samples_of(self, members: list[GroupMember]) -> list[Sample]:
+        """The step's sampling sequences with the row of the logits each reads (row `i` the
+        `i`-th member's); a request whose prompt just finished gets its forked samples here,
+        sharing the prompt's row."""
+        samples = []
         for row, (group, seq) in enumerate(members):
-            request = requests.setdefault(group.request_id, RequestSamples(group, [], []))
-            request.seqs.append(seq)
-            request.rows.append(row)
-        for group, seqs, rows in requests.values():
-            if not group.sampling_params.use_beam_search:
-                forks = self.fork_samples(group, seqs[0])
-                seqs += forks
-                rows += [rows[0]] * len(forks)
-        return list(requests.values())
+            samples.append(Sample(group, seq, row))
+            params = group.sampling_params
+            # Parallel sampling (vLLM paper §4.4): once the prompt is done, samples 1..n-1 fork
+            # from sample 0 and share its blocks, through the scheduler (the block tables').
+            for index in range(len(group.seqs), 0 if params.use_beam_search else params.n):
+                child = seq.fork(next(self.seq_ids), sample_index=index)
+                self.scheduler.fork_sequence(group, seq, child)
+                samples.append(Sample(group, child, row))
+        return samples
 
-    def try_sample(self, requests: list[RequestSamples], logits: Tensor) -> bool:
+    def try_sample(self, samples: list[Sample], logits: Tensor) -> bool:
         try:
-            self.sample(requests, logits)
+            self.sample(samples, logits)
         except Exception:
-            names = ", ".join(r.group.request_id for r in requests)
+            names = ", ".join(dict.fromkeys(s.group.request_id for s in samples))
             logger.exception("sampling failed for request(s) %s", names)
             return False
         return True
 
-    def sample(self, requests: list[RequestSamples], logits: Tensor) -> None:
-        """The next token of every sequence of `requests` (their rows of `logits`): plain and
-        parallel samples through the sampler at once, a beam-search request through its beams;
-        then the stop rules."""
-        plain: list[GroupMember] = []
-        plain_rows: list[int] = []
-        for group, seqs, rows in requests:
-            if group.sampling_params.use_beam_search:
-                beam_rows = [group.sampling_row(b, self.eos_token_ids) for b in seqs]
-                next_logprobs = self.sampler.beam_logprobs(logits[rows], beam_rows)
-                advance_beams(
-                    self.scheduler, group, seqs, next_logprobs, self.seq_ids,
-                    self.eos_token_ids, self.max_model_len,
-                )
-                continue
-            plain += [GroupMember(group, seq) for seq in seqs]
-            plain_rows += rows
-        if not plain:
+    def sample(self, samples: list[Sample], logits: Tensor) -> None:
+        """The next token of every sample (of one beam-search request, its beams; else of any
+        requests at once, through the sampler, in one device-to-host copy); then the stop
+        rules."""
+        rows = [sample.row for sample in samples]
+        device, eos = logits.device, self.eos_token_ids
+        sampling_rows = [group.sampling_row(seq, eos, device) for group, seq, _ in samples]
+        group = samples[0].group
+        if group.sampling_params.use_beam_search:
+            next_logprobs = self.sampler.beam_logprobs(logits[rows], sampling_rows)
+            advance_beams(self.scheduler, group, [s.seq for s in samples], next_logprobs,
+                          self.seq_ids, eos, self.max_model_len)
             return
-        sampling_rows = [group.sampling_row(seq, self.eos_token_ids) for group, seq in plain]
-        in_order = plain_rows == list(range(logits.shape[0]))  # a decode step's: no copy
-        result = self.sampler(logits if in_order else logits[plain_rows], sampling_rows)
-        tokens, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
-        for i, (group, seq) in enumerate(plain):
-            seq.append_token(tokens[i], logprobs[i], result.logprobs_dict(i))
-            self.check_stop(seq, group)
-
-    def fork_samples(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
-        """Parallel sampling (vLLM paper §4.4): once the prompt is done, samples 1..n-1 fork
-        from sample 0 and share its blocks, through the scheduler, which owns the block tables.
-        Returns the new samples (none when the group has them all)."""
-        children = []
-        for index in range(len(group.seqs), group.sampling_params.n):
-            child = parent.fork(next(self.seq_ids), sample_index=index)
-            self.scheduler.fork_sequence(group, parent, child)
-            children.append(child)
-        return children
-
-    def check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
-        finish_if_stopped(seq, group.sampling_params, self.eos_token_ids, self.max_model_len)
+        in_order = rows == list(range(logits.shape[0]))  # a decode step's: no copy
+        result = self.sampler(logits if in_order else logits[rows], sampling_rows)
+        for (group, seq, _), sampled in zip(samples, result.to_host(), strict=True):
+            seq.append_token(*sampled)
+            finish_if_stopped(seq, group.sampling_params, eos, self.max_model_len)

@@ -24,7 +24,8 @@ class StepTimings:
     schedule_s: float  # scheduler.schedule
     forward_s: float  # the block movements and the forward pass (runner.execute)
     update_s: float  # everything after the forward pass: sampling, forks, stops, freeing blocks
-    total_s: float  # the whole step, outputs included
+    outputs_s: float  # the step's `RequestOutput`s, for whoever reads them
+    total_s: float  # the whole step
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ def prompt_token_ids(
 class StreamingEngine(Protocol):
     """What a stream needs of the engine (`LLMEngine`)."""
 
-    def step(self) -> list[RequestOutput]: ...
+    def step(self, *, final_only: bool = False) -> list[RequestOutput]: ...
 
     def get_sampling_params(self, request_id: str) -> SamplingParams | None: ...
 
@@ -98,7 +98,7 @@ class RequestStream(Iterator[RequestOutput]):
             if engine.get_sampling_params(self.request_id) is None:  # aborted elsewhere
                 self.close()
                 raise StopIteration
-            engine.step()
+            engine.step(final_only=True)  # this stream's output, and no one else's unread
         output = pending.popleft()
         if output.finished:
             self.close()

@@ -17,7 +17,6 @@ to the GPU pool's prefix cache (`minipaged.kv.pool`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -31,7 +30,9 @@ class BlockTable:
 
     gpu: GPUPool
     cpu: CPUPool
-    blocks: list[int]  # GPU block ids, or CPU block ids while swapped out
+    # GPU block ids, or CPU block ids while swapped out: a tuple, replaced (not changed) when
+    # a block is added, copied on write or moved, so that the same object means the same table
+    blocks: tuple[int, ...]
     block_hashes: list[bytes]  # chained hashes of the full blocks known so far
     num_registered_blocks: int  # blocks [0, n) offered to the prefix cache
     on_cpu: bool = False
@@ -40,57 +41,56 @@ class BlockTable:
     def num_slots(self) -> int:
         """Token slots the table covers: every block but the last is full, the last holds its
         fill."""
-        if not self.blocks:
+        blocks, gpu = self.blocks, self.gpu
+        if not blocks:
             return 0
-        return (len(self.blocks) - 1) * self.gpu.block_size + self.fill(self.blocks[-1])
+        last = self.cpu.num_tokens[blocks[-1]] if self.on_cpu else gpu.blocks[blocks[-1]].num_tokens
+        return (len(blocks) - 1) * gpu.block_size + last
 
-    def fill(self, block_id: int) -> int:
-        """Slots of one of the table's blocks holding tokens, from the pool it is in."""
-        if self.on_cpu:
-            return self.cpu.num_tokens[block_id]
-        return self.gpu.blocks[block_id].num_tokens
-
-    @property
-    def last_block_is_shared_and_partial(self) -> bool:
-        return (
-            self.num_slots % self.gpu.block_size != 0
-            and self.gpu.blocks[self.blocks[-1]].ref_count > 1
-        )
-
-    def blocks_to_append(self, num_tokens: int) -> int:
-        """Free GPU blocks `append(num_tokens)` takes: new blocks plus a copy-on-write copy."""
-        if num_tokens <= self.num_slots:
+    def blocks_to_append(self, num_tokens: int, covered: int | None = None) -> int:
+        """Free GPU blocks `append(num_tokens)` takes: new blocks plus a copy-on-write copy
+        (`covered`: `num_slots`, when the caller has it)."""
+        covered = self.num_slots if covered is None else covered
+        if num_tokens <= covered:
             return 0
-        new_blocks = math.ceil(num_tokens / self.gpu.block_size) - len(self.blocks)
-        return new_blocks + int(self.last_block_is_shared_and_partial)
+        bs, gpu = self.gpu.block_size, self.gpu  # a copy when the last block is partial and shared:
+        cow = covered % bs != 0 and gpu.blocks[self.blocks[-1]].ref_count > 1
+        return -(-num_tokens // bs) - len(self.blocks) + cow
 
-    def append(self, num_tokens: int) -> list[BlockCopy]:
+    def append(self, num_tokens: int, covered: int | None = None) -> list[BlockCopy]:
         """Cover the first `num_tokens` tokens (the caller made sure `blocks_to_append` blocks
-        are free, and that the table covers no more); returns the copy-on-write copy, if the
-        last block was shared and partly filled."""
-        pool, covered = self.gpu, self.num_slots
-        copies: list[BlockCopy] = []
+        are free, and that the table covers no more than `covered`, its `num_slots`); returns
+        the copy-on-write copy, if the last block was shared and partly filled. Within the last
+        block's free slots (most decode steps) only its fill changes: the table stays the same
+        object."""
+        pool, blocks = self.gpu, self.blocks
+        covered = self.num_slots if covered is None else covered
         if num_tokens == covered:
-            return copies
-        if self.last_block_is_shared_and_partial:
-            src = self.blocks[-1]
+            return []
+        copies: list[BlockCopy] = []
+        if covered % pool.block_size and pool.blocks[blocks[-1]].ref_count > 1:  # copy on write
+            src = blocks[-1]
             dst = pool.take_free(num_tokens=pool.blocks[src].num_tokens)
             pool.release(src)
-            self.blocks[-1] = dst
+            blocks = blocks[:-1] + (dst,)
             copies.append((src, dst))
         bs = pool.block_size
-        if self.blocks:
-            pool.set_num_tokens(self.blocks[-1], min(bs, num_tokens - (len(self.blocks) - 1) * bs))
-        for index in range(len(self.blocks), math.ceil(num_tokens / bs)):
-            self.blocks.append(pool.take_free(num_tokens=min(bs, num_tokens - index * bs)))
+        if blocks:
+            pool.set_num_tokens(blocks[-1], min(bs, num_tokens - (len(blocks) - 1) * bs))
+        new = range(len(blocks), -(-num_tokens // bs))
+        self.blocks = blocks + tuple(
+            pool.take_free(num_tokens=min(bs, num_tokens - i * bs)) for i in new
+        ) if new else blocks
         return copies
 
     def register_computed(self, computed: Sequence[int]) -> None:
         """Hash the full blocks of the computed prefix `computed` and offer them to the cache."""
         bs = self.gpu.block_size
         num_full = len(computed) // bs
+        if num_full <= self.num_registered_blocks:  # most steps fill no block: nothing to do
+            return
         start = len(self.block_hashes)  # the hashes of blocks [start, num_full) are new
-        if start < num_full:  # most steps fill no block: nothing to hash
+        if start < num_full:
             parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
             new_tokens = as_token_ids(computed[start * bs : num_full * bs], "computed_token_ids")
             self.block_hashes.extend(chained_hashes(new_tokens, bs, 0, parent))
@@ -104,7 +104,7 @@ class BlockTable:
         """A table sharing every block of this one (in the GPU pool)."""
         for block_id in self.blocks:
             self.gpu.take_shared(block_id)
-        return replace(self, blocks=list(self.blocks), block_hashes=list(self.block_hashes))
+        return replace(self, block_hashes=list(self.block_hashes))
 
     def release(self) -> None:
         """Drop this table's references (cached blocks stay findable until evicted)."""
@@ -121,10 +121,10 @@ class BlockTable:
     ) -> None:
         """Check this table and add its references and GPU block fills to the counts the pools
         are then checked against; raise AssertionError naming the first broken invariant."""
-        bs = self.gpu.block_size
+        bs, gpu = self.gpu.block_size, self.gpu
         assert self.blocks, f"sequence {name} has no blocks"
         for index, block_id in enumerate(self.blocks):
-            fill = self.fill(block_id)
+            fill = self.cpu.num_tokens[block_id] if self.on_cpu else gpu.blocks[block_id].num_tokens
             last = index == len(self.blocks) - 1
             assert (0 < fill <= bs) if last else fill == bs, (
                 f"sequence {name}: block {block_id} at position {index} holds {fill} of {bs} "

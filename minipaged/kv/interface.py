@@ -206,8 +206,8 @@ class KVManager(Protocol):
 
     # -- queries ----------------------------------------------------------------------------------
 
-    def block_table(self, seq_id: SeqId) -> list[int]:
-        """The sequence's physical block ids, logical block 0 first (a copy)."""
+    def block_table(self, seq_id: SeqId) -> tuple[int, ...]:
+        """The sequence's physical block ids, logical block 0 first (immutable)."""
 
     def memory_usage(self) -> MemoryUsage:
         """The GPU pool's slots by the paper's Fig. 2 categories."""

@@ -120,9 +120,10 @@ class KVCacheManager:
     def seq_ids(self) -> list[SeqId]:
         return list(self._tables)
 
-    def block_table(self, seq_id: SeqId) -> list[int]:
-        """The sequence's physical block ids (CPU block ids while it is swapped out)."""
-        return list(self._table(seq_id).blocks)
+    def block_table(self, seq_id: SeqId) -> tuple[int, ...]:
+        """The sequence's physical block ids (CPU block ids while it is swapped out): the
+        table's own tuple, the same object until a block is added, copied or moved."""
+        return (self._tables.get(seq_id) or self._table(seq_id)).blocks
 
     def num_slots(self, seq_id: SeqId) -> int:
         """Token slots the sequence's table covers: its blocks' fills (for pictures and tests;
@@ -183,7 +184,7 @@ class KVCacheManager:
             self.prefix_cache_misses += (len(tokens) - 1) // self.block_size - len(hits)
         for block_id in hits:
             self._gpu.take_shared(block_id)
-        table = BlockTable(self._gpu, self._cpu, list(hits), hashes, len(hits))
+        table = BlockTable(self._gpu, self._cpu, tuple(hits), hashes, len(hits))
         table.append(len(tokens))
         self._tables[seq_id] = table
         return len(hits) * self.block_size
@@ -193,8 +194,7 @@ class KVCacheManager:
         plus a copy-on-write copy); the scheduler sums them over a group whose sequences must
         grow together."""
         table = self._gpu_table(seq_id)
-        self._check_growth(table, num_tokens)
-        return table.blocks_to_append(num_tokens)
+        return table.blocks_to_append(num_tokens, self._check_growth(table, num_tokens))
 
     def can_append(self, seq_id: SeqId, *, num_tokens: int) -> bool:
         """Whether `append_slots` would find enough free blocks to cover `num_tokens` tokens.
@@ -212,10 +212,12 @@ class KVCacheManager:
         private copy: the engine must copy block `src` to `dst` for every returned pair before
         writing the new tokens. Raises `NoFreeBlocksError` (state untouched) when short.
         """
-        needed = self.num_blocks_to_append(seq_id, num_tokens=num_tokens)
-        if needed > self.num_free_blocks:
+        table = self._gpu_table(seq_id)
+        covered = self._check_growth(table, num_tokens)
+        needed = table.blocks_to_append(num_tokens, covered)
+        if needed and needed > self.num_free_blocks:
             raise NoFreeBlocksError("GPU", needed, self.num_free_blocks)
-        return self._tables[seq_id].append(num_tokens)
+        return table.append(num_tokens, covered)
 
     def mark_computed(self, seq_id: SeqId, computed_token_ids: Sequence[int]) -> None:
         """Record that the K/V of the sequence's computed prefix `computed_token_ids` (from its
@@ -260,7 +262,7 @@ class KVCacheManager:
             raise NoFreeBlocksError("CPU", len(uses), self.num_free_cpu_blocks)
         cpu_tables, copies = self._cpu.move_out([t.blocks for t in group], self._gpu)
         for table, blocks in zip(group, cpu_tables, strict=True):
-            table.blocks, table.on_cpu = blocks, True
+            table.blocks, table.on_cpu = tuple(blocks), True
         return copies
 
     def can_swap_in(self, seq_ids: SeqId | Sequence[SeqId]) -> bool:
@@ -291,7 +293,7 @@ class KVCacheManager:
             raise NoFreeBlocksError("GPU", len(uses), self.num_free_blocks)
         gpu_tables, copies = self._cpu.move_in([t.blocks for t in group], self._gpu)
         for table, blocks in zip(group, gpu_tables, strict=True):
-            table.blocks, table.on_cpu, table.num_registered_blocks = blocks, False, 0
+            table.blocks, table.on_cpu, table.num_registered_blocks = tuple(blocks), False, 0
         return copies
 
     # -- invariants -------------------------------------------------------------------------------
@@ -316,7 +318,7 @@ class KVCacheManager:
             raise KVCacheError(f"unknown sequence {seq_id!r}") from None
 
     def _gpu_table(self, seq_id: SeqId) -> BlockTable:
-        table = self._table(seq_id)
+        table = self._tables.get(seq_id) or self._table(seq_id)  # `_table` names a missing one
         if table.on_cpu:
             raise KVCacheError(f"sequence {seq_id!r} is swapped out; swap it in first")
         return table
@@ -325,7 +327,9 @@ class KVCacheManager:
     def _check_growth(table: BlockTable, num_tokens: int) -> int:
         """The slots `table` covers, after checking that `num_tokens` is a length it may grow
         to (a table never shrinks: a sequence's tokens are only ever appended)."""
-        if not isinstance(num_tokens, Integral) or isinstance(num_tokens, bool):
+        if type(num_tokens) is not int and (  # the common case first: a plain int
+            not isinstance(num_tokens, Integral) or isinstance(num_tokens, bool)
+        ):
             raise KVCacheError(f"num_tokens must be an integer, got {num_tokens!r}")
         covered = table.num_slots
         if num_tokens < covered:

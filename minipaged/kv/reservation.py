@@ -171,11 +171,11 @@ class ReservationKVCacheManager:
         """Slots of the sequence's chunk holding its tokens (for pictures and tests)."""
         return self._member(seq_id).num_slots
 
-    def block_table(self, seq_id: SeqId) -> list[int]:
+    def block_table(self, seq_id: SeqId) -> tuple[int, ...]:
         """The chunk's first blocks, as many as the sequence's tokens fill: consecutive ids."""
         member = self._member(seq_id)
         start = member.chunk.offset
-        return list(range(start, start + self.num_blocks_for(member.num_slots)))
+        return tuple(range(start, start + self.num_blocks_for(member.num_slots)))
 
     def reserved_blocks(self, seq_id: SeqId) -> int:
         """Blocks of the sequence's chunk (after the allocator's rounding)."""

@@ -23,11 +23,11 @@ buffers are the static buffers themselves, and nothing is copied).
 
 from __future__ import annotations
 
-import ctypes
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -58,7 +58,7 @@ class StaticBatch:
     """The static inputs of every captured step: `[rows]` token ids, positions, slot mapping and
     sequence lengths, `[rows + 1]` query starts (one query per row) and `[rows, max_blocks]`
     block tables, as views of one device buffer, and their host twins, as views of one host
-    buffer, written through `ctypes` without a PyTorch operator. `copies` (a GPU's platform):
+    buffer, written through numpy without a PyTorch operator. `copies` (a GPU's platform):
     the host buffer (pinned with `pin_memory`) is copied to a buffer on `device`; else the
     device reads the host buffer itself (a CPU)."""
 
@@ -80,42 +80,38 @@ class StaticBatch:
                                   (self.views, self.device_memory)):
                 views[name] = memory[offset:offset + size].view(dtype).view(shapes[name])
             offset += size
-        self.c = {name: _c_array(self.host[name]) for name, _ in FIELDS}
+        self.arrays = {name: self.host[name].numpy() for name, _ in FIELDS}
         self.rows, self.max_blocks = rows, max_blocks
         self.tables_at = nbytes - rows * max_blocks * 4  # the block tables come last (`FIELDS`)
-        # Each row's table as the device has it: the flat batch's tuples, kept as they are.
-        self.held: list[Sequence[int]] = [PADDED_TABLE] * rows
-        self.c["query_start_loc"][:] = list(range(rows + 1))
+        self.arrays["query_start_loc"][:] = np.arange(rows + 1)
         for name, value in PADDING.items():
-            self.c[name][:] = [value] * rows
-        self._sync(range(rows))
+            self.arrays[name][:] = value
+        self._sync(np.arange(rows))
 
     def write(self, batch: FlatBatch, rows: int) -> None:
         """`batch`'s decodes into the first rows, the rest of `rows` padded (`PADDING`), then
         the copy to the device: the per-row fields, and the tables of the rows that changed."""
-        n, c, width, held = len(batch.input_ids), self.c, self.max_blocks, self.held
+        n, arrays = len(batch.input_ids), self.arrays
         for name, value in PADDING.items():
-            c[name][:n] = getattr(batch, name)
-            c[name][n:rows] = [value] * (rows - n)
-        tables, changed = c["block_tables"], []
-        for row, table in enumerate([*batch.block_tables, *[PADDED_TABLE] * (rows - n)]):
-            if table != held[row]:  # a table may run past the context
-                used = min(len(table), width)
-                tables[row * width:row * width + used] = table[:used]
-                held[row] = table
-                changed.append(row)
-        self._sync(changed)
+            arrays[name][:n] = getattr(batch, name)
+            arrays[name][n:rows] = value
+        tables = arrays["block_tables"]
+        held = tables[:rows].copy()  # what the device holds
+        used = min(batch.block_tables.shape[1], self.max_blocks)  # past the context: not read
+        tables[:n, :used] = batch.block_tables[:, :used]
+        tables[n:rows, 0] = 0
+        self._sync(np.flatnonzero((tables[:rows] != held).any(axis=1)))
 
-    def _sync(self, rows: Sequence[int]) -> None:
+    def _sync(self, rows: np.ndarray) -> None:
         """Copy the per-row fields to the device, and the tables of the rows from the first of
-        `rows` (ascending) to the last: one copy each."""
+        `rows` (ascending row indices) to the last: one copy each."""
         if self.device_memory is self.host_memory:
             return
         spans = [(0, self.tables_at)]
-        if rows:
+        if len(rows):
             row_bytes = self.max_blocks * 4
-            spans.append((self.tables_at + rows[0] * row_bytes,
-                          self.tables_at + (rows[-1] + 1) * row_bytes))
+            spans.append((self.tables_at + int(rows[0]) * row_bytes,
+                          self.tables_at + (int(rows[-1]) + 1) * row_bytes))
         for begin, end in spans:
             self.device_memory[begin:end].copy_(self.host_memory[begin:end], non_blocking=True)
 
@@ -185,10 +181,4 @@ class StepGraphs:
             logger.info("decode steps of %d sequences run the modules: %s", size, reason)
             return None
         return Captured(replay, hidden)
-
-
-def _c_array(tensor: Tensor) -> ctypes.Array:
-    """A contiguous int64 or int32 host tensor's elements as a `ctypes` array over its memory."""
-    kind = ctypes.c_int64 if tensor.dtype == torch.int64 else ctypes.c_int32
-    return (kind * tensor.numel()).from_address(tensor.data_ptr())
 

@@ -14,7 +14,7 @@ sampling or scheduling policy.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
+from functools import cached_property, partial
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +31,7 @@ from minipaged.runner.backends import (
     unchecked,
 )
 from minipaged.runner.config import RunnerConfig
-from minipaged.runner.flat_batch import FlatBatch, batch_tensors, flat_batch
+from minipaged.runner.flat_batch import BlockTables, FlatBatch, batch_tensors, flat_batch
 from minipaged.runner.graphs import StepGraphs
 from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 
@@ -160,9 +160,14 @@ class ModelRunner:
         for every layer (`flat_batch`: `ValueError` naming the problem)."""
         return batch_tensors(self.flat_batch(entries), self.device)
 
+    @cached_property
+    def block_tables(self) -> BlockTables:
+        """The block tables of the steps, kept from one to the next (`BlockTables`)."""
+        return BlockTables(self.num_gpu_blocks)
+
     def flat_batch(self, entries: Sequence[ScheduledSequence]) -> FlatBatch:
-        """The step's flat batch as lists, checked against this runner's cache."""
-        batch = flat_batch(entries, self.block_size, self.num_gpu_blocks)
+        """The step's flat batch, checked against this runner's cache."""
+        batch = flat_batch(entries, self.block_size, self.num_gpu_blocks, self.block_tables)
         check_input_ranges(self.model_config, (min(batch.input_ids), max(batch.input_ids)),
                            (min(batch.positions), max(batch.positions)))
         return batch
@@ -186,9 +191,5 @@ class ModelRunner:
         input_ids, positions, metadata = batch_tensors(batch, self.device)
         attention = PagedAttentionBackend(self.kv_caches, metadata, self.layer_ops)
         hidden = self.model(input_ids, positions, attention)
-        last_rows = [
-            end - 1
-            for entry, end in zip(entries, metadata.query_start_loc[1:].tolist(), strict=True)
-            if entry.needs_logits
-        ]
-        return self.model.compute_logits(hidden[last_rows])
+        ends = zip(entries, batch.query_start_loc[1:], strict=True)
+        return self.model.compute_logits(hidden[[end - 1 for e, end in ends if e.needs_logits]])

@@ -1,7 +1,7 @@
 """What a request returns: vLLM's `RequestOutput`, `CompletionOutput` and request metrics.
 
-Plain data, built by `SequenceGroup.to_request_output` (and by the engine, which holds back the
-end of a streamed text that may still become a stop string).
+Plain data, built by `SequenceGroup.to_request_output`, which holds back the end of a running
+sample's text that may still become a stop string.
 """
 
 from __future__ import annotations

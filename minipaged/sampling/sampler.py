@@ -53,7 +53,7 @@ class SamplerOutput:
     """The sampled tokens of one step, row for row.
 
     `top_token_ids` / `top_logprobs` hold the `K` most likely tokens of every row, where `K` is the
-    largest `logprobs` asked for in the batch (None when no row asked); `logprobs_dict` cuts a
+    largest `logprobs` asked for in the batch (None when no row asked); `to_host` cuts each
     row's share.
     """
 
@@ -63,20 +63,24 @@ class SamplerOutput:
     top_logprobs: Tensor | None = None  # [B, K] float32
     num_logprobs: list[int | None] = field(default_factory=list)  # per row, as asked
 
-    def logprobs_dict(self, row: int) -> dict[int, float] | None:
-        """vLLM's per-token logprobs: the row's top `logprobs` alternatives plus the sampled token.
-
-        None when the row did not ask for logprobs.
-        """
-        k = self.num_logprobs[row]
-        if k is None:
-            return None
-        out: dict[int, float] = {}
-        if k > 0 and self.top_token_ids is not None and self.top_logprobs is not None:
-            ids, lps = self.top_token_ids[row, :k].tolist(), self.top_logprobs[row, :k].tolist()
-            out.update(zip(ids, lps, strict=True))
-        out[int(self.token_ids[row])] = float(self.logprobs[row])
-        return out
+    def to_host(self) -> list[tuple[int, float, dict[int, float] | None]]:
+        """Each row's sampled token, its log-probability and vLLM's per-token logprobs (the
+        row's top `logprobs` alternatives plus the sampled token; None when the row did not ask
+        for logprobs), on the host: the tokens and log-probabilities in one device-to-host copy
+        (float64 holds every token id and float32 exactly), the alternatives in a second one,
+        only when a row asked for them."""
+        ids, logprobs = torch.stack((self.token_ids.double(), self.logprobs.double())).tolist()
+        top_ids = top_logprobs = [[]] * len(ids)  # no row asked for alternatives
+        if self.top_token_ids is not None and self.top_logprobs is not None:
+            top_ids, top_logprobs = self.top_token_ids.tolist(), self.top_logprobs.tolist()
+        rows = []
+        for row, k in enumerate(self.num_logprobs):
+            token, alternatives = int(ids[row]), None
+            if k is not None:
+                alternatives = dict(zip(top_ids[row][:k], top_logprobs[row][:k], strict=True))
+                alternatives[token] = logprobs[row]
+            rows.append((token, logprobs[row], alternatives))
+        return rows
 
 
 # --- seeds and bans ----------------------------------------------------------------------------
@@ -96,12 +100,13 @@ def derive_seed(seed: int, sample_index: int) -> int:
     return x ^ (x >> 31)
 
 
-def make_generator(seed: int, sample_index: int = 0) -> torch.Generator:
-    """The CPU random generator of one sample of a seeded request.
-
-    Noise is always drawn on the CPU and then moved, so a seed means the same noise on any device.
-    """
-    return torch.Generator(device="cpu").manual_seed(derive_seed(seed, sample_index))
+def make_generator(
+    seed: int, sample_index: int = 0, device: torch.device | str = "cpu"
+) -> torch.Generator:
+    """The random generator of one sample of a seeded request, on the device of the logits it
+    draws noise for: the noise is drawn where the logits are, with no copy and no sync (a seed
+    then means the same draws on one kind of device, as in vLLM)."""
+    return torch.Generator(device=device).manual_seed(derive_seed(seed, sample_index))
 
 
 def min_tokens_banned_ids(
@@ -238,15 +243,23 @@ def finite_logits(logits: Tensor, fallback: Tensor) -> Tensor:
 class Sampler:
     """Samples one token per row of a [B, V] logits batch; see the module docstring for the order.
 
-    `generator` serves the unseeded random rows: None uses torch's default generator of the
-    logits' device; a generator given here must live on that device. Seeded rows' generators
-    are CPU generators whatever the device (`make_generator`). `greedy_tokens`, a platform's
+    The unseeded random rows draw from `generator`, which must live on the logits' device;
+    with a `seed`, it is made on the logits' device at its first use there (`generator_on`;
+    both None: torch's default generator of that device). Seeded rows'
+    generators live on the logits' device too (`make_generator`). `greedy_tokens`, a platform's
     (`minipaged.platforms.Platform.greedy_tokens`), takes batches of plain greedy rows in one
     call: each row's argmax and its log-probability, or None to leave them to PyTorch.
     """
 
     generator: torch.Generator | None = None
     greedy_tokens: Callable[[Tensor], tuple[Tensor, Tensor] | None] | None = None
+    seed: int | None = None
+
+    def generator_on(self, device: torch.device) -> torch.Generator | None:
+        """The generator of the unseeded random rows of logits on `device` (class docstring)."""
+        if self.seed is not None and (self.generator is None or self.generator.device != device):
+            self.generator = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generator
 
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         greedy = self._greedy_only(logits, rows)
@@ -262,11 +275,8 @@ class Sampler:
                 processed[random_rows], [rows[i] for i in random_rows]
             )
 
-        out = SamplerOutput(
-            token_ids=token_ids,
-            logprobs=logprobs.gather(1, token_ids[:, None])[:, 0],
-            num_logprobs=[row.params.logprobs for row in rows],
-        )
+        out = SamplerOutput(token_ids, logprobs.gather(1, token_ids[:, None])[:, 0],
+                            num_logprobs=[row.params.logprobs for row in rows])
         max_k = max((row.params.logprobs or 0 for row in rows), default=0)
         if max_k > 0:
             top = logprobs.topk(min(max_k, logprobs.shape[1]), dim=-1)
@@ -330,11 +340,10 @@ class Sampler:
 
         Seeded rows draw from their own generator, so their draws do not depend on the batch.
         """
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator_on(probs.device))
         for i, row in enumerate(rows):
             if row.generator is not None:
-                q = torch.empty(probs.shape[1], dtype=probs.dtype)
-                noise[i] = q.exponential_(generator=row.generator).to(probs.device)
+                noise[i].exponential_(generator=row.generator)
         # Exp(1) can return 0.0 in floating point; keep the division finite.
         return noise.clamp_(min=torch.finfo(probs.dtype).tiny)
 

@@ -32,6 +32,8 @@ from minipaged.sampling.sampler import SamplingRow, make_generator, min_tokens_b
 class SequenceStatus(enum.Enum):
     """Where a sequence is in its life; the FINISHED_* values say why it ended."""
 
+    __hash__ = object.__hash__  # members are singletons: hashed by identity, in C
+
     WAITING = "waiting"  # not yet scheduled, or preempted by recomputation
     RUNNING = "running"  # its KV blocks are in the GPU pool
     SWAPPED = "swapped"  # preempted: its KV blocks are in the CPU pool
@@ -107,8 +109,8 @@ class Sequence:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"sequence {seq_id}: the prompt must contain at least one token")
         self.seq_id = seq_id
-        self.prompt_token_ids: list[int] = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        self.token_ids: list[int] = list(prompt_token_ids)  # the prompt, then the output
+        self.num_prompt_tokens = len(self.token_ids)
         self.status = SequenceStatus.WAITING
         self.cumulative_logprob = 0.0
         self.output_logprobs: list[dict[int, float]] = []
@@ -120,33 +122,36 @@ class Sequence:
         self.stop_reason: int | str | None = None
 
     def __repr__(self) -> str:
-        return (
-            f"Sequence(seq_id={self.seq_id}, status={self.status.name}, "
-            f"prompt_len={self.get_prompt_len()}, output_len={self.get_output_len()})"
-        )
+        return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, "
+                f"prompt_len={self.get_prompt_len()}, output_len={self.get_output_len()})")
 
-    # lengths and tokens
+    # lengths and tokens: one list, appended to, never copied on a step
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
     def get_len(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
 
     def get_prompt_len(self) -> int:
-        return len(self.prompt_token_ids)
+        return self.num_prompt_tokens
 
     def get_output_len(self) -> int:
-        return len(self.output_token_ids)
-
-    def get_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return len(self.token_ids) - self.num_prompt_tokens
 
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in _FINISH_REASONS
 
     # changes
     def append_token(
         self, token_id: int, logprob: float, logprobs: dict[int, float] | None = None
     ) -> str:
         """Add a sampled token; returns the text it completes (detokenizer permitting)."""
-        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
         self.cumulative_logprob += logprob
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
@@ -175,8 +180,7 @@ class Sequence:
         """
         child = copy.copy(self)
         child.seq_id = new_seq_id
-        child.prompt_token_ids = list(self.prompt_token_ids)
-        child.output_token_ids = list(self.output_token_ids)
+        child.token_ids = list(self.token_ids)
         child.output_logprobs = list(self.output_logprobs)
         child.detokenizer = _fork_detokenizer(self.detokenizer)
         if sample_index is not None:
@@ -188,7 +192,7 @@ class Sequence:
     ) -> float:
         """vLLM's beam score: the length counts prompt + output tokens, minus a final EOS."""
         seq_len = self.get_len()
-        if self.output_token_ids and self.output_token_ids[-1] in eos_token_ids:
+        if self.get_output_len() and self.token_ids[-1] in eos_token_ids:
             seq_len -= 1
         return beam_search_score(self.cumulative_logprob, seq_len, length_penalty)
 
@@ -238,9 +242,9 @@ class SequenceGroup:
         self.seqs = list(seqs)
         self.sampling_params = sampling_params
         self.prompt = prompt
-        now = time.monotonic() if arrival_time is None else arrival_time
-        self.metrics = RequestMetrics(arrival_time=now)
+        self.metrics = RequestMetrics(time.monotonic() if arrival_time is None else arrival_time)
         self._generators: dict[int, torch.Generator] = {}
+        self._rows: dict[int, SamplingRow] = {}  # by sample index: rows without per-step state
 
     def __repr__(self) -> str:
         return f"SequenceGroup(request_id={self.request_id!r}, seqs={self.seqs})"
@@ -258,10 +262,7 @@ class SequenceGroup:
         return [seq for seq in self.seqs if status is None or seq.status == status]
 
     def get_unfinished_seqs(self) -> list[Sequence]:
-        return [seq for seq in self.seqs if not seq.is_finished()]
-
-    def get_finished_seqs(self) -> list[Sequence]:
-        return [seq for seq in self.seqs if seq.is_finished()]
+        return [seq for seq in self.seqs if seq.status not in _FINISH_REASONS]
 
     def find(self, seq_id: int) -> Sequence:
         for seq in self.seqs:
@@ -278,7 +279,7 @@ class SequenceGroup:
         self.seqs.remove(self.find(seq_id))
 
     def is_finished(self) -> bool:
-        return all(seq.is_finished() for seq in self.seqs)
+        return all(seq.status in _FINISH_REASONS for seq in self.seqs)
 
     @property
     def max_width(self) -> int:
@@ -287,31 +288,36 @@ class SequenceGroup:
         params = self.sampling_params
         return params.beam_width if params.use_beam_search else params.n
 
-    def abort(self) -> None:
-        for seq in self.get_unfinished_seqs():
-            seq.status = SequenceStatus.FINISHED_ABORTED
-
     # sampling
-    def generator_for(self, sample_index: int) -> torch.Generator | None:
-        """The seeded generator of sample `sample_index` (None unless the request is seeded)."""
+    def generator_for(
+        self, sample_index: int, device: torch.device | str = "cpu"
+    ) -> torch.Generator | None:
+        """The seeded generator of sample `sample_index` on `device`, the logits' (None unless
+        the request is seeded)."""
         params = self.sampling_params
         if params.sampling_type != SamplingType.RANDOM_SEED or params.seed is None:
             return None
-        if sample_index not in self._generators:
-            self._generators[sample_index] = make_generator(params.seed, sample_index)
+        if sample_index not in self._generators:  # a request's logits stay on one device
+            self._generators[sample_index] = make_generator(params.seed, sample_index, device)
         return self._generators[sample_index]
 
-    def sampling_row(self, seq: Sequence, eos_token_ids: Collection[int] = ()) -> SamplingRow:
-        """What the sampler needs for `seq`'s next token (its history, generator, bans)."""
-        return SamplingRow(
-            params=self.sampling_params,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
-            generator=self.generator_for(seq.sample_index),
-            banned_token_ids=min_tokens_banned_ids(
-                self.sampling_params, seq.get_output_len(), eos_token_ids
-            ),
-        )
+    def sampling_row(
+        self, seq: Sequence, eos_token_ids: Collection[int] = (), device: torch.device | str = "cpu"
+    ) -> SamplingRow:
+        """What the sampler needs for `seq`'s next token on logits on `device`: its history
+        (copied only when penalties read it), its generator, its bans. Without penalties or
+        bans a sample's row is the same every step: it is made once."""
+        if (row := self._rows.get(seq.sample_index)) is not None:
+            return row
+        params = self.sampling_params
+        history = (seq.prompt_token_ids, seq.output_token_ids) if params.has_penalties else ()
+        banned = min_tokens_banned_ids(params, len(seq.token_ids) - seq.num_prompt_tokens,
+                                       eos_token_ids) if params.min_tokens else ()
+        generator = None if params.seed is None else self.generator_for(seq.sample_index, device)
+        row = SamplingRow(params, *history, generator=generator, banned_token_ids=banned)
+        if not (history or banned):
+            self._rows[seq.sample_index] = row
+        return row
 
     def by_beam_score(
         self, seqs: list[Sequence], eos_token_ids: Collection[int] = ()
@@ -322,8 +328,12 @@ class SequenceGroup:
 
     # output
     def to_request_output(self, eos_token_ids: Collection[int] = ()) -> RequestOutput:
-        """The request as the user sees it: samples in index order, or the best `n` beams."""
+        """The request as the user sees it: samples in index order, or the best `n` beams.
+        While a sample runs, the end of its text that may be the start of a stop string is
+        held back (as vLLM does), so streamed text never has to be taken back when the stop
+        string completes and is cut off."""
         params = self.sampling_params
+        hold_back = 0 if params.use_beam_search else max(map(len, params.stop), default=1) - 1
         if params.use_beam_search:
             indexed = list(enumerate(self.by_beam_score(self.seqs, eos_token_ids)[: params.n]))
         else:
@@ -331,8 +341,8 @@ class SequenceGroup:
         outputs = [
             CompletionOutput(
                 index=index,
-                text=seq.output_text,
-                token_ids=list(seq.output_token_ids),
+                text=seq.stream_text(hold_back),
+                token_ids=seq.output_token_ids,
                 cumulative_logprob=seq.cumulative_logprob,
                 logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
                 finish_reason=seq.status.finish_reason,
@@ -343,7 +353,7 @@ class SequenceGroup:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
-            prompt_token_ids=list(self.prompt_token_ids),
+            prompt_token_ids=self.prompt_token_ids,
             outputs=outputs,
             finished=self.is_finished(),
             metrics=self.metrics,

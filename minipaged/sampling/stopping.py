@@ -27,18 +27,18 @@ def check_stop(
     anywhere in the text the last token completed -- also one that began in earlier tokens --
     stops it, the text cut where the stop string begins; finally `max_tokens` ("length").
     """
-    if max_model_len is not None and seq.get_len() >= max_model_len:
+    if max_model_len is not None and len(seq.token_ids) >= max_model_len:
         return StopDecision(SequenceStatus.FINISHED_LENGTH_CAPPED)
-    num_output = seq.get_output_len()
+    num_output = len(seq.token_ids) - seq.num_prompt_tokens
     if num_output == 0:
         return None
     if num_output >= params.min_tokens:
-        last = seq.output_token_ids[-1]
+        last = seq.token_ids[-1]
         text_without_last = len(seq.output_text) - seq.new_char_count
         if (not params.ignore_eos and last in eos_token_ids) or last in params.stop_token_ids:
             return StopDecision(SequenceStatus.FINISHED_STOPPED, last, text_without_last)
-        found = find_stop_string(seq.output_text, seq.new_char_count, params.stop)
-        if found is not None:
+        found = params.stop and find_stop_string(seq.output_text, seq.new_char_count, params.stop)
+        if found:
             stop, index = found
             return StopDecision(SequenceStatus.FINISHED_STOPPED, stop, index)
     if num_output >= params.max_tokens:
@@ -54,8 +54,7 @@ def finish_if_stopped(
 ) -> bool:
     """Apply `check_stop` to `seq`; True when it finished. Every sampled token goes through
     this, in the engine and in the simulator alike."""
-    decision = check_stop(seq, params, eos_token_ids, max_model_len)
-    if decision is not None:
+    if (decision := check_stop(seq, params, eos_token_ids, max_model_len)) is not None:
         seq.finish(decision)
     return decision is not None
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
 from typing import NamedTuple
 
 from minipaged.kv.interface import KVManager
@@ -188,10 +187,6 @@ class Scheduler(ABC):
             config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill
         )
         self.choose(now, out, budget)
-        out.scheduled = [
-            replace(item, block_table=tuple(self.kv_manager.block_table(item.seq_id)))
-            for item in out.scheduled
-        ]
         return out
 
     @abstractmethod
@@ -199,32 +194,37 @@ class Scheduler(ABC):
         """The policy: fill `out` within `budget` by the moves below (`fits_budget` and `fits`
         say whether a group can run now, `run` runs it)."""
 
-    def mark_computed(self, out: SchedulerOutput) -> None:
-        """Record that the step's forward pass computed (wrote the K/V of) its tokens.
+    def mark_computed(self, out: SchedulerOutput) -> list[GroupMember]:
+        """Record that the step's forward pass computed (wrote the K/V of) its tokens; return
+        the group and sequence of each item that samples, in plan order (the logits' rows).
 
         Full blocks become findable in the prefix cache only now, never before their K/V exist.
+        A decode step computed every token of a sequence: its token list goes as it is.
         """
-        for item, (_, seq) in zip(out.scheduled, self.resolve(out.scheduled), strict=True):
-            seq.num_computed_tokens = item.start + item.num_new_tokens
-            computed = seq.get_token_ids()[: seq.num_computed_tokens]
-            self.kv_manager.mark_computed(seq.seq_id, computed)
+        members = self.resolve(out.scheduled)
+        for item, (_, seq) in zip(out.scheduled, members, strict=True):
+            seq.num_computed_tokens = n = item.start + len(item.token_ids)
+            tokens = seq.token_ids if n == len(seq.token_ids) else seq.token_ids[:n]
+            self.kv_manager.mark_computed(seq.seq_id, tokens)
+        return [m for item, m in zip(out.scheduled, members, strict=True) if item.needs_logits]
 
     def resolve(self, items: Iterable[ScheduledSequence]) -> list[GroupMember]:
         """The running group and the sequence each scheduled item names (the plan holds ids;
         the scheduler owns the objects)."""
         groups = {group.request_id: group for group in self.running}
-        named = [(groups[item.request_id], item.seq_id) for item in items]
-        return [GroupMember(group, group.find(seq_id)) for group, seq_id in named]
+        return [GroupMember(g := groups[item.request_id], g.find(item.seq_id)) for item in items]
 
     def finish_step(self) -> list[SequenceGroup]:
         """Free the blocks of sequences that finished this step; return the finished groups.
 
         Call after the engine appended the sampled tokens and marked finished sequences.
         """
-        for seq in (s for group in self.running for s in group.seqs if s.is_finished()):
-            self._release(seq)
-        finished = [g for g in self.running if g.is_finished()]
-        self.running[:] = [g for g in self.running if not g.is_finished()]
+        finished, running = [], []
+        for group in self.running:
+            for seq in (done := [s for s in group.seqs if s.is_finished()]):
+                self._release(seq)
+            (finished if len(done) == len(group.seqs) else running).append(group)
+        self.running[:] = running
         return finished
 
     # -- fit checks -------------------------------------------------------------------------------
@@ -239,13 +239,17 @@ class Scheduler(ABC):
         return self.states[seqs[0].status].blocks_needed(seqs)
 
     def can_grow(self, seqs: list[Sequence]) -> bool:
-        """Whether every running sequence of a group gets the slots of its pending tokens."""
-        return self.grow_blocks(seqs) <= self.kv_manager.num_free_blocks
+        """Whether every running sequence of a group gets the slots of its pending tokens. A
+        sequence takes at most a block per pending token and a copy-on-write copy: with that
+        many free (most decode steps) nothing needs counting."""
+        free = self.kv_manager.num_free_blocks
+        bound = sum([len(s.token_ids) - s.num_computed_tokens + 1 for s in seqs])
+        return bound <= free or self.grow_blocks(seqs) <= free
 
     def grow_blocks(self, seqs: list[Sequence]) -> int:
         """GPU blocks a running group takes for the slots of its pending tokens."""
         kv = self.kv_manager
-        return sum(kv.num_blocks_to_append(s.seq_id, num_tokens=s.get_len()) for s in seqs)
+        return sum([kv.num_blocks_to_append(s.seq_id, num_tokens=len(s.token_ids)) for s in seqs])
 
     def can_swap_in(self, seqs: list[Sequence]) -> bool:
         """Whether a swapped group fits back in *and* can then take its pending tokens."""
@@ -262,7 +266,7 @@ class Scheduler(ABC):
         """Whether admitting these waiting sequences leaves the watermark free."""
         kv = self.kv_manager
         if len(seqs) == 1:  # token ids let the manager count prefix-cache hits
-            return kv.can_allocate(seqs[0].seq_id, seqs[0].get_token_ids())
+            return kv.can_allocate(seqs[0].seq_id, seqs[0].token_ids)
         # Several sequences come back only after recomputation; `admit` shares their prompt's
         # full blocks, counted once, as `check_request` counted them.
         return kv.num_free_blocks - self.admit_blocks(seqs) >= kv.watermark_blocks
@@ -312,7 +316,7 @@ class Scheduler(ABC):
         tokens, plan, complete = budget.tokens, [], True
         written = 0  # the prompt tokens the first sequence has computed after this step
         for i, (seq, start) in enumerate(self._starts(seqs)):
-            remaining = seq.get_len() - start
+            remaining = len(seq.token_ids) - start
             if budget.chunked_prefill:
                 n = min(remaining, tokens, limit or remaining)
             else:
@@ -326,7 +330,7 @@ class Scheduler(ABC):
             plan.append((seq, start, n))
             tokens -= n
         if len(seqs) > 1 and not complete:
-            plan = [(s, start, n - (start + n == s.get_len())) for s, start, n in plan]
+            plan = [(s, start, n - (start + n == len(s.token_ids))) for s, start, n in plan]
         return [(s, n) for s, _, n in plan if n > 0]
 
     def _starts(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
@@ -339,19 +343,20 @@ class Scheduler(ABC):
 
     # -- moves ------------------------------------------------------------------------------------
 
-    def run(self, group: SequenceGroup, out: SchedulerOutput, budget: StepBudget) -> None:
+    def run(self, group: SequenceGroup, out: SchedulerOutput, budget: StepBudget,
+            seqs: list[Sequence] | None = None) -> None:
         """Put a group's blocks in the GPU pool if they are not (admit or swap in), give its
-        sequences the slots of their pending tokens, and schedule what the budget allows.
-        The caller checked `fits`."""
-        seqs = group.get_unfinished_seqs()
+        sequences (`seqs`: its unfinished ones, when the caller has them) the slots of their
+        pending tokens, and schedule what the budget allows. The caller checked `fits`."""
+        seqs = seqs or group.get_unfinished_seqs()
         to_gpu = self.states[seqs[0].status].to_gpu
         if to_gpu is not None:
             to_gpu(group, out)
         for seq in seqs:
-            out.copy.extend(self.kv_manager.append_slots(seq.seq_id, num_tokens=seq.get_len()))
-        for seq, n in self.step_plan(seqs, budget):
-            out.scheduled.append(scheduled_share(group, seq, n))
-            budget.take(n)
+            out.copy += self.kv_manager.append_slots(seq.seq_id, num_tokens=len(seq.token_ids))
+        plan = self.step_plan(seqs, budget)
+        out.scheduled += [self.scheduled_share(group, seq, n) for seq, n in plan]
+        budget.take(sum(n for _, n in plan), len(plan))
         if group.metrics.first_scheduled_time is None:
             group.metrics.first_scheduled_time = self._now
 
@@ -366,12 +371,12 @@ class Scheduler(ABC):
         shared = self.shared_prompt_blocks(seqs) * self.kv_manager.block_size
         if shared:  # samples or beams back from recomputation: one copy of the prompt blocks
             first = seqs[0]
-            cached = self.kv_manager.allocate(first.seq_id, first.get_token_ids()[:shared])
+            cached = self.kv_manager.allocate(first.seq_id, first.token_ids[:shared])
             for seq in seqs[1:]:
                 self.kv_manager.fork(first.seq_id, seq.seq_id)
         for i, seq in enumerate(seqs):
             if not shared:
-                cached = self.kv_manager.allocate(seq.seq_id, seq.get_token_ids())
+                cached = self.kv_manager.allocate(seq.seq_id, seq.token_ids)
             seq.num_computed_tokens = shared if i and shared else cached  # `run` orders them
             if first_admission:
                 group.metrics.num_cached_tokens += cached
@@ -441,21 +446,21 @@ class Scheduler(ABC):
         if seq.seq_id in self.kv_manager:
             self.kv_manager.free(seq.seq_id)
 
+    def scheduled_share(
+        self, group: SequenceGroup, seq: Sequence, num_new_tokens: int
+    ) -> ScheduledSequence:
+        """The plan's entry for `seq` computing its next `num_new_tokens` tokens, over its
+        block table as `run` left it (no later move of the step touches a scheduled group's
+        blocks: preemption and swaps take groups not yet run)."""
+        start = seq.num_computed_tokens
+        end = start + num_new_tokens
+        return ScheduledSequence(
+            group.request_id, seq.seq_id, start, tuple(seq.token_ids[start:end]),
+            needs_logits=end == len(seq.token_ids),
+            is_prefill=num_new_tokens > 1 or start < seq.num_prompt_tokens,
+            block_table=self.kv_manager.block_table(seq.seq_id),
+        )
+
 
 # What a registry or the simulator holds: builds a scheduler over a given KV manager.
 SchedulerFactory = Callable[[SchedulerConfig, KVManager], Scheduler]
-
-
-def scheduled_share(group: SequenceGroup, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
-    """The plan's entry for `seq` computing its next `num_new_tokens` tokens (its block table
-    is added once the step's blocks are settled)."""
-    start = seq.num_computed_tokens
-    end = start + num_new_tokens
-    return ScheduledSequence(
-        group.request_id,
-        seq.seq_id,
-        start,
-        tuple(seq.get_token_ids()[start:end]),
-        needs_logits=end == seq.get_len(),
-        is_prefill=num_new_tokens > 1 or start < seq.get_prompt_len(),
-    )

@@ -42,7 +42,7 @@ class FCFSScheduler(Scheduler):
                 if victim is group:
                     break
             else:
-                self.run(group, out, budget)
+                self.run(group, out, budget, seqs)
 
     def _schedule_queue(
         self, status: SequenceStatus, out: SchedulerOutput, budget: StepBudget
@@ -54,4 +54,4 @@ class FCFSScheduler(Scheduler):
             seqs = queue[0].get_seqs(status)
             if not self.fits_budget(seqs, budget) or not self.fits(seqs):
                 return  # first come, first served: nobody overtakes the head of the queue
-            self.run(queue[0], out, budget)
+            self.run(queue[0], out, budget, seqs)

@@ -223,7 +223,7 @@ class SkipJoinMLFQScheduler(Scheduler):
                 continue
             if not self._make_room(group, seqs, order[index + 1 :], out):
                 continue
-            self.run(group, out, budget)
+            self.run(group, out, budget, seqs)
             selected.append(group)
         if self.mlfq.proactive_swapping:
             self._swap_ahead(order, selected, out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 # -- data types -----------------------------------------------------------------------------------
 
@@ -63,15 +64,16 @@ class SchedulerConfig:
             self.preemption_mode = PreemptionMode(self.preemption_mode)
 
 
-@dataclass(frozen=True)
-class ScheduledSequence:
+class ScheduledSequence(NamedTuple):
     """One sequence's share of a step, the one type from the scheduler to the model runner to
     the step record: compute `token_ids` at positions `start, start + 1, ...`, reading and
     writing the blocks of `block_table` (as they are once the step's copies are done).
 
     Plain data, taken when the step is planned, so a record of the step stays true after the
     sequence grows, and the plan crosses process boundaries (tensor parallelism) as it is. The
-    scheduler resolves the ids to its objects (`Scheduler.resolve`).
+    scheduler resolves the ids to its objects (`Scheduler.resolve`). `block_table` is the KV
+    manager's own immutable tuple, the same object from step to step until a block is added
+    or moved: the runner rewrites a row of its persistent block tables only when it changes.
     """
 
     request_id: str

@@ -37,6 +37,7 @@ from minipaged.models.checkpoint.model_config import ModelConfig
 from minipaged.models.registry import FAMILIES
 from minipaged.sampling.params import SamplingParams
 from minipaged.sampling.sequence import GroupMember, Sequence, SequenceGroup
+from minipaged.sampling.stopping import finish_if_stopped
 from minipaged.sched.base import Scheduler, SchedulerConfig, SchedulerFactory
 from minipaged.sched.cost_model import CostModel, StepShape, step_shape
 from minipaged.sched.fcfs import FCFSScheduler
@@ -198,14 +199,15 @@ class SimulatedOutputProcessor(OutputProcessor):
     def sample_isolated(
         self, members: list[GroupMember], logits: Tensor, update: StepUpdate
     ) -> None:
-        requests = self.requests_of(members)  # forks a finished prompt's parallel samples
-        for seq in (s for request in requests for s in request.seqs):
-            seq.append_token(0, 0.0)
+        samples = self.samples_of(members)  # forks a finished prompt's parallel samples
+        for sample in samples:
+            sample.seq.append_token(0, 0.0)
         if self.on_sample is not None:
             self.on_sample(self.scheduler, members, self.seq_ids)
-        for group, _, _ in requests:  # forked samples and beams included
+        eos, max_len = self.eos_token_ids, self.max_model_len
+        for group in dict.fromkeys(sample.group for sample in samples):  # forks, beams included
             for seq in group.get_unfinished_seqs():
-                self.check_stop(seq, group)
+                finish_if_stopped(seq, group.sampling_params, eos, max_len)
 
 
 class StepTally:

@@ -76,7 +76,7 @@ def test_each_step_keeps_the_best_continuations_and_frees_the_rest(width, steps,
             hypotheses |= {(tuple(tokens), score) for tokens, score in expected_live}
         kept = {
             (tuple(s.output_token_ids), round(s.cumulative_logprob, 4))
-            for s in group.get_finished_seqs()
+            for s in group.seqs if s.is_finished()
         }
         assert kept <= hypotheses and len(kept) <= width  # only the best width are kept
         assert group.request_id in [g.request_id for g in scheduler.finish_step()] or (

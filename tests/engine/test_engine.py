@@ -6,7 +6,9 @@ outputs must equal `generate_dense`'s token for token, whatever the scheduler di
 
 from __future__ import annotations
 
+import copy
 import random
+import sys
 import weakref
 
 import pytest
@@ -123,6 +125,49 @@ def test_parallel_sampling_seeded_is_reproducible_and_batch_independent(tiny):
     assert len(alone) == 4 and len({tuple(s) for s in alone}) > 1  # samples differ
     assert run(False) == alone
     assert run(True) == alone
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_random_sampling_draws_on_the_logits_device(tiny, device, monkeypatch):
+    """Temperature > 0, seeds, top-k / top-p and n > 1 on every device present: every request
+    finishes, a seed gives its samples again, and every generator the engine makes lives on
+    the device of the logits it draws for (the engine's own, made for unseeded requests, and
+    each seeded sample's): a generator made without a device, on the CPU, is caught here."""
+    made: list[str | None] = []
+    real = torch.Generator
+
+    def recording_generator(device: str | torch.device | None = None) -> torch.Generator:
+        caller = sys._getframe(1).f_globals["__name__"]  # a platform's set-up probes are not
+        if caller.startswith(("minipaged.engine", "minipaged.sampling")):  # sampling's
+            made.append(None if device is None else torch.device(device).type)
+        return real() if device is None else real(device=device)
+
+    monkeypatch.setattr(torch, "Generator", recording_generator)
+    model, config = tiny
+    if device != "cpu":
+        model = copy.deepcopy(model).to(device)
+    seeded = SamplingParams(n=3, temperature=0.8, seed=11, top_k=20, top_p=0.9, max_tokens=6,
+                            ignore_eos=True)
+    unseeded = SamplingParams(n=2, temperature=0.6, top_p=0.95, max_tokens=5, ignore_eos=True)
+
+    def run() -> list[list[int]]:
+        engine = make_engine((model, config), device=device, dtype="float32")
+        prompts = random_prompts(2, seed=9)
+        ids = [engine.add_request(None, prompts[0], seeded),
+               engine.add_request(None, prompts[1], unseeded)]
+        finals = engine.run_until_done()
+        assert_engine_drained(engine)
+        outs = [finals[i].outputs for i in ids]
+        assert [len(o) for o in outs] == [3, 2]
+        assert all(c.finish_reason == "length" and len(c.token_ids) == p.max_tokens
+                   for o, p in zip(outs, (seeded, unseeded), strict=True) for c in o)
+        return [c.token_ids for c in outs[0]]
+
+    assert run() == run()  # the seeded request's samples, again
+    assert made and set(made) == {device}
 
 
 def reference_beam_search(model, prompt, width, max_tokens, length_penalty=1.0):
@@ -382,8 +427,8 @@ def test_step_records_are_what_the_scheduler_decided(tiny):
         for work in record.scheduled:  # the table covers the tokens the step computed
             assert len(work.block_table) * 8 >= work.start + work.num_new_tokens
         t = record.timings
-        assert min(t.schedule_s, t.forward_s, t.update_s) >= 0
-        assert t.schedule_s + t.forward_s + t.update_s <= t.total_s + 1e-9
+        assert min(t.schedule_s, t.forward_s, t.update_s, t.outputs_s) >= 0
+        assert t.schedule_s + t.forward_s + t.update_s + t.outputs_s <= t.total_s + 1e-9
         assert record.start <= record.end and record.failed == ()
     assert any(r.plan.swap_out for r in records) and any(r.plan.copy for r in records)
     # Swapping keeps the K/V, so every token of every sample was computed exactly once.

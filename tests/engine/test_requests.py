@@ -171,7 +171,8 @@ class ScriptedEngine:
         self.steps, self.closes, self.live = 0, [], True
         self.pending: deque[RequestOutput] = deque()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, *, final_only: bool = False) -> list[RequestOutput]:
+        assert final_only, "a stream builds no output that nobody reads"
         assert self.live, "a stream stepped the engine for a request that is gone"
         batch = self.script[self.steps] if self.steps < len(self.script) else []
         self.steps += 1

@@ -46,13 +46,15 @@ def test_appends_forks_and_releases_keep_every_count_exact(block_size, ops):
         table = tables[pick % len(tables)] if tables else None
         if op == "new" or op == "append":
             if op == "new":
-                table = BlockTable(pool, cpu, [], [], 0)
+                table = BlockTable(pool, cpu, (), [], 0)
             tokens_before = lengths.get(table, 0)
             needed = table.blocks_to_append(tokens_before + n)
             if needed > len(pool.free):
                 continue  # the scheduler would not schedule it
-            was_shared_partial = tokens_before > 0 and table.last_block_is_shared_and_partial
+            was_shared_partial = (tokens_before % block_size != 0
+                                  and pool.blocks[table.blocks[-1]].ref_count > 1)
             old_last = table.blocks[-1] if table.blocks else None
+            blocks_before = table.blocks
             free_before = len(pool.free)
             copies = table.append(tokens_before + n)
             lengths[table] = tokens_before + n
@@ -61,6 +63,8 @@ def test_appends_forks_and_releases_keep_every_count_exact(block_size, ops):
             assert len(table.blocks) == math.ceil(table.num_slots / block_size)
             # Copy-on-write exactly when the last block was shared and partly filled.
             assert bool(copies) == was_shared_partial
+            # A table that took no block is the same object: the runner rewrites no row for it.
+            assert (table.blocks is blocks_before) == (needed == 0)
             if copies:  # the old last block, to the private block now in its place
                 last_index = math.ceil(tokens_before / block_size) - 1
                 assert copies == [(old_last, table.blocks[last_index])]
@@ -87,7 +91,7 @@ def test_appends_forks_and_releases_keep_every_count_exact(block_size, ops):
 
 def test_a_fork_then_an_append_copies_only_the_shared_partial_block():
     pool, cpu = GPUPool(8, 4), CPUPool(0)
-    parent = BlockTable(pool, cpu, [], [], 0)
+    parent = BlockTable(pool, cpu, (), [], 0)
     parent.append(6)  # one full block, one holding 2 of 4 slots
     child = parent.fork()
     (copy,) = child.append(7)

@@ -426,7 +426,7 @@ def test_swapped_out_blocks_stay_cached_and_swap_in_is_a_fresh_copy() -> None:
     own.compute("a")
     gpu_table = m.block_table("a")
     copies = m.swap_out("a")
-    assert [d for d, _ in copies] == gpu_table
+    assert tuple(d for d, _ in copies) == gpu_table
     assert m.num_free_blocks == 6
     assert own.allocate("b", prompt) == 8  # the swapped-out blocks still hold A's K/V
     assert m.block_table("b")[:2] == gpu_table[:2]
@@ -451,7 +451,7 @@ def test_fork_shares_blocks_and_copy_on_write_splits_the_last_one() -> None:
     assert m.block_table("c") == shared and all(m.ref_count(b) == 2 for b in shared)
     copies = own.append("c", [42])
     assert len(copies) == 1 and copies[0][0] == shared[1]
-    assert m.block_table("c") == [shared[0], copies[0][1]]
+    assert m.block_table("c") == (shared[0], copies[0][1])
     assert own.append("p", [43]) == []  # the parent now owns its last block alone
     assert m.ref_count(shared[0]) == 2 and m.ref_count(shared[1]) == 1
     m.check_invariants()

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tiny_models import scheduled
 
 from minipaged.attention.contract import check_paged_attention_args, check_reshape_and_cache_args
-from minipaged.runner.flat_batch import batch_tensors, flat_batch
+from minipaged.runner.flat_batch import BlockTables, batch_tensors, flat_batch
 from minipaged.sched.output import ScheduledSequence
 
 VOCAB = 64
@@ -93,6 +93,30 @@ def test_the_flat_batch_equals_the_reference_and_holds_the_contract(batch):
                                md.query_start_loc, max_query_len=md.max_query_len,
                                max_seq_len=md.max_seq_len)
     check_reshape_and_cache_args(kv, kv, cache, cache, md.slot_mapping)
+
+
+@given(st.data())
+@settings(max_examples=30)
+def test_block_tables_kept_from_step_to_step_give_the_batch_of_new_ones(data):
+    """A runner keeps its block tables' rows from step to step (`BlockTables`): whatever the
+    steps (the same tables again, tables replaced by new tuples, rows let go once they pile
+    up), each step's batch is the one built from scratch, errors included."""
+    block_size, num_blocks, entries = data.draw(batches())
+    kept = BlockTables(num_blocks)
+
+    def outcome(step: list[ScheduledSequence], tables: BlockTables | None) -> object:
+        try:
+            batch = flat_batch(step, block_size, num_blocks, tables)
+        except ValueError as error:
+            return str(error)
+        return batch.input_ids, batch.slot_mapping, batch.block_tables.tolist()
+
+    for _ in range(data.draw(st.integers(1, 40))):
+        if data.draw(st.booleans()):  # new tuples, as when blocks are added or moved
+            entries = [e._replace(block_table=tuple(list(e.block_table))) for e in entries]
+        step = data.draw(st.permutations(entries))[: data.draw(st.integers(1, len(entries)))]
+        assert outcome(step, kept) == outcome(step, None)
+    assert len(kept.rows) <= 2 * len(entries) + 64 + len(entries)  # let go of, not kept
 
 
 def test_a_block_table_too_short_is_refused():

@@ -434,11 +434,16 @@ def test_logprobs_are_the_penalised_distribution_and_its_top_k():
         token = int(out.token_ids[i])
         assert math.isclose(float(out.logprobs[i]), float(reference[i, token]), abs_tol=1e-5)
     best3 = reference[0].argsort(descending=True)[:3].tolist()
-    d0 = out.logprobs_dict(0)
+    host = out.to_host()  # (token, its logprob, the per-token logprobs asked for) per row
+    assert [token for token, _, _ in host] == out.token_ids.tolist()
+    assert [lp for _, lp, _ in host] == pytest.approx(out.logprobs.tolist())
+    d0 = host[0][2]
     assert set(d0) == set(best3)
     assert all(math.isclose(d0[t], float(reference[0, t]), abs_tol=1e-5) for t in best3)
-    assert out.logprobs_dict(1) is None
-    assert set(out.logprobs_dict(2)) == {int(out.token_ids[2])}
+    assert host[1][2] is None
+    assert set(host[2][2]) == {int(out.token_ids[2])}
+    alone = sampler(logits[2:], rows[2:]).to_host()  # logprobs=0 alone: no alternatives at all
+    assert list(alone[0][2]) == [alone[0][0]]
 
 
 def test_sampler_rejects_mismatched_input():

@@ -93,7 +93,7 @@ class Driver:
         writes = []
         resolved = self.scheduler.resolve(out.scheduled)
         for item, (_, seq) in zip(out.scheduled, resolved, strict=True):
-            tokens = seq.get_token_ids()
+            tokens = seq.token_ids
             table = item.block_table
             for pos in range(item.start):
                 assert self.gpu.get(table[pos // BLOCK], empty)[pos % BLOCK] == tokens[pos]
