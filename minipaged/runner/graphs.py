@@ -98,7 +98,8 @@ class StaticBatch:
         tables = arrays["block_tables"]
         held = tables[:rows].copy()  # what the device holds
         used = min(batch.block_tables.shape[1], self.max_blocks)  # past the context: not read
-        tables[:n, :used] = batch.block_tables[:, :used]
+        new = batch.block_tables[:, :used]
+        np.copyto(tables[:n, :used], new, where=new >= 0)  # a row's -1 padding is never read
         tables[n:rows, 0] = 0
         self._sync(np.flatnonzero((tables[:rows] != held).any(axis=1)))
 
