@@ -414,8 +414,8 @@ def stream_with_outputs(engine: LLMEngine, prompt, params) -> tuple[list[str], l
     texts = []
     real_step = engine.step
 
-    def spying_step():
-        outputs = real_step()
+    def spying_step(**options: bool):  # as the stream calls it (`final_only`)
+        outputs = real_step(**options)
         texts.extend(o.outputs[0].text for o in outputs if o.request_id == request_id)
         return outputs
 
