@@ -356,7 +356,7 @@ class Scheduler(ABC):
             out.copy += self.kv_manager.append_slots(seq.seq_id, num_tokens=len(seq.token_ids))
         plan = self.step_plan(seqs, budget)
         out.scheduled += [self.scheduled_share(group, seq, n) for seq, n in plan]
-        budget.take(sum(n for _, n in plan), len(plan))
+        budget.take(sum([n for _, n in plan]), len(plan))
         if group.metrics.first_scheduled_time is None:
             group.metrics.first_scheduled_time = self._now
 
