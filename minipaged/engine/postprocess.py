@@ -124,7 +124,8 @@ class OutputProcessor:
             if group.metrics.first_token_time is None:  # time to first token ends here
                 group.metrics.first_token_time = now
         self.sample_isolated(members, logits, update)
-        update.touched = [g for g in touched if g.request_id not in update.failed]
+        failed = update.failed
+        update.touched = [g for g in touched if g.request_id not in failed] if failed else touched
         finished = self.scheduler.finish_step()
         end = self.clock()
         for group in finished:
