@@ -20,7 +20,9 @@ CPU time, which other work on a shared machine inflates less than its wall time:
 
 What a GPU's host would spend in the same Python, the card then idle; the step's time on a
 GPU is this plus the forward pass. Reported at 64, 256 and 1,024 sequences, so that the cost
-per sequence shows.
+per sequence shows; each size runs `--repeats` times and the table keeps the run with the lowest
+median, the one other work on a shared machine disturbed least (every run's median is in the
+JSON).
 
 Run: .venv/bin/python benchmarks/serving/host_step.py      (~1 minute on 2 CPU cores)
 Writes benchmarks/results/host_step.json.
@@ -168,10 +170,15 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = [run(n, args.steps, args.seed) for n in args.seqs]
+    rows = []
+    for n in args.seqs:  # the quietest of the repeats: the least disturbed by other work
+        runs = [run(n, args.steps, args.seed) for _ in range(args.repeats)]
+        best = min(runs, key=lambda r: r["step_ms_median"])
+        rows.append(best | {"step_ms_median_of_repeats": [r["step_ms_median"] for r in runs]})
     header = (f"{'seqs':>6} {'ms/step':>8} {'min':>7} {'cpu ms':>7} {'us/seq':>7} "
               + " ".join(f"{p:>11}" for p in PHASES))
     print(header)

@@ -253,7 +253,9 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         for group in update.finished:
             self._groups.pop(group.request_id, None)
         streams, eos = self._streams, self.processor.eos_token_ids
-        touched = [g for g in update.touched if not final_only or g.request_id in streams]
+        touched = update.touched  # with final_only, only open streams read unfinished ones
+        if final_only:
+            touched = [g for g in touched if g.request_id in streams] if streams else []
         outputs = [g.to_request_output(eos) for g in dict.fromkeys(touched + update.finished)]
         self._finished = {o.request_id: o for o in outputs if o.finished}  # for `get_request`
         for output in (o for o in outputs if o.request_id in streams):

@@ -119,12 +119,13 @@ class OutputProcessor:
         failed."""
         members = self.scheduler.mark_computed(update.plan)
         now = self.clock()
-        touched = list(dict.fromkeys(group for group, _ in members))
+        touched = list(dict.fromkeys([member.group for member in members]))
         for group in touched:
             if group.metrics.first_token_time is None:  # time to first token ends here
                 group.metrics.first_token_time = now
         self.sample_isolated(members, logits, update)
-        update.touched = [g for g in touched if g.request_id not in update.failed]
+        failed = update.failed
+        update.touched = [g for g in touched if g.request_id not in failed] if failed else touched
         finished = self.scheduler.finish_step()
         end = self.clock()
         for group in finished:
@@ -160,9 +161,11 @@ class OutputProcessor:
         for row, (group, seq) in enumerate(members):
             samples.append(Sample(group, seq, row))
             params = group.sampling_params
+            if len(group.seqs) >= params.n or params.use_beam_search:  # all there
+                continue
             # Parallel sampling (vLLM paper §4.4): once the prompt is done, samples 1..n-1 fork
             # from sample 0 and share its blocks, through the scheduler (the block tables').
-            for index in range(len(group.seqs), 0 if params.use_beam_search else params.n):
+            for index in range(len(group.seqs), params.n):
                 child = seq.fork(next(self.seq_ids), sample_index=index)
                 self.scheduler.fork_sequence(group, seq, child)
                 samples.append(Sample(group, child, row))

@@ -87,8 +87,6 @@ class BlockTable:
         """Hash the full blocks of the computed prefix `computed` and offer them to the cache."""
         bs = self.gpu.block_size
         num_full = len(computed) // bs
-        if num_full <= self.num_registered_blocks:  # most steps fill no block: nothing to do
-            return
         start = len(self.block_hashes)  # the hashes of blocks [start, num_full) are new
         if start < num_full:
             parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH

@@ -225,7 +225,8 @@ class KVCacheManager:
         table = self._gpu_table(seq_id)
         if len(computed_token_ids) > table.num_slots:
             raise too_many_computed(seq_id, len(computed_token_ids), table.num_slots)
-        if self.enable_prefix_caching:
+        full = len(computed_token_ids) // self.block_size  # most steps fill no block: no call
+        if self.enable_prefix_caching and full > table.num_registered_blocks:
             table.register_computed(computed_token_ids)
 
     # -- fork and free ----------------------------------------------------------------------------

@@ -90,7 +90,8 @@ def flat_batch(entries: Sequence[ScheduledSequence], block_size: int, num_blocks
         start, table, end = entry.start, entry.block_table, entry.start + len(entry.token_ids)
         if len(table) * bs < end:
             raise ValueError(f"block table of {len(table)} blocks cannot hold {end} tokens")
-        row, within = tables.row(table)
+        known = tables.rows.get(id(table))  # most steps: a table seen before, its row kept
+        row, within = (known[0], known[2]) if known else tables.row(table)
         if within * bs < end:
             raise ValueError(f"block table {list(table[:-(-end // bs)])} names a block outside "
                              f"the cache's {num_blocks} blocks within its {end}-token context")

@@ -277,7 +277,7 @@ class Sampler:
 
         out = SamplerOutput(token_ids, logprobs.gather(1, token_ids[:, None])[:, 0],
                             num_logprobs=[row.params.logprobs for row in rows])
-        max_k = max((row.params.logprobs or 0 for row in rows), default=0)
+        max_k = max(filter(None, out.num_logprobs), default=0)  # None and 0 list none
         if max_k > 0:
             top = logprobs.topk(min(max_k, logprobs.shape[1]), dim=-1)
             out.top_logprobs, out.top_token_ids = top.values, top.indices

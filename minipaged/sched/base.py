@@ -354,9 +354,15 @@ class Scheduler(ABC):
             to_gpu(group, out)
         for seq in seqs:
             out.copy += self.kv_manager.append_slots(seq.seq_id, num_tokens=len(seq.token_ids))
-        plan = self.step_plan(seqs, budget)
-        out.scheduled += [self.scheduled_share(group, seq, n) for seq, n in plan]
-        budget.take(sum(n for _, n in plan), len(plan))
+        # Each share's block table is final here: no later move of the step touches a scheduled
+        # group's blocks (preemption and swaps take groups not yet run).
+        for seq, n in self.step_plan(seqs, budget):
+            start, table = seq.num_computed_tokens, self.kv_manager.block_table(seq.seq_id)
+            out.scheduled.append(ScheduledSequence(
+                group.request_id, seq.seq_id, start, tuple(seq.token_ids[start:start + n]),
+                needs_logits=start + n == len(seq.token_ids), block_table=table,
+                is_prefill=n > 1 or start < seq.num_prompt_tokens))
+            budget.take(n)
         if group.metrics.first_scheduled_time is None:
             group.metrics.first_scheduled_time = self._now
 
@@ -445,21 +451,6 @@ class Scheduler(ABC):
     def _release(self, seq: Sequence) -> None:
         if seq.seq_id in self.kv_manager:
             self.kv_manager.free(seq.seq_id)
-
-    def scheduled_share(
-        self, group: SequenceGroup, seq: Sequence, num_new_tokens: int
-    ) -> ScheduledSequence:
-        """The plan's entry for `seq` computing its next `num_new_tokens` tokens, over its
-        block table as `run` left it (no later move of the step touches a scheduled group's
-        blocks: preemption and swaps take groups not yet run)."""
-        start = seq.num_computed_tokens
-        end = start + num_new_tokens
-        return ScheduledSequence(
-            group.request_id, seq.seq_id, start, tuple(seq.token_ids[start:end]),
-            needs_logits=end == len(seq.token_ids),
-            is_prefill=num_new_tokens > 1 or start < seq.num_prompt_tokens,
-            block_table=self.kv_manager.block_table(seq.seq_id),
-        )
 
 
 # What a registry or the simulator holds: builds a scheduler over a given KV manager.
