@@ -35,6 +35,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernel_args.h"
 
 enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2 };
 #define MAX_ROWS 8 /* input rows per pass over the weights */
@@ -311,7 +312,8 @@ static NEON void tile_neon(const float *x, int64_t k, const weight_t *wt, int64_
                 if (ahead) __builtin_prefetch(w_byte(wt->w, type, (r + a) * k + j) + ahead, 0, 2);
             }
             for (int i = 0; i < M; i++) {
-                const float32x4_t xlo = vld1q_f32(x + i * k + j), xhi = vld1q_f32(x + i * k + j + 4);
+                const float *xi = x + i * k + j;
+                const float32x4_t xlo = vld1q_f32(xi), xhi = vld1q_f32(xi + 4);
                 for (int a = 0; a < R; a++)
                     part[a][i] = vfmaq_f32(vfmaq_f32(part[a][i], lo[a], xlo), hi[a], xhi);
             }
@@ -349,14 +351,14 @@ static int takes_dp(int isa, int io_bf16, int type) {
 typedef void (*span_fn)(const float *, int64_t, const weight_t *, int64_t, int64_t, void *,
                         int64_t, int);
 #define TILE(isa, R, M, T, P)                                                                 \
-    TARGET_##isa static void isa##_##R##_##M##_##T##_##P(const float *x, int64_t k, const weight_t *wt,  \
-                                            int64_t r0, int64_t r1, void *out, int64_t ld,  \
-                                            int io_bf16) {                                  \
-        for (int64_t r = r0; r < r1; r += R) {                                              \
-            float acc[4][MAX_ROWS];                                                          \
-            isa(x, k, wt, r, R, M, T, P ? PREFETCH : 0, acc);                                \
-            for (int a = 0; a < R; a++) store_row(wt, r + a, acc[a], M, out, ld, io_bf16);  \
-        }                                                                                    \
+    TARGET_##isa static void isa##_##R##_##M##_##T##_##P(                                     \
+        const float *x, int64_t k, const weight_t *wt, int64_t r0, int64_t r1, void *out,     \
+        int64_t ld, int io_bf16) {                                                            \
+        for (int64_t r = r0; r < r1; r += R) {                                                \
+            float acc[4][MAX_ROWS];                                                           \
+            isa(x, k, wt, r, R, M, T, P ? PREFETCH : 0, acc);                                 \
+            for (int a = 0; a < R; a++) store_row(wt, r + a, acc[a], M, out, ld, io_bf16);   \
+        }                                                                                     \
     }
 /* The tiles tile_rows picks: R = 1 (float32) or 4 at one or two rows, 2 at three or four, 1
  * beyond. */
@@ -497,22 +499,7 @@ int gemv(const void *x_in, int64_t m, int64_t k, int io_bf16, int nw, const void
     return 0;
 }
 
-/* gemv's arguments as one block, for a call bound once and made again and again
- * (kernels/cpu/calls.py; gemv.py's GemvArgs lays it out field for field). */
-typedef struct {
-    const void *x;
-    int64_t m, k;
-    int32_t io_bf16, nw;
-    const void *const *ws;
-    const int *types;
-    const int64_t *ns;
-    const float *const *scales;
-    const int64_t *groups;
-    const void *const *biases;
-    void *out;
-    int32_t isa, fetch_ahead, threads;
-} gemv_args;
-
+/* gemv as a bound call over its argument block (`gemv_args`, kernel_args.h). */
 int gemv_call(const void *args) {
     const gemv_args *a = args;
     return gemv(a->x, a->m, a->k, a->io_bf16, a->nw, a->ws, a->types, a->ns, a->scales,

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernel_args.h"
 
 static inline float load(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -145,30 +146,12 @@ int to_float32(const uint16_t *x, float *out, int64_t n) {
 
 /* ---- Bound calls -------------------------------------------------------------------------- */
 
-/* Each kernel's arguments as one block, for a call bound once and made again and again
- * (kernels/cpu/calls.py; norm_rotary.py's *Args structures lay them out field for field). */
-typedef struct {
-    const void *x, *weight;
-    void *out;
-    int64_t rows, n;
-    float eps;
-    int32_t bf16;
-} rms_norm_args;
-
+/* Each kernel as a bound call over its argument block (kernel_args.h). */
 int rms_norm_call(const void *args) {
     const rms_norm_args *a = args;
     rms_norm(a->x, a->weight, a->out, a->rows, a->n, a->eps, a->bf16);
     return 0;
 }
-
-typedef struct {
-    void *x;
-    const void *residual, *weight;
-    void *out;
-    int64_t rows, n;
-    float eps;
-    int32_t bf16;
-} add_rms_norm_args;
 
 int add_rms_norm_call(const void *args) {
     const add_rms_norm_args *a = args;
@@ -176,28 +159,11 @@ int add_rms_norm_call(const void *args) {
     return 0;
 }
 
-typedef struct {
-    const void *x;
-    int64_t row_stride;
-    const void *cos, *sin;
-    void *out;
-    int64_t rows, heads, d;
-    int32_t bf16;
-} rotary_args;
-
 int rotary_call(const void *args) {
     const rotary_args *a = args;
     rotary(a->x, a->row_stride, a->cos, a->sin, a->out, a->rows, a->heads, a->d, a->bf16);
     return 0;
 }
-
-typedef struct {
-    const void *gate, *up;
-    int64_t row_stride;
-    void *out;
-    int64_t rows, n;
-    int32_t bf16;
-} silu_mul_args;
 
 int silu_mul_call(const void *args) {
     const silu_mul_args *a = args;
@@ -205,24 +171,10 @@ int silu_mul_call(const void *args) {
     return 0;
 }
 
-typedef struct {
-    const void *table;
-    int64_t table_rows, row_bytes;
-    const int64_t *index;
-    int64_t n;
-    void *out;
-} gather_rows_args;
-
 int gather_rows_call(const void *args) {
     const gather_rows_args *a = args;
     return gather_rows(a->table, a->table_rows, a->row_bytes, a->index, a->n, a->out);
 }
-
-typedef struct {
-    const uint16_t *x;
-    float *out;
-    int64_t n;
-} to_float32_args;
 
 int to_float32_call(const void *args) {
     const to_float32_args *a = args;

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernel_args.h"
 
 #define MAX_GROUP 64    /* query heads per KV head */
 #define MAX_HEAD_DIM 256
@@ -144,20 +145,7 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *
     return 0;
 }
 
-/* paged_decode's arguments as one block, for a call bound once and made again and again
- * (kernels/cpu/calls.py; native.py's PagedDecodeArgs lays it out field for field). */
-typedef struct {
-    const void *q, *k_cache, *v_cache;
-    void *out;
-    const int32_t *block_tables;
-    int64_t max_blocks;
-    const int32_t *seq_lens, *rows, *seqs;
-    int64_t n;
-    int32_t h, hkv, d, bs;
-    float scale;
-    int32_t bf16, threads;
-} paged_decode_args;
-
+/* paged_decode as a bound call over its argument block (`paged_decode_args`, kernel_args.h). */
 int paged_decode_call(const void *args) {
     const paged_decode_args *a = args;
     return paged_decode(a->q, a->k_cache, a->v_cache, a->out, a->block_tables, a->max_blocks,
@@ -182,18 +170,7 @@ void write_kv(const void *key, int64_t key_stride, const void *value, int64_t va
     }
 }
 
-/* write_kv's arguments as one block (as paged_decode_args; native.py's WriteKvArgs). */
-typedef struct {
-    const void *key;
-    int64_t key_stride;
-    const void *value;
-    int64_t value_stride;
-    void *k_cache, *v_cache;
-    const int64_t *slot_mapping;
-    int64_t t, width;
-    int32_t elem;
-} write_kv_args;
-
+/* write_kv as a bound call over its argument block (`write_kv_args`, kernel_args.h). */
 int write_kv_call(const void *args) {
     const write_kv_args *a = args;
     write_kv(a->key, a->key_stride, a->value, a->value_stride, a->k_cache, a->v_cache,

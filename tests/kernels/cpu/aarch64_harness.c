@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernel_args.h"
 
 /* ---- the kernels' exports (the files of csrc/) ----------------------------------------------- */
 
@@ -59,84 +60,6 @@ int gather_rows_call(const void *args);
 int to_float32_call(const void *args);
 typedef int (*kernel_entry)(const void *args);
 int64_t run_calls(int64_t n, const kernel_entry *entries, const void *const *args);
-
-/* The argument blocks of the *_call entries, field for field as the C files define them. */
-typedef struct {
-    const void *x;
-    int64_t m, k;
-    int32_t io_bf16, nw;
-    const void *const *ws;
-    const int *types;
-    const int64_t *ns;
-    const float *const *scales;
-    const int64_t *groups;
-    const void *const *biases;
-    void *out;
-    int32_t isa, fetch_ahead, threads;
-} gemv_args;
-typedef struct {
-    const void *q, *k_cache, *v_cache;
-    void *out;
-    const int32_t *block_tables;
-    int64_t max_blocks;
-    const int32_t *seq_lens, *rows, *seqs;
-    int64_t n;
-    int32_t h, hkv, d, bs;
-    float scale;
-    int32_t bf16, threads;
-} paged_decode_args;
-typedef struct {
-    const void *key;
-    int64_t key_stride;
-    const void *value;
-    int64_t value_stride;
-    void *k_cache, *v_cache;
-    const int64_t *slot_mapping;
-    int64_t t, width;
-    int32_t elem;
-} write_kv_args;
-typedef struct {
-    const void *x, *weight;
-    void *out;
-    int64_t rows, n;
-    float eps;
-    int32_t bf16;
-} rms_norm_args;
-typedef struct {
-    void *x;
-    const void *residual, *weight;
-    void *out;
-    int64_t rows, n;
-    float eps;
-    int32_t bf16;
-} add_rms_norm_args;
-typedef struct {
-    const void *x;
-    int64_t row_stride;
-    const void *cos, *sin;
-    void *out;
-    int64_t rows, heads, d;
-    int32_t bf16;
-} rotary_args;
-typedef struct {
-    const void *gate, *up;
-    int64_t row_stride;
-    void *out;
-    int64_t rows, n;
-    int32_t bf16;
-} silu_mul_args;
-typedef struct {
-    const void *table;
-    int64_t table_rows, row_bytes;
-    const int64_t *index;
-    int64_t n;
-    void *out;
-} gather_rows_args;
-typedef struct {
-    const uint16_t *x;
-    float *out;
-    int64_t n;
-} to_float32_args;
 
 /* ---- inputs ------------------------------------------------------------------------------- */
 
