@@ -311,16 +311,17 @@ class Scheduler(ABC):
         their last token this step, those that do stop one short of it (beam search ranks all
         its beams at once; the group's samples stay in step).
         """
+        starts = self._starts(seqs)
+        if len(starts) == 1:  # most groups: nothing shared, nobody to keep in step
+            seq, start = starts[0]
+            n = self._tokens_within(len(seq.token_ids) - start, budget.tokens, budget)
+            return [(seq, n)] if n > 0 and budget.seqs > 0 else []
         shared = self.shared_prompt_blocks(seqs) * self.kv_manager.block_size
-        limit = self.config.long_prefill_token_threshold
         tokens, plan, complete = budget.tokens, [], True
         written = 0  # the prompt tokens the first sequence has computed after this step
-        for i, (seq, start) in enumerate(self._starts(seqs)):
+        for i, (seq, start) in enumerate(starts):
             remaining = len(seq.token_ids) - start
-            if budget.chunked_prefill:
-                n = min(remaining, tokens, limit or remaining)
-            else:
-                n = remaining if remaining <= tokens else 0
+            n = self._tokens_within(remaining, tokens, budget)
             if i == 0:
                 written = start + n
             if n <= 0 or (i and written < shared) or len(plan) == budget.seqs:
@@ -329,9 +330,17 @@ class Scheduler(ABC):
             complete = complete and n == remaining
             plan.append((seq, start, n))
             tokens -= n
-        if len(seqs) > 1 and not complete:
+        if not complete:
             plan = [(s, start, n - (start + n == len(s.token_ids))) for s, start, n in plan]
         return [(s, n) for s, _, n in plan if n > 0]
+
+    def _tokens_within(self, remaining: int, tokens: int, budget: StepBudget) -> int:
+        """How many of a sequence's `remaining` pending tokens a step computes with `tokens`
+        left: with chunked prefill what fits (at most `long_prefill_token_threshold`, when
+        set), without all of them or none."""
+        if budget.chunked_prefill:
+            return min(remaining, tokens, self.config.long_prefill_token_threshold or remaining)
+        return remaining if remaining <= tokens else 0
 
     def _starts(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
         """Each sequence with the position its next step starts from; for a waiting group, as
@@ -349,19 +358,20 @@ class Scheduler(ABC):
         sequences (`seqs`: its unfinished ones, when the caller has them) the slots of their
         pending tokens, and schedule what the budget allows. The caller checked `fits`."""
         seqs = seqs or group.get_unfinished_seqs()
-        to_gpu = self.states[seqs[0].status].to_gpu
-        if to_gpu is not None:
-            to_gpu(group, out)
+        if seqs[0].status is not SequenceStatus.RUNNING:
+            self.states[seqs[0].status].to_gpu(group, out)
+        kv = self.kv_manager
         for seq in seqs:
-            out.copy += self.kv_manager.append_slots(seq.seq_id, num_tokens=len(seq.token_ids))
+            if copies := kv.append_slots(seq.seq_id, num_tokens=len(seq.token_ids)):
+                out.copy += copies
         # Each share's block table is final here: no later move of the step touches a scheduled
         # group's blocks (preemption and swaps take groups not yet run).
         for seq, n in self.step_plan(seqs, budget):
-            start, table = seq.num_computed_tokens, self.kv_manager.block_table(seq.seq_id)
-            out.scheduled.append(ScheduledSequence(
+            start = seq.num_computed_tokens
+            out.scheduled.append(ScheduledSequence(  # needs_logits, is_prefill, block_table
                 group.request_id, seq.seq_id, start, tuple(seq.token_ids[start:start + n]),
-                needs_logits=start + n == len(seq.token_ids), block_table=table,
-                is_prefill=n > 1 or start < seq.num_prompt_tokens))
+                start + n == len(seq.token_ids), n > 1 or start < seq.num_prompt_tokens,
+                kv.block_table(seq.seq_id)))
             budget.take(n)
         if group.metrics.first_scheduled_time is None:
             group.metrics.first_scheduled_time = self._now
