@@ -18,6 +18,7 @@ _LAZY = {
     "LLMEngine": "minipaged.engine.engine",
     "EngineConfig": "minipaged.engine.config",
     "SamplingParams": "minipaged.sampling.params",
+    "RequestOutputKind": "minipaged.sampling.params",
     "RequestOutput": "minipaged.sampling.outputs",
     "CompletionOutput": "minipaged.sampling.outputs",
     "StepRecord": "minipaged.engine.record",

@@ -409,13 +409,14 @@ def test_bad_generation_config_exits_2_before_loading(tmp_path, loads, capsys, t
 
 
 def stream_with_outputs(engine: LLMEngine, prompt, params) -> tuple[list[str], list[str], str]:
-    """Stream one request: (pieces of `stream_text`, texts of every intermediate output, final)."""
+    """Stream one request: (pieces of `stream_text`, the text every step had shown, final).
+    The request is CUMULATIVE: each step returns the whole text it shows, beside the stream."""
     request_id = engine.add_request(None, prompt, params)
     texts = []
     real_step = engine.step
 
-    def spying_step(**options: bool):  # as the stream calls it (`final_only`)
-        outputs = real_step(**options)
+    def spying_step(**options: bool):  # the stream steps with `final_only`; spy without
+        outputs = real_step()
         texts.extend(o.outputs[0].text for o in outputs if o.request_id == request_id)
         return outputs
 
@@ -450,7 +451,7 @@ def test_stream_holds_back_what_may_begin_a_stop_string(bundled, poem, where, le
         assert final.startswith(text)
 
 
-def test_engine_stream_yields_growing_outputs_while_others_run(bundled):
+def test_engine_stream_yields_each_steps_delta_while_others_run(bundled):
     engine = make_engine(bundled)
     tokenizer = engine.tokenizer
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -460,9 +461,8 @@ def test_engine_stream_yields_growing_outputs_while_others_run(bundled):
     outputs = list(engine.stream(mine))
     assert [o.request_id for o in outputs] == [mine] * len(outputs)
     assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
-    lengths = [len(o.outputs[0].token_ids) for o in outputs]
-    assert lengths == list(range(1, 11))  # one new token per step, none skipped
-    assert outputs[-1].outputs[0].text.startswith(ANSWER)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1] * 10  # a token a step
+    assert "".join(o.outputs[0].text for o in outputs).startswith(ANSWER)
     assert other in engine.run_until_done()  # the other request was left intact
     with pytest.raises(ValueError, match="unknown"):
         next(engine.stream("no-such-request"))

@@ -22,7 +22,7 @@ import gc
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ from minipaged.runner.parallel.runner import WorkerDiedError, build_runner
 from minipaged.runner.parallel.worker import CheckpointShards, ShardSource
 from minipaged.runner.profiler import profile_runner
 from minipaged.sampling.outputs import RequestOutput
-from minipaged.sampling.params import SamplingParams
+from minipaged.sampling.params import RequestOutputKind, SamplingParams
 from minipaged.sampling.sampler import Sampler
 from minipaged.sampling.sequence import SequenceGroup
 from minipaged.sched.base import Scheduler
@@ -252,14 +252,11 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         marks.append(time.perf_counter())
         for group in update.finished:
             self._groups.pop(group.request_id, None)
-        streams, eos = self._streams, self.processor.eos_token_ids
         touched = update.touched  # with final_only, only open streams read unfinished ones
         if final_only:
+            streams = self._streams
             touched = [g for g in touched if g.request_id in streams] if streams else []
-        outputs = [g.to_request_output(eos) for g in dict.fromkeys(touched + update.finished)]
-        self._finished = {o.request_id: o for o in outputs if o.finished}  # for `get_request`
-        for output in (o for o in outputs if o.request_id in streams):
-            streams[output.request_id].append(output)
+        outputs = self._outputs(dict.fromkeys(touched + update.finished), final_only)
         marks.append(time.perf_counter())
         if self._observers:  # `marks`: the start, then after each phase
             phases = [b - a for a, b in itertools.pairwise(marks)]
@@ -301,16 +298,40 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         )
         return torch.cat(rows) if rows else torch.empty(0, 0), update
 
+    def _outputs(self, groups: Iterable[SequenceGroup], final_only: bool) -> list[RequestOutput]:
+        """What a step returns of the requests it changed, each as its `output_kind` asks
+        (with `final_only`, all as FINAL_ONLY), and each open stream's delta, queued for it:
+        nothing is built that nobody reads, and a delta copies only what the step added."""
+        streams, eos = self._streams, self.processor.eos_token_ids
+        cumulative, delta_kind = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA
+        outputs, self._finished = [], {}  # `_finished`: for `get_request`
+        for group in groups:
+            request_id = group.request_id
+            kind = RequestOutputKind.FINAL_ONLY if final_only else group.sampling_params.output_kind
+            final = group.to_request_output(eos) if group.is_finished() else None
+            if final is not None:
+                self._finished[request_id] = final
+            delta = None
+            if request_id in streams or kind is delta_kind:
+                delta = group.to_delta_output(eos)
+                if delta is not None and request_id in streams:
+                    streams[request_id].append(delta)
+            if kind is cumulative:
+                outputs.append(final or group.to_request_output(eos))
+            elif (output := delta if kind is delta_kind else final) is not None:
+                outputs.append(output)
+        return outputs
+
     def stream(self, request_id: str) -> RequestStream:
         """Follow `request_id`: iterating yields its output after every step that gave it new
         tokens, stepping the engine when none is waiting; the last one is `finished`. Other
         requests advance meanwhile, and their outputs are kept for their own streams.
 
-        Each output holds the whole text so far (vLLM's cumulative outputs); successive texts
-        only grow, so `text[len(previous):]` is the new piece (see
-        `minipaged.engine.llm.stream_text`). Closing the stream (`close()`, leaving a `for` loop
-        over it that is then dropped, or the stream being collected) aborts the request if it has
-        not finished.
+        Each output is a delta (`RequestOutputKind.DELTA`): the new text, tokens and
+        log-probabilities of the samples that gained any, a sample's finish reason in its last;
+        joined, a sample's pieces are its whole output (`minipaged.engine.llm.stream_text`
+        joins the text). Closing the stream (`close()`, leaving a `for` loop over it that is
+        then dropped, or the stream being collected) aborts the request if it has not finished.
         """
         request_id = str(request_id)
         if request_id not in self._groups:

@@ -108,21 +108,13 @@ def stream_text(engine: LLMEngine, request_id: str) -> Iterator[str]:
     search's best beam may change its past, so its text comes in one piece at the end. Closing
     the generator (or dropping it) closes the engine's stream, which aborts the request.
     """
-    params = engine.get_sampling_params(request_id)
-    beams = params is not None and params.use_beam_search
-    return _pieces(engine.stream(request_id), beams)
+    return _pieces(engine.stream(request_id))
 
 
-def _pieces(stream: RequestStream, beams: bool) -> Iterator[str]:
-    shown = ""
+def _pieces(stream: RequestStream) -> Iterator[str]:
     try:
-        for output in stream:
-            if beams and not output.finished:
-                continue
-            text = output.outputs[0].text
-            if len(text) > len(shown):
-                yield text[len(shown) :]
-                shown = text
+        for output in stream:  # deltas: each holds the text its step added
+            yield from (c.text for c in output.outputs if c.index == 0 and c.text)
     finally:
         stream.close()
 

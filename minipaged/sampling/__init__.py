@@ -5,7 +5,7 @@ stop rules, a request's sequences and its outputs.
 from __future__ import annotations
 
 from minipaged.sampling.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from minipaged.sampling.params import SamplingParams, SamplingType
+from minipaged.sampling.params import RequestOutputKind, SamplingParams, SamplingType
 from minipaged.sampling.sampler import Sampler
 from minipaged.sampling.sequence import GroupMember, Sequence, SequenceGroup, SequenceStatus
 
@@ -14,6 +14,7 @@ __all__ = [
     "GroupMember",
     "RequestMetrics",
     "RequestOutput",
+    "RequestOutputKind",
     "Sampler",
     "SamplingParams",
     "SamplingType",

@@ -38,6 +38,15 @@ MAX_INT64 = 2**63 - 1
 MAX_LENGTH_PENALTY = 10.0
 
 
+class RequestOutputKind(enum.Enum):
+    """What `LLMEngine.step` returns of a request after a step that changed it (vLLM's enum of
+    the same name)."""
+
+    CUMULATIVE = 0  # the whole output so far
+    DELTA = 1  # what the step added: new text, tokens, log-probabilities (a stream's kind)
+    FINAL_ONLY = 2  # nothing until the request finishes, then the whole output
+
+
 class SamplingType(enum.Enum):
     """How a request picks its tokens."""
 
@@ -81,6 +90,7 @@ class SamplingParams:
     use_beam_search: bool = False
     beam_width: int = 1
     length_penalty: float = 1.0
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -115,6 +125,10 @@ class SamplingParams:
         _check_float("length_penalty", self.length_penalty,
                      f"|length_penalty| <= {MAX_LENGTH_PENALTY}",
                      lambda x: abs(x) <= MAX_LENGTH_PENALTY)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(
+                f"output_kind must be a RequestOutputKind, got {shown(self.output_kind)}"
+            )
         if self.use_beam_search:
             self._check_beam_search()
         else:

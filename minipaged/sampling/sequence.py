@@ -196,13 +196,6 @@ class Sequence:
             seq_len -= 1
         return beam_search_score(self.cumulative_logprob, seq_len, length_penalty)
 
-    def stream_text(self, hold_back: int) -> str:
-        """The output text safe to show while streaming: the last `hold_back` characters are
-        withheld while unfinished, because they may be the start of a stop string."""
-        if self.is_finished() or hold_back <= 0:
-            return self.output_text
-        return self.output_text[: max(0, len(self.output_text) - hold_back)]
-
 
 def _fork_detokenizer(
     detokenizer: IncrementalDetokenizer | None,
@@ -245,6 +238,10 @@ class SequenceGroup:
         self.metrics = RequestMetrics(time.monotonic() if arrival_time is None else arrival_time)
         self._generators: dict[int, torch.Generator] = {}
         self._rows: dict[int, SamplingRow] = {}  # by sample index: rows without per-step state
+        self._prompt_token_ids = seqs[0].prompt_token_ids  # every output's, never copied again
+        # By sample index: the characters and tokens of its output that deltas have sent, or
+        # None once its end was sent.
+        self._sent: dict[int, tuple[int, int] | None] = {}
 
     def __repr__(self) -> str:
         return f"SequenceGroup(request_id={self.request_id!r}, seqs={self.seqs})"
@@ -255,7 +252,7 @@ class SequenceGroup:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.seqs[0].prompt_token_ids
+        return self._prompt_token_ids
 
     # looking up sequences
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
@@ -333,7 +330,6 @@ class SequenceGroup:
         held back (as vLLM does), so streamed text never has to be taken back when the stop
         string completes and is cut off."""
         params = self.sampling_params
-        hold_back = 0 if params.use_beam_search else max(map(len, params.stop), default=1) - 1
         if params.use_beam_search:
             indexed = list(enumerate(self.by_beam_score(self.seqs, eos_token_ids)[: params.n]))
         else:
@@ -341,7 +337,7 @@ class SequenceGroup:
         outputs = [
             CompletionOutput(
                 index=index,
-                text=seq.stream_text(hold_back),
+                text=seq.output_text[: self._shown_chars(seq)],
                 token_ids=seq.output_token_ids,
                 cumulative_logprob=seq.cumulative_logprob,
                 logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
@@ -350,10 +346,49 @@ class SequenceGroup:
             )
             for index, seq in indexed
         ]
+        return self._request_output(outputs)
+
+    def to_delta_output(self, eos_token_ids: Collection[int] = ()) -> RequestOutput | None:
+        """What the request gained since its last delta (vLLM's `RequestOutputKind.DELTA`):
+        each sample with news, its new text, tokens and log-probabilities, and its finish
+        reason once; None when there is no news. Beam search's best beams may change their
+        past, so its one delta is the whole output, when it finishes. Each piece is copied
+        once: a delta costs what the step added, whatever the output's length."""
+        if self.sampling_params.use_beam_search:
+            return self.to_request_output(eos_token_ids) if self.is_finished() else None
+        outputs = []
+        for seq in sorted(self.seqs, key=lambda s: s.sample_index):
+            sent = self._sent.get(seq.sample_index, (0, 0))
+            if sent is None:  # its end was sent
+                continue
+            (chars, tokens), shown = sent, self._shown_chars(seq)
+            first_token = seq.num_prompt_tokens + tokens
+            finish_reason = seq.status.finish_reason
+            if shown == chars and first_token == len(seq.token_ids) and finish_reason is None:
+                continue
+            asked = self.sampling_params.logprobs is not None
+            logprobs = seq.output_logprobs[tokens:] if asked else None
+            outputs.append(CompletionOutput(
+                seq.sample_index, seq.output_text[chars:shown], seq.token_ids[first_token:],
+                seq.cumulative_logprob, logprobs, finish_reason, seq.stop_reason,
+            ))
+            done = finish_reason is not None
+            self._sent[seq.sample_index] = None if done else (shown, seq.get_output_len())
+        return self._request_output(outputs) if outputs else None
+
+    def _shown_chars(self, seq: Sequence) -> int:
+        """How much of `seq`'s text an output shows: all of it once finished, else all but the
+        end that may begin a stop string (the longest stop string but its last character)."""
+        params, text_len = self.sampling_params, len(seq.output_text)
+        if seq.is_finished() or params.use_beam_search:  # a beam's text is never streamed
+            return text_len
+        return max(0, text_len - max(map(len, params.stop), default=1) + 1)
+
+    def _request_output(self, outputs: list[CompletionOutput]) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
+            prompt_token_ids=self._prompt_token_ids,
             outputs=outputs,
             finished=self.is_finished(),
             metrics=self.metrics,

@@ -25,7 +25,7 @@ from tiny_models import run_bounded, tiny_engine, tiny_llama_parts
 
 from minipaged.engine.engine import EngineConfig, LLMEngine
 from minipaged.engine.llm import stream_text
-from minipaged.sampling.params import SamplingParams
+from minipaged.sampling.params import RequestOutputKind, SamplingParams
 from minipaged.sched.cost_model import CostModel
 from minipaged.tokenizer.tokenizer import Tokenizer
 
@@ -147,11 +147,10 @@ def test_interleaved_streams_each_get_all_their_outputs(small) -> None:
                 del streams[request_id]
                 continue
             seen[request_id].append(output)
-    for request_id, outputs in seen.items():
-        assert outputs[-1].finished
-        assert outputs[-1].outputs[0].token_ids == expected[request_id]
-        lengths = [len(o.outputs[0].token_ids) for o in outputs]
-        assert lengths == list(range(1, 7))  # one output per new token, none lost
+    for request_id, outputs in seen.items():  # deltas: a token each, none lost
+        assert [o.finished for o in outputs] == [False] * 5 + [True]
+        assert [t for o in outputs for t in o.outputs[0].token_ids] == expected[request_id]
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [1] * 6
     run_bounded(engine)
     assert drained(engine)
 
@@ -379,6 +378,8 @@ def sampling_kwargs(draw) -> dict:
         kw["repetition_penalty"] = draw(st.sampled_from([1.0, 1.3]))
         kw["presence_penalty"] = draw(st.sampled_from([0.0, 0.5]))
         kw["frequency_penalty"] = draw(st.sampled_from([0.0, 0.5]))
+    if draw(st.booleans()):  # what `step` returns of it: the contract holds for every kind
+        kw["output_kind"] = draw(st.sampled_from(list(RequestOutputKind)))
     return kw
 
 
@@ -547,11 +548,12 @@ class RequestContract(RuleBasedStateMachine):
             return
         assert output.request_id == request_id
         tracked = self.live.get(request_id)
-        for completion in output.outputs:
-            # Each streamed text extends the one before (a beam may change its past: not beams).
-            if tracked is not None and not tracked.params.use_beam_search:
-                assert completion.text.startswith(tracked.streamed.get(completion.index, ""))
-                tracked.streamed[completion.index] = completion.text
+        for completion in output.outputs:  # deltas: what each sample's text gained
+            if tracked is not None:  # still running (its final output is checked whole)
+                assert not tracked.params.use_beam_search, "a beam's text streamed early"
+                tracked.streamed[completion.index] = (
+                    tracked.streamed.get(completion.index, "") + completion.text
+                )
         if output.finished:
             self.streams.pop(request_id)
             assert request_id not in self.live  # the observer checked it as it finished

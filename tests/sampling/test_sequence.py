@@ -160,13 +160,58 @@ def test_eos_stop_tokens_min_tokens_and_lengths():
     assert seq.status.finish_reason == "stop"
 
 
-def test_stream_text_holds_back_a_possible_stop_string():
-    seq = Sequence(0, [0], PieceDetokenizer(["hello wo"]))
+def test_outputs_hold_back_a_possible_stop_string():
+    group = SequenceGroup("r", [Sequence(0, [0], PieceDetokenizer(["hello wo"]))],
+                          SamplingParams(stop=["wor", "x"]))
+    seq = group.seqs[0]
     seq.append_token(0, 0.0)
-    assert seq.stream_text(hold_back=3) == "hello"
-    assert seq.stream_text(hold_back=0) == "hello wo"
+    assert group.to_request_output().outputs[0].text == "hello "  # "wo" may begin "wor"
+    assert group.to_delta_output().outputs[0].text == "hello "
     seq.finish(StopDecision(SequenceStatus.FINISHED_LENGTH_CAPPED))
-    assert seq.stream_text(hold_back=3) == "hello wo"
+    assert group.to_request_output().outputs[0].text == "hello wo"
+    assert group.to_delta_output().outputs[0].text == "wo"
+    assert group.to_delta_output() is None  # its end was sent
+
+
+@given(
+    pieces=st.lists(st.text(alphabet="ab c", max_size=4), min_size=1, max_size=12),
+    stops=st.lists(st.text(alphabet="ab c", min_size=1, max_size=4), max_size=3),
+    n=st.integers(1, 3),
+    logprobs=st.sampled_from([None, 0]),
+    silent_steps=st.sets(st.integers(0, 12)),
+)
+def test_deltas_add_up_to_the_cumulative_outputs(pieces, stops, n, logprobs, silent_steps):
+    """Each step's delta (taken on the steps not in `silent_steps`) holds exactly what the
+    cumulative output gained since the last delta: joined, a sample's deltas are its whole
+    final output, and its finish reason comes once, in the last."""
+    params = SamplingParams(n=n, stop=stops, max_tokens=len(pieces), logprobs=logprobs)
+    seqs = [Sequence(i, [0], PieceDetokenizer(pieces), sample_index=i) for i in range(n)]
+    group = SequenceGroup("r", seqs, params)
+    deltas = []
+    for step in range(len(pieces) + 1):
+        for seq in group.get_unfinished_seqs():
+            offset = seq.sample_index  # samples go their own ways
+            if step < len(pieces):
+                seq.append_token((step + offset) % len(pieces), -0.5, {0: -0.5})
+            decision = check_stop(seq, params)
+            if decision is not None:
+                seq.finish(decision)
+        if step not in silent_steps or group.is_finished():
+            deltas.append(group.to_delta_output())
+        if group.is_finished():
+            break
+    final = group.to_request_output()
+    for completion in final.outputs:
+        mine = [c for d in deltas if d is not None for c in d.outputs
+                if c.index == completion.index]
+        assert "".join(c.text for c in mine) == completion.text
+        assert [t for c in mine for t in c.token_ids] == completion.token_ids
+        if logprobs is not None:
+            assert [lp for c in mine for lp in c.logprobs] == completion.logprobs
+        assert [c.finish_reason for c in mine][-1] == completion.finish_reason
+        assert all(c.finish_reason is None for c in mine[:-1])
+        assert mine[-1].cumulative_logprob == completion.cumulative_logprob
+    assert deltas[-1].finished and group.to_delta_output() is None
 
 
 def test_request_metrics():
