@@ -174,7 +174,8 @@ class OpenAIServing:
             if body.include_usage:
                 outputs = [finals[i] for i in range(len(finals))]
                 yield _event(
-                    usage_chunk(submission.request_id, created, self.model_name, kind, outputs)
+                    usage_chunk(submission.request_id, created, self.model_name, kind, outputs,
+                                choices.num_tokens)
                 )
 
         async def framed() -> AsyncIterator[str]:

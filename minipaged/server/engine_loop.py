@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from minipaged.sampling.params import SamplingParams
+from minipaged.sampling.params import RequestOutputKind, SamplingParams
 from minipaged.sampling.sequence import RequestOutput
 from minipaged.server.metrics import ServerMetrics, read_engine_stats
 
@@ -48,7 +48,8 @@ class Submission:
     """One HTTP request: its engine requests (one per prompt) and the queue they report to.
 
     The queue receives `(prompt index, RequestOutput)` after every step that gave the prompt
-    new tokens, or an `EngineLoopError` if the loop stops first.
+    an output of its `output_kind` (a stream's deltas, a whole answer's final output), or an
+    `EngineLoopError` if the loop stops first.
     """
 
     request_id: str
@@ -63,7 +64,16 @@ class _Route:
 
     submission: Submission
     prompt_index: int
-    num_tokens: int = 0  # output tokens reported so far (for the generated-tokens counter)
+    deltas: bool  # its outputs are deltas (DELTA), else whole outputs
+    num_tokens: int = 0  # output tokens counted so far (for the generated-tokens counter)
+
+    def count(self, output: RequestOutput, whole: bool = False) -> int:
+        """The output tokens `output` (a step's, or `whole`: the request's whole output so
+        far) reports that were not counted yet."""
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        new = num_tokens if self.deltas and not whole else num_tokens - self.num_tokens
+        self.num_tokens += new
+        return new
 
 
 # -- the loop -------------------------------------------------------------------------------------
@@ -136,7 +146,8 @@ class EngineLoop:
                         engine_id, prompt, params, arrival_time, prompt_text=text
                     )
                     added.append(engine_id)
-                    self._routes[engine_id] = _Route(submission, index)
+                    deltas = params.output_kind is RequestOutputKind.DELTA
+                    self._routes[engine_id] = _Route(submission, index, deltas)
             except Exception as exc:
                 for engine_id in added:
                     self.engine.abort_request(engine_id)
@@ -181,9 +192,11 @@ class EngineLoop:
 
         def abort() -> None:
             for engine_id in submission.engine_ids:
-                if self._routes.pop(engine_id, None) is not None:
-                    if self.engine.abort_request(engine_id):
-                        self.metrics.observe_aborted()
+                route = self._routes.pop(engine_id, None)
+                if route is not None and (output := self.engine.get_request(engine_id)):
+                    self.metrics.generation_tokens.inc(route.count(output, whole=True))
+                if route is not None and self.engine.abort_request(engine_id):
+                    self.metrics.observe_aborted()
             self._publish_stats()
 
         try:
@@ -235,9 +248,7 @@ class EngineLoop:
             route = self._routes.get(output.request_id)
             if route is None:
                 continue
-            num_tokens = sum(len(c.token_ids) for c in output.outputs)
-            self.metrics.generation_tokens.inc(num_tokens - route.num_tokens)
-            route.num_tokens = num_tokens
+            self.metrics.generation_tokens.inc(route.count(output))
             if output.finished:
                 del self._routes[output.request_id]
                 self.metrics.observe_finished(output)

@@ -32,7 +32,7 @@ from pydantic import (
     model_validator,
 )
 
-from minipaged.sampling.params import SamplingParams
+from minipaged.sampling.params import RequestOutputKind, SamplingParams
 
 # `max_tokens` of a completion when the request gives none (OpenAI's and vLLM's default).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -172,6 +172,9 @@ class _SamplingRequest(_Strict):
         `max_tokens` and `logprobs` as given); its `ValueError` names the field, so does ours."""
         values = {name: getattr(self, name) for name in _SHARED_FIELDS}
         values.update(max_tokens=max_tokens, logprobs=logprobs)
+        # A stream sends each step's news, a whole answer its end: nothing else is built.
+        kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
+        values["output_kind"] = kind
         if self.temperature is None:  # SamplingParams' default
             del values["temperature"]
         try:

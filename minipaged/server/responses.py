@@ -1,9 +1,9 @@
 """What the server sends back: OpenAI's response, chunk, log-probability and usage shapes.
 
 Plain dicts, built by small functions, one per shape (the field names are OpenAI's and vLLM's).
-`ChoiceStream` turns the engine's cumulative outputs (the whole text so far, every step) into the
-deltas a stream sends: new text, new tokens and their log-probabilities, and the finish reason
-once.
+`ChoiceStream` turns the engine's deltas (what each step added to each sample) into the deltas
+a stream sends: new text, new tokens and their log-probabilities, and the finish reason once,
+each choice's text offset, and the tokens the usage chunk counts.
 """
 
 from __future__ import annotations
@@ -32,31 +32,26 @@ class Delta:
 
 
 class ChoiceStream:
-    """Per choice, how much text and how many tokens were already sent."""
+    """Per choice, how much text was already sent; and the output tokens of all choices."""
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self.sent: dict[int, tuple[int, int]] = {}  # characters and tokens
-        self.finished: set[int] = set()
+        self.sent_chars: dict[int, int] = {}
+        self.num_tokens = 0
 
     def deltas(self, prompt_index: int, output: RequestOutput) -> list[Delta]:
-        """The news of one engine output; choices with none are left out."""
+        """The news of one engine delta (`RequestOutputKind.DELTA`); choices whose news is
+        only tokens that nobody shows (no text, no finish, no log-probabilities) are left out."""
         news = []
         for completion in output.outputs:
             index = prompt_index * self.n + completion.index
-            if index in self.finished:
+            self.num_tokens += len(completion.token_ids)
+            text, logprobs, done = completion.text, completion.logprobs, completion.finish_reason
+            if not text and done is None and not (logprobs and completion.token_ids):
                 continue
-            chars, tokens = self.sent.get(index, (0, 0))
-            new_ids = completion.token_ids[tokens:]
-            text = completion.text[chars:]
-            logprobs = completion.logprobs[tokens:] if completion.logprobs is not None else None
-            done = completion.finish_reason
-            if not text and done is None and not (logprobs and new_ids):
-                continue
-            self.sent[index] = (chars + len(text), tokens + len(new_ids))
-            if done is not None:
-                self.finished.add(index)
-            news.append(Delta(index, text, new_ids, logprobs, done, chars))
+            chars = self.sent_chars.get(index, 0)
+            self.sent_chars[index] = chars + len(text)
+            news.append(Delta(index, text, completion.token_ids, logprobs, done, chars))
         return news
 
 
@@ -71,10 +66,12 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
-    """Token counts of a finished request: each prompt counted once, every choice's output."""
+def usage(outputs: Sequence[RequestOutput], completion: int | None = None) -> dict[str, Any]:
+    """Token counts of a finished request: each prompt counted once, every choice's output
+    (`completion`: their count, where a stream's deltas counted them)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    if completion is None:
+        completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.metrics.num_cached_tokens for o in outputs if o.metrics is not None)
     return {
         "prompt_tokens": prompt,
@@ -232,10 +229,12 @@ def chat_response(
 
 
 def usage_chunk(
-    request_id: str, created: int, model: str, kind: str, outputs: Sequence[RequestOutput]
+    request_id: str, created: int, model: str, kind: str, outputs: Sequence[RequestOutput],
+    completion: int | None = None,
 ) -> dict[str, Any]:
-    """A stream's last chunk with `stream_options.include_usage`: no choices, only usage."""
-    return _envelope(request_id, created, model, kind, [], usage=usage(outputs))
+    """A stream's last chunk with `stream_options.include_usage`: no choices, only usage
+    (`completion`: the output tokens its deltas counted)."""
+    return _envelope(request_id, created, model, kind, [], usage=usage(outputs, completion))
 
 
 # -- helpers --------------------------------------------------------------------------------------

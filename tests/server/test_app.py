@@ -372,6 +372,27 @@ def test_raw_sse_framing_ends_with_done(tiny):
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
 
 
+
+def test_streams_and_whole_answers_count_every_generated_token_once(tiny):
+    """A stream's engine outputs are deltas, a whole answer's its final output (each request's
+    `output_kind`): the generated-tokens counter adds exactly what was generated, either way."""
+    server, _, _ = tiny
+    before = metrics(server.url)["minipaged:generation_tokens_total"]
+    body = COMPLETION | seeded(11, max_tokens=7, n=2)
+    whole = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()
+    assert whole["usage"]["completion_tokens"] == 14
+    stream_body = body | {"stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=stream_body) as response:
+        chunks = [json.loads(e) for e in sse_events(response.iter_lines())[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 14
+    texts = {0: "", 1: ""}
+    for chunk in chunks[:-1]:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] += choice["text"]
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}  # the same seed
+    after = assert_drained(server.url)["minipaged:generation_tokens_total"]
+    assert after - before == 2 * 14
+
 # -- disconnects ----------------------------------------------------------------------------------
 
 

@@ -1,6 +1,6 @@
 """`minipaged.server.responses` on its own: OpenAI's shapes for random outputs.
 
-A stream of cumulative outputs, cut at random points, must come out of `ChoiceStream` as deltas
+The engine's deltas of a stream, cut at random points, must come out of `ChoiceStream` as deltas
 that add up to the final text and tokens, with offsets that say what was sent before and the
 finish reason exactly once. Whole responses built for random requests have the OpenAI shape,
 choice indices `prompt_index * n + sample_index`, log-probabilities ranked and texts decoded as
@@ -81,44 +81,49 @@ def assert_usage_adds_up(usage: dict, outputs: list[RequestOutput]) -> None:
     }
 
 
-def prefix_of(c: CompletionOutput, chars: int, tokens: int) -> CompletionOutput:
-    logprobs = None if c.logprobs is None else c.logprobs[:tokens]
-    return CompletionOutput(c.index, c.text[:chars], c.token_ids[:tokens], None, logprobs, None)
+def piece_of(c: CompletionOutput, start: tuple[int, int], end: tuple[int, int],
+             last: bool) -> CompletionOutput:
+    """The engine's delta of `c` between two (characters, tokens) marks; the finish in the last."""
+    (chars, tokens), (end_chars, end_tokens) = start, end
+    logprobs = None if c.logprobs is None else c.logprobs[tokens:end_tokens]
+    return CompletionOutput(c.index, c.text[chars:end_chars], c.token_ids[tokens:end_tokens], None,
+                            logprobs, c.finish_reason if last else None)
 
 
 @given(request=requests(), data=st.data())
 def test_stream_deltas_add_up_to_the_final_output(request, data) -> None:
+    """The engine's deltas, cut at random points, come out as the chunks' deltas: joined they
+    are the final text (and tokens, where log-probabilities show them), with offsets that say
+    what was sent before, the finish reason exactly once, and every token counted."""
     n, _, outputs = request
     stream = ChoiceStream(n)
     sent: dict[int, list] = {}
     for prompt_index, final in enumerate(outputs):
-        snapshots = []
-        cuts = data.draw(st.integers(0, 4))
-        marks = [(0, 0)] * n
-        for _ in range(cuts):  # cumulative snapshots: each one's text and tokens only grow
-            marks = [
-                (
-                    data.draw(st.integers(chars, len(c.text))),
-                    data.draw(st.integers(tokens, len(c.token_ids))),
-                )
-                for (chars, tokens), c in zip(marks, final.outputs, strict=True)
-            ]
-            snapshots.append([prefix_of(c, *m) for m, c in zip(marks, final.outputs, strict=True)])
-        snapshots.append(final.outputs)
-        snapshots.append(final.outputs)  # a repeat after the end brings no news
-        for completions in snapshots:
-            output = RequestOutput("r", None, final.prompt_token_ids, completions, False)
+        marks = [[(0, 0)] for _ in final.outputs]
+        for _ in range(data.draw(st.integers(0, 4))):  # each mark at or after the one before
+            for own, c in zip(marks, final.outputs, strict=True):
+                chars, tokens = own[-1]
+                own.append((data.draw(st.integers(chars, len(c.text))),
+                            data.draw(st.integers(tokens, len(c.token_ids)))))
+        for own, c in zip(marks, final.outputs, strict=True):
+            own.append((len(c.text), len(c.token_ids)))
+        for step in range(len(marks[0]) - 1):
+            last = step == len(marks[0]) - 2
+            pieces = [piece_of(c, own[step], own[step + 1], last)
+                      for own, c in zip(marks, final.outputs, strict=True)]
+            output = RequestOutput("r", None, final.prompt_token_ids, pieces, last)
             for delta in stream.deltas(prompt_index, output):
                 got = sent.setdefault(delta.index, [])
                 assert not any(d.finish_reason for d in got), "news after the finish"
                 assert delta.text_offset == sum(len(d.text) for d in got)
                 got.append(delta)
+    assert stream.num_tokens == sum(len(c.token_ids) for o in outputs for c in o.outputs)
     for prompt_index, final in enumerate(outputs):
         for c in final.outputs:
             deltas = sent[prompt_index * n + c.index]
             assert "".join(d.text for d in deltas) == c.text
-            assert [t for d in deltas for t in d.token_ids] == c.token_ids
             if c.logprobs is not None:
+                assert [t for d in deltas for t in d.token_ids] == c.token_ids
                 assert [lp for d in deltas for lp in d.logprobs] == c.logprobs
             assert [d.finish_reason for d in deltas if d.finish_reason] == [c.finish_reason]
             assert deltas[-1].finish_reason == c.finish_reason
