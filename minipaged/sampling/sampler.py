@@ -46,6 +46,15 @@ class SamplingRow:
     output_token_ids: Sequence[int] = ()
     generator: torch.Generator | None = None
     banned_token_ids: Sequence[int] = ()
+    # Greedy with nothing to ban or penalise and no top logprobs to list: a platform's
+    # `greedy_tokens` takes a batch of such rows whole (set from the fields above, once).
+    plain_greedy: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        params = self.params
+        self.plain_greedy = params.greedy and not (
+            self.banned_token_ids or params.has_penalties or (params.logprobs or 0) > 0
+        )
 
 
 @dataclass
@@ -291,8 +300,7 @@ class Sampler:
         if (self.greedy_tokens is None or logits.dim() != 2 or logits.shape[0] != len(rows)
                 or not rows):
             return None
-        if any(not row.params.greedy or row.banned_token_ids or row.params.has_penalties
-               or (row.params.logprobs or 0) > 0 for row in rows):
+        if not all([row.plain_greedy for row in rows]):
             return None
         chosen = self.greedy_tokens(logits)
         if chosen is None:  # a NaN or an infinity: `finite_logits` decides
