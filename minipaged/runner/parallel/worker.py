@@ -323,13 +323,30 @@ def pipe_plans(conn: Connection, parent: int) -> Iterator[Plan]:
         yield plan
 
 
+def same_tables(plan: Plan, tables: dict[int, tuple[int, ...]]) -> Plan:
+    """`plan` with each block table equal to the last plan's table of its sequence (`tables`,
+    rewritten for the next) replaced by that very object: unpickled, every table is a new
+    object, and the runner's persistent rows (`BlockTables`) are kept by identity, so that
+    a table rank 0 did not change costs a rank no row either."""
+    scheduled = []
+    for entry in plan.scheduled:
+        table = tables.get(entry.seq_id)
+        if table == entry.block_table:
+            entry = entry._replace(block_table=table)
+        scheduled.append(entry)
+    tables.clear()
+    tables.update((entry.seq_id, entry.block_table) for entry in scheduled)
+    return replace(plan, scheduled=scheduled)
+
+
 def serve_plans(runner: ModelRunner, plans: Callable[[], Iterable[Plan]]) -> None:
     """Run each of `plans()` (made now, the group joined: a `PlanBroadcast` needs it) on this
     rank's shard, dropping the logits (rank 0 has them), then leave the process group."""
+    tables: dict[int, tuple[int, ...]] = {}
     try:
         for plan in plans():
             try:
-                runner.execute(plan)
+                runner.execute(same_tables(plan, tables))
             except ValueError:
                 # A plan the runner rejects before any collective (bad metadata): rank 0
                 # rejects the same plan in the same place, and the next step goes on.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -195,3 +196,30 @@ def test_a_worker_that_dies_while_loading_is_named(tiny, tmp_path, monkeypatch):
     assert not dist.is_initialized()
     pid = int(re.search(r"pid (\d+)", str(died.value)).group(1))
     assert not os.path.exists(f"/proc/{pid}")  # reaped, not left a zombie
+
+
+def test_a_rank_keeps_the_tables_rank_0_did_not_change():
+    """Plans arrive pickled, every table a new object: a table equal to its sequence's in the
+    last plan becomes that very object again (the runner's rows are kept by identity), a
+    changed one stays new, and a sequence that left is forgotten."""
+    from minipaged.runner.flat_batch import BlockTables
+    from minipaged.runner.parallel.worker import same_tables
+    from minipaged.sched.output import ScheduledSequence, SchedulerOutput
+
+    def plan(**tables):
+        return pickle.loads(pickle.dumps(SchedulerOutput(scheduled=[
+            ScheduledSequence("r", int(seq[1:]), 0, (1,), block_table=table)
+            for seq, table in tables.items()])))
+
+    kept: dict = {}
+    rows = BlockTables(num_blocks=16)
+    first = same_tables(plan(s1=(3, 4), s2=(5,)), kept)
+    for entry in first.scheduled:
+        rows.row(entry.block_table)
+    second = same_tables(plan(s1=(3, 4), s2=(5, 6)), kept)
+    assert second.scheduled[0].block_table is first.scheduled[0].block_table
+    assert second.scheduled[1].block_table is not first.scheduled[1].block_table
+    assert id(second.scheduled[0].block_table) in rows.rows  # no row written again
+    third = same_tables(plan(s2=(5, 6)), kept)
+    assert third.scheduled[0].block_table is second.scheduled[1].block_table
+    assert list(kept) == [2]
