@@ -125,12 +125,12 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], temperature: flo
     ids = [engine.add_request(None, prompts[i], params) for i in range(width)]
     try:
         for _ in range(max_steps):
-            engine.step()
+            engine.step(final_only=True)
             last = records[-1].scheduled
             if len(last) == width and all(w.num_new_tokens == 1 for w in last):
                 break
         for _ in range(warmup):
-            engine.step()
+            engine.step(final_only=True)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -139,7 +139,7 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], temperature: flo
         with torch.profiler.profile(activities=activities) as prof:
             start = time.perf_counter()
             for _ in range(steps):
-                engine.step()
+                engine.step(final_only=True)
             if device == "cuda":
                 torch.cuda.synchronize()
             wall = time.perf_counter() - start

@@ -369,7 +369,7 @@ def serve_engine(engine, trace: list[TraceRequest], vocab: int) -> RunStats:
             clock = pending[0].arrival_time
             continue
         start = time.perf_counter()
-        for output in engine.step():
+        for output in engine.step(final_only=True):
             if output.finished:
                 finished[output.request_id] = clock + time.perf_counter() - start
         clock += time.perf_counter() - start
