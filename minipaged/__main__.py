@@ -60,10 +60,7 @@ CHAT_DEFAULTS = {
 }
 # The keys of Hugging Face's generation_config.json that chat reads, and their SamplingParams names.
 GENERATION_CONFIG_KEYS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "repetition_penalty": "repetition_penalty",
+    **{name: name for name in ("temperature", "top_p", "top_k", "repetition_penalty")},
     "max_new_tokens": "max_tokens",
 }
 

@@ -33,7 +33,6 @@ from minipaged.kernels.cpu.native import (
     native_decode_available,
     native_decode_supports,
     paged_decode,
-    write_kv,
     write_kv_supports,
 )
 from minipaged.kernels.cpu.norm_rotary import (
@@ -90,6 +89,5 @@ __all__ = [
     "rotary_supports",
     "silu_mul",
     "silu_mul_supports",
-    "write_kv",
     "write_kv_supports",
 ]

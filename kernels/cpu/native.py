@@ -8,9 +8,10 @@ the blocks in place instead.
 
 `native_decode_available()` says whether the kernel could be built here (it is built then, once
 per process); without a compiler the CPU backend attends the PyTorch way and says so in the log.
-`paged_decode` runs it on `torch.get_num_threads()` OpenMP threads. `write_kv` stores a step's
-new keys and values in their slots in one call: PyTorch's way (a mask of the written slots, an
-index, two `index_copy_`) is six operators a layer, each costing more than the copy at a decode.
+`paged_decode` runs it on `torch.get_num_threads()` OpenMP threads. `bind_write_kv` stores a
+step's new keys and values in their slots in one call: PyTorch's way (a mask of the written
+slots, an index, two `index_copy_`) is six operators a layer, each costing more than the copy
+at a decode.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def _check_decode_args(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor,
 
 def write_kv_supports(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
                       slot_mapping: Tensor) -> bool:
-    """Whether `write_kv` takes these: contiguous CPU caches of one of `DTYPES`, int64 slots,
+    """Whether `bind_write_kv` takes these: contiguous CPU caches of one of `DTYPES`, int64 slots,
     and keys and values of the caches' dtype whose rows each hold their heads side by side
     (`[T, H_kv, D]` with strides `(any, D, 1)`: contiguous, or the columns of a fused
     projection's output)."""
@@ -161,20 +162,15 @@ def write_kv_supports(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tens
     )
 
 
-def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
-             slot_mapping: Tensor) -> None:
-    """The attention contract's `reshape_and_cache` in one call: row t of `key` and `value`
-    (`[T, H_kv, D]`, as `write_kv_supports` takes them) into slot `slot_mapping[t]` (int64, -1:
-    skip) of the contiguous caches `[num_blocks, block_size, H_kv, D]`. The slots must lie in
-    the cache (`minipaged.attention.contract.check_reshape_and_cache_args`): they are not
-    checked here. Raises `RuntimeError` when the kernel is not available."""
-    bind_write_kv(key, value, k_cache, v_cache, slot_mapping).run_as(WRITE_PROFILER_NAME)
-
-
 def bind_write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
                   slot_mapping: Tensor) -> KernelCall:
-    """`write_kv(...)` as a call with every argument fixed, to run again and again over the
-    same tensors (their contents changing: a step replayed)."""
+    """The attention contract's `reshape_and_cache` as one call with every argument fixed, to
+    run again and again over the same tensors (their contents changing: a step replayed): row
+    t of `key` and `value` (`[T, H_kv, D]`, as `write_kv_supports` takes them) into slot
+    `slot_mapping[t]` (int64, -1: skip) of the contiguous caches `[num_blocks, block_size, H_kv,
+    D]`. The slots must lie in the cache (`minipaged.attention.contract.
+    check_reshape_and_cache_args`): they are not checked here. Raises `RuntimeError` when the
+    kernel is not available."""
     library = require_native(_library(), "paged-attention kernels")
     _, _, num_kv_heads, head_dim = k_cache.shape
     return KernelCall(library.write_kv_call, WriteKvArgs(

@@ -130,11 +130,8 @@ def completion_logprobs(
 
 
 def completion_choice(tokenizer: Any, delta: Delta) -> dict[str, Any]:
-    logprobs = None
-    if delta.logprobs is not None:
-        logprobs = completion_logprobs(
-            tokenizer, delta.token_ids, delta.logprobs, delta.text_offset
-        )
+    logprobs = None if delta.logprobs is None else completion_logprobs(
+        tokenizer, delta.token_ids, delta.logprobs, delta.text_offset)
     return {
         "index": delta.index,
         "text": delta.text,
@@ -187,17 +184,14 @@ def _chat_token(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]
 
 
 def chat_choice(tokenizer: Any, delta: Delta, top_k: int, stream: bool) -> dict[str, Any]:
-    logprobs = None
-    if delta.logprobs is not None:
-        logprobs = chat_logprobs(tokenizer, delta.token_ids, delta.logprobs, top_k)
-    choice: dict[str, Any] = {"index": delta.index}
+    logprobs = None if delta.logprobs is None else chat_logprobs(
+        tokenizer, delta.token_ids, delta.logprobs, top_k)
     if stream:
-        choice["delta"] = {"content": delta.text} if delta.text else {}
+        text = {"delta": {"content": delta.text} if delta.text else {}}
     else:
-        choice["message"] = {"role": "assistant", "content": delta.text}
-    choice["logprobs"] = logprobs
-    choice["finish_reason"] = delta.finish_reason
-    return choice
+        text = {"message": {"role": "assistant", "content": delta.text}}
+    return {"index": delta.index, **text, "logprobs": logprobs,
+            "finish_reason": delta.finish_reason}
 
 
 def chat_chunk(

@@ -33,7 +33,7 @@ from minipaged.tokenizer.bpe import (
     to_byte_alphabet,
 )
 from minipaged.tokenizer.chat_template import template_from_config
-from minipaged.tokenizer.gguf_file import GGUFError, read_gguf_file
+from minipaged.tokenizer.gguf_file import GGUFError, check_types, read_gguf_file
 
 
 @dataclass
@@ -95,7 +95,7 @@ def read_pretrained(path: str | os.PathLike[str]) -> TokenizerSpec:
 def read_gguf(path: str | os.PathLike[str]) -> TokenizerSpec:
     """Read a GGUF file's ``tokenizer.ggml.*`` metadata (llama.cpp's layout)."""
     fields = _read_gguf_tokenizer_fields(path)
-    _check_gguf_field_types(fields, path)
+    check_types(fields, _GGUF_FIELD_TYPES, str(path), TokenizerError)
     model = fields.get("tokenizer.ggml.model")
     if model is None or "tokenizer.ggml.tokens" not in fields:
         raise TokenizerError(f"{path}: the GGUF file has no tokenizer metadata")
@@ -142,13 +142,13 @@ def read_gguf(path: str | os.PathLike[str]) -> TokenizerSpec:
     )
 
 
-# The type of each tokenizer field read, as llama.cpp writes it ("int": an int, not a bool).
+# The type of each tokenizer field read, as llama.cpp writes it (`check_types`).
 _GGUF_FIELD_TYPES = {
-    "tokenizer.ggml.model": "str",
-    "tokenizer.ggml.pre": "str",
-    "tokenizer.chat_template": "str",
-    "tokenizer.ggml.tokens": "list of str",
-    "tokenizer.ggml.merges": "list of str",
+    "tokenizer.ggml.model": "string",
+    "tokenizer.ggml.pre": "string",
+    "tokenizer.chat_template": "string",
+    "tokenizer.ggml.tokens": "list of string",
+    "tokenizer.ggml.merges": "list of string",
     "tokenizer.ggml.token_type": "list of int",
     "tokenizer.ggml.bos_token_id": "int",
     "tokenizer.ggml.eos_token_id": "int",
@@ -156,21 +156,6 @@ _GGUF_FIELD_TYPES = {
     "tokenizer.ggml.add_bos_token": "bool",
     "tokenizer.ggml.add_eos_token": "bool",
 }
-
-
-def _check_gguf_field_types(fields: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """Raise `TokenizerError` naming the first field whose value is not of its type."""
-
-    def fits(value: Any, kind: str) -> bool:
-        if kind.startswith("list of "):
-            return isinstance(value, list) and all(fits(v, kind[8:]) for v in value)
-        if kind == "int":
-            return isinstance(value, int) and not isinstance(value, bool)
-        return isinstance(value, {"str": str, "bool": bool}[kind])
-
-    for key, kind in _GGUF_FIELD_TYPES.items():
-        if key in fields and not fits(fields[key], kind):
-            raise TokenizerError(f"{path}: {key} must be a {kind}, not {fields[key]!r:.60}")
 
 
 def _read_gguf_tokenizer_fields(path: str | os.PathLike[str]) -> dict[str, Any]:

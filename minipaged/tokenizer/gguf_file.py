@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import mmap
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,27 @@ def read_gguf_file(path: str | Path) -> GGUFFile:
             raise GGUFError(f"tensor {record[0]} appears twice")
         tensors[record[0]] = _tensor(file_data, record, data_start, size)
     return GGUFFile(path, version, metadata, list(tensors.values()))
+
+
+def check_types(values: Mapping[str, Any], kinds: Mapping[str, str], where: str,
+                error: type[ValueError] = ValueError) -> None:
+    """Raise `error` naming the first key of `kinds` whose value (when present and not null) is
+    not of its JSON type: "int" (not a bool), "number", "bool", "string", "object", "list of
+    <type>" or "<type> or <type>". Read metadata is checked so (and so is a config.json)."""
+
+    def fits(value: Any, kind: str) -> bool:
+        if " or " in kind:
+            return any(fits(value, one) for one in kind.split(" or "))
+        if kind.startswith("list of "):
+            return isinstance(value, list) and all(fits(v, kind[8:]) for v in value)
+        if isinstance(value, bool):
+            return kind == "bool"
+        return isinstance(value, {"int": int, "number": (int, float), "bool": bool,
+                                  "object": dict, "string": str}[kind])
+
+    for key, kind in kinds.items():
+        if values.get(key) is not None and not fits(values[key], kind):
+            raise error(f"{where}: {key} must be {kind}, not {values[key]!r:.60}")
 
 
 # A tensor's record in the header: name, type, shape (NumPy order), offset in the data section.

@@ -937,8 +937,8 @@ def test_a_merge_into_a_token_outside_the_vocabulary_is_refused(tmp_path):
 
 @pytest.mark.parametrize(
     ("key", "value", "kind"),
-    [("tokenizer.chat_template", True, "str"), ("tokenizer.ggml.bos_token_id", True, "int"),
-     ("tokenizer.ggml.add_bos_token", 1, "bool"), ("tokenizer.ggml.pre", 3, "str")],
+    [("tokenizer.chat_template", True, "string"), ("tokenizer.ggml.bos_token_id", True, "int"),
+     ("tokenizer.ggml.add_bos_token", 1, "bool"), ("tokenizer.ggml.pre", 3, "string")],
 )
 def test_a_gguf_field_of_the_wrong_type_is_refused_naming_it(tmp_path, key, value, kind):
     path = _write_gguf(tmp_path / "t.gguf", ["a", "b", "ab"], ["a b"], [1] * 3)
@@ -955,7 +955,7 @@ def test_a_gguf_field_of_the_wrong_type_is_refused_naming_it(tmp_path, key, valu
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(TokenizerError, match=f"{key} must be a {kind}"):
+    with pytest.raises(TokenizerError, match=f"{key} must be {kind}, not"):
         Tokenizer.from_gguf(tmp_path / "typed.gguf")
 
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from minipaged.tokenizer.gguf_file import check_types
+
 # The JSON type of each config.json key every family reads (an int is not a bool; a number is an
 # int or a float; null is always allowed and means "not set"), checked before any is used; a
 # family adds its own keys (`FamilySpec.hf_key_types`).
@@ -141,7 +143,7 @@ class ModelConfig:
         whose `hf_model_types` has its `model_type`."""
         if not isinstance(cfg, dict):
             raise ValueError(f"config.json must hold a JSON object, not {type(cfg).__name__}")
-        _check_hf_key_types(cfg, HF_KEY_TYPES)
+        check_types(cfg, HF_KEY_TYPES, "config.json")
         model_type = cfg.get("model_type", "")
         family = next((f for f in families.values() if model_type in f.hf_model_types), None)
         if family is None:
@@ -150,7 +152,7 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r} in config.json; minipaged implements "
                 f"{', '.join(known)}"
             )
-        _check_hf_key_types(cfg, family.hf_key_types)
+        check_types(cfg, family.hf_key_types, "config.json")
         eos = cfg.get("eos_token_id")
         return cls(
             family=family,
@@ -228,24 +230,6 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if value > INT32_MAX:
         raise ValueError(f"{name} must be a positive integer of at most 2**31 - 1, got {value}")
-
-
-def _check_hf_key_types(cfg: dict[str, Any], key_types: Mapping[str, str]) -> None:
-    """Raise `ValueError` naming the first key of `key_types` whose value is of another type."""
-
-    def fits(value: Any, kind: str) -> bool:
-        if kind == "int or list of int":
-            values = value if isinstance(value, list) else [value]
-            return all(fits(v, "int") for v in values)
-        if isinstance(value, bool):
-            return kind == "bool"
-        expected = {"int": int, "number": (int, float), "bool": bool, "object": dict,
-                    "string": str}[kind]
-        return isinstance(value, expected)
-
-    for key, kind in key_types.items():
-        if cfg.get(key) is not None and not fits(cfg[key], kind):
-            raise ValueError(f"config.json: {key} must be {kind}, not {cfg[key]!r:.60}")
 
 
 def required(cfg: dict[str, Any], key: str) -> Any:

@@ -58,6 +58,7 @@ from minipaged.kernels.cpu.native import (
 )
 from minipaged.platforms.cpu.replay import (
     CaptureError,
+    contiguous,
     empty,
     launch,
     platform_code,
@@ -88,6 +89,7 @@ class CPUPlan:
         return decoded + sum(chunk.tokens.numel() for chunk in self.chunks)
 
 
+@platform_code()
 def plan_cpu_attention(
     block_tables: Tensor,
     seq_lens: Tensor,
@@ -99,12 +101,6 @@ def plan_cpu_attention(
     """`attention.plan_attention`'s chunks, with the decode chunks (one query per sequence) set
     apart for the native kernel when it is built and takes `k_cache`'s dtype. `native=False`
     gathers decodes like the rest, as where the kernel cannot be built (for comparison)."""
-    with platform_code():
-        return _plan(block_tables, seq_lens, query_start_loc, k_cache, native)
-
-
-def _plan(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, k_cache: Tensor,
-          native: bool) -> CPUPlan:
     chunks = plan_attention(block_tables, seq_lens, query_start_loc, k_cache)
     decode_chunks = [c for c in chunks if c.query_len == 1]
     if not (native and decode_chunks and native_decode_supports(k_cache)
@@ -119,6 +115,7 @@ def _plan(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, k_cac
     return CPUPlan([c for c in chunks if c.query_len != 1], decodes)
 
 
+@platform_code()
 def cpu_paged_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -136,14 +133,6 @@ def cpu_paged_attention(
     """Causal attention of a flat varlen batch over paged K/V, as `attention.paged_attention`
     (same arguments; `plan` from `plan_cpu_attention`), computed in the cache's dtype. Returns
     `[T, H, D]` in q's dtype."""
-    with platform_code():
-        return _attend(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                       max_query_len, max_seq_len, validate, plan)
-
-
-def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-            seq_lens: Tensor, query_start_loc: Tensor, scale: float, max_query_len: int | None,
-            max_seq_len: int | None, validate: bool, plan: CPUPlan | None) -> Tensor:
     if validate:
         check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                    max_query_len=max_query_len, max_seq_len=max_seq_len)
@@ -156,11 +145,7 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
     out = empty(q.shape, q.dtype)
     if plan.decodes is not None:
         d = plan.decodes
-        if not q.is_contiguous():
-            if recording() is not None:  # the copy is made now, and a replay would not redo it
-                raise CaptureError("strided queries are copied: a replay would read the copy "
-                                   "made while capturing")
-            q = q.contiguous()
+        q = contiguous(q, "strided queries are")
         call = bind_paged_decode(out, q, k_cache, v_cache, d.block_tables, d.seq_lens, d.rows,
                                  d.seqs, scale, validate=validate)
         launch(call, PROFILER_NAME, out, q, k_cache, v_cache, d.block_tables, d.seq_lens,
@@ -170,6 +155,7 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
     return out
 
 
+@platform_code()
 def cpu_reshape_and_cache(
     key: Tensor,
     value: Tensor,
@@ -181,18 +167,16 @@ def cpu_reshape_and_cache(
 ) -> None:
     """`attention.reshape_and_cache` (same arguments and result), in one native call where the
     kernel is built and takes these tensors (`write_kv_supports`), else the reference's way."""
-    with platform_code():
-        if validate:
-            check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping)
-        if native_decode_available() and write_kv_supports(key, value, k_cache, v_cache,
-                                                           slot_mapping):
-            launch(bind_write_kv(key, value, k_cache, v_cache, slot_mapping),
-                   WRITE_PROFILER_NAME, key, value, k_cache, v_cache, slot_mapping)
-        elif recording() is not None:
-            raise CaptureError("the native KV write does not take these tensors")
-        else:
-            attention.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping,
-                                        validate=False)
+    if validate:
+        check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping)
+    if native_decode_available() and write_kv_supports(key, value, k_cache, v_cache,
+                                                       slot_mapping):
+        launch(bind_write_kv(key, value, k_cache, v_cache, slot_mapping),
+               WRITE_PROFILER_NAME, key, value, k_cache, v_cache, slot_mapping)
+    elif recording() is not None:
+        raise CaptureError("the native KV write does not take these tensors")
+    else:
+        attention.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, validate=False)
 
 
 def _attend_chunk(q: Tensor, k_cache: Tensor, v_cache: Tensor, chunk: AttentionChunk,

@@ -42,13 +42,7 @@ from minipaged.platforms.cpu.onednn import (
     packed_weight,
     uses_onednn,
 )
-from minipaged.platforms.cpu.replay import (
-    CaptureError,
-    empty,
-    launch,
-    platform_code,
-    recording,
-)
+from minipaged.platforms.cpu.replay import contiguous, empty, launch, platform_code
 
 # Rows up to which int8 weights take the GEMV kernel (8 rows at a time, the weight re-read from
 # cache): dequantising a 1536 x 576 weight for PyTorch's GEMM costs 2.4 ms, the kernel 0.43 ms
@@ -125,11 +119,7 @@ def few_rows_product(path: FewRows | None, x: Tensor, logits: bool = False) -> T
         return None
     plan = path.plan
     with platform_code():
-        if not x.is_contiguous():
-            if recording() is not None:  # the copy is made now, and a replay would not redo it
-                raise CaptureError("a strided input to a projection is copied: a replay would "
-                                   "read the copy made while capturing")
-            x = x.contiguous()
+        x = contiguous(x, "a strided input to a projection is")
         out = empty((x.shape[0], plan.width), plan.dtype)
         launch(plan.bind(x, out), PROFILER_NAME, x, out)
         if logits and out.dtype != torch.float32:

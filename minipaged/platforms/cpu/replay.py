@@ -164,6 +164,16 @@ def platform_code() -> Iterator[None]:
         yield
 
 
+def contiguous(x: Tensor, what: str) -> Tensor:
+    """`x`, or a contiguous copy of it. A capture refuses the copy, which is made now and which
+    a replay would not make again; its error begins with `what`."""
+    if x.is_contiguous():
+        return x
+    if _RECORDER is not None:
+        raise CaptureError(f"{what} copied: a replay would read the copy made while capturing")
+    return x.contiguous()
+
+
 def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tensor:
     """A new buffer for a module's output: `torch.empty`, or during a capture the arena's."""
     if _RECORDER is None:
