@@ -105,7 +105,8 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos_token_ids.add(tokenizer.eos_token_id)
         platform = getattr(runner, "platform", None) or Platform(config.torch_device)
-        sampler = Sampler(greedy_tokens=platform.greedy_tokens, seed=config.seed)
+        sampler = Sampler(greedy_tokens=platform.greedy_tokens, seed=config.seed,
+                          host_reads_free=platform.host_reads_free)
         self.processor = processor(scheduler, sampler, eos_token_ids=eos_token_ids,
                                    max_model_len=self.max_model_len, clock=clock)
         self._groups: dict[str, SequenceGroup] = {}

@@ -69,6 +69,9 @@ class Platform:
     collective_backend: str | None = None  # torch.distributed's, for tensor parallelism
     rank_threads: int | None = None  # torch threads of a tensor-parallel rank (None: torch's)
     pin_memory = False  # host memory copied to the device is pinned (a GPU: faster copies)
+    # The host reads a value of the device's tensors without waiting for queued work (a CPU's
+    # are the host's own); a GPU's sampler then reads nothing but the sampled tokens.
+    host_reads_free = True
 
     def __init__(self, device: torch.device, attention: AttentionOps = REFERENCE_OPS, *,
                  capture: bool = True, max_num_seqs: int = 256) -> None:

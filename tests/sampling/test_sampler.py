@@ -6,9 +6,11 @@ vectorised code they check.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections import Counter
+from unittest import mock
 
 import pytest
 import torch
@@ -228,6 +230,45 @@ def test_greedy_rows_take_the_argmax_whatever_their_neighbours(data):
     for i in range(batch):
         if greedy[i]:
             assert out.token_ids[i] == max(range(VOCAB), key=lambda v: (logits[i, v], -v))
+
+
+@given(st.data())
+def test_without_free_host_reads_only_the_sampled_tokens_leave_the_device(data):
+    """A GPU's sampler (`host_reads_free=False`) waits for the device once a step, in
+    `to_host`: no `bool()`, `item()` or `tolist()` of a tensor before it, whatever the rows ask
+    (seeds, truncation, penalties, bans, logprobs), and its tokens are the host-reading
+    sampler's, NaN and infinite logits included."""
+    batch = data.draw(st.integers(1, 5))
+    logits = data.draw(logits_rows(batch))
+    for row in range(batch):  # NaN, +-inf, and whole rows of -inf, here and there
+        column = data.draw(st.integers(0, VOCAB - 1))
+        logits[row, column] = data.draw(st.sampled_from([0.0, math.nan, math.inf, -math.inf]))
+    if data.draw(st.booleans()):
+        logits[0] = -math.inf
+    penalised = SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.5,
+                               logprobs=2)
+    params = [data.draw(st.one_of(random_params(seeded=True), st.just(penalised)))
+              for _ in range(batch)]
+
+    def rows():
+        return [SamplingRow(p, [1, 2], [3], make_generator(p.seed) if p.seed is not None else None,
+                            banned_token_ids=[4]) for p in params]
+
+    expected = Sampler(host_reads_free=True)(logits, rows()).to_host()
+    reads: list[str] = []
+    with contextlib.ExitStack() as spies:
+        for name in ("__bool__", "item", "tolist"):
+            real = getattr(torch.Tensor, name)
+
+            def spy(self, *args, _name=name, _real=real):
+                reads.append(_name)
+                return _real(self, *args)
+
+            spies.enter_context(mock.patch.object(torch.Tensor, name, spy))
+        out = Sampler(host_reads_free=False)(logits, rows())
+        assert reads == []
+        assert out.to_host() == expected
+    assert reads[0] == "tolist"  # the one copy of the step's tokens (and their alternatives)
 
 
 @given(st.data())

@@ -71,6 +71,7 @@ class CUDAPlatform(Platform):
         "dtype": "auto", "max_num_seqs": 256, "max_num_batched_tokens": 8192}
     collective_backend = "nccl"
     pin_memory = True
+    host_reads_free = False
 
     def __init__(self, device: torch.device, attention: AttentionOps | None = None, *,
                  capture: bool = True, max_num_seqs: int = 256) -> None:
