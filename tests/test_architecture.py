@@ -64,6 +64,8 @@ ALLOWED_PRIVATE = {
     "_version": "torch's in-place version counter, the one sign that a packed copy is stale",
     "_profiler_enabled": "whether a torch profiler runs (torch's own record_function asks it): "
                          "entering a record_function costs ~7 us even when none does",
+    "_replace": "a NamedTuple's copy with fields changed: public API, underscored so that no "
+                "field name can clash with it",
     "_C": "torch._C.DisableTorchFunction: a capture's recorder does not watch the platform's "
           "own code (torch's documented idiom inside __torch_function__; no public name)",
 }
