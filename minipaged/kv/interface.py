@@ -30,10 +30,11 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral
-from typing import Protocol
+from typing import NoReturn, Protocol, TypeVar
 
 SeqId = Hashable  # the scheduler uses `Sequence.seq_id`; tests use strings too
 BlockCopy = tuple[int, int]  # (source block, destination block) of a copy the engine performs
+_State = TypeVar("_State")
 
 # -- errors ---------------------------------------------------------------------------------------
 
@@ -74,6 +75,19 @@ def too_many_computed(seq_id: SeqId, num_computed: int, num_slots: int) -> KVCac
         f"sequence {seq_id!r}: {num_computed} computed tokens but only {num_slots} slots "
         "(num_computed_tokens must not exceed the slots appended)"
     )
+
+
+class SeqTable(dict[SeqId, _State]):
+    """A manager's sequences: id -> its state (a block table, a chunk). Looking up an id that
+    holds nothing raises `KVCacheError` naming it, so that every lookup checks it for free."""
+
+    def __missing__(self, seq_id: SeqId) -> NoReturn:
+        raise KVCacheError(f"unknown sequence {seq_id!r}")
+
+    def check_new(self, seq_id: SeqId) -> None:
+        """A `KVCacheError` when `seq_id` holds blocks already (`allocate`, `fork`)."""
+        if seq_id in self:
+            raise KVCacheError(f"sequence {seq_id!r} is already allocated")
 
 
 # -- accounting -----------------------------------------------------------------------------------

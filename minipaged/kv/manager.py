@@ -51,6 +51,7 @@ from minipaged.kv.interface import (
     MemoryUsage,
     NoFreeBlocksError,
     SeqId,
+    SeqTable,
     as_token_ids,
     check_count,
     too_many_computed,
@@ -85,7 +86,7 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self._gpu = GPUPool(num_gpu_blocks, block_size)
         self._cpu = CPUPool(num_cpu_blocks)
-        self._tables: dict[SeqId, BlockTable] = {}
+        self._tables: SeqTable[BlockTable] = SeqTable()
         # Prefix-cache counters, in blocks looked up by `allocate`.
         self.prefix_cache_hits = 0
         self.prefix_cache_misses = 0
@@ -123,15 +124,15 @@ class KVCacheManager:
     def block_table(self, seq_id: SeqId) -> tuple[int, ...]:
         """The sequence's physical block ids (CPU block ids while it is swapped out): the
         table's own tuple, the same object until a block is added, copied or moved."""
-        return (self._tables.get(seq_id) or self._table(seq_id)).blocks
+        return self._tables[seq_id].blocks
 
     def num_slots(self, seq_id: SeqId) -> int:
         """Token slots the sequence's table covers: its blocks' fills (for pictures and tests;
         the sequence's own length is its owner's)."""
-        return self._table(seq_id).num_slots
+        return self._tables[seq_id].num_slots
 
     def is_swapped(self, seq_id: SeqId) -> bool:
-        return self._table(seq_id).on_cpu
+        return self._tables[seq_id].on_cpu
 
     def ref_count(self, block_id: int) -> int:
         return self._gpu.blocks[block_id].ref_count
@@ -237,14 +238,13 @@ class KVCacheManager:
         Fork after the parent's slots are computed (the engine forks after sampling): shared
         blocks are read-only, and the first append into a shared partial block copies it.
         """
-        if child_id in self._tables:
-            raise KVCacheError(f"sequence {child_id!r} is already allocated")
+        self._tables.check_new(child_id)
         self._tables[child_id] = self._gpu_table(parent_id).fork()
 
     def free(self, seq_id: SeqId) -> None:
         """Drop the sequence; blocks no longer referenced return to the free queue (cached ones
         stay findable until evicted)."""
-        self._table(seq_id).release()
+        self._tables[seq_id].release()
         del self._tables[seq_id]
 
     # -- swapping ---------------------------------------------------------------------------------
@@ -312,14 +312,8 @@ class KVCacheManager:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _table(self, seq_id: SeqId) -> BlockTable:
-        try:
-            return self._tables[seq_id]
-        except KeyError:
-            raise KVCacheError(f"unknown sequence {seq_id!r}") from None
-
     def _gpu_table(self, seq_id: SeqId) -> BlockTable:
-        table = self._tables.get(seq_id) or self._table(seq_id)  # `_table` names a missing one
+        table = self._tables[seq_id]
         if table.on_cpu:
             raise KVCacheError(f"sequence {seq_id!r} is swapped out; swap it in first")
         return table
@@ -346,8 +340,7 @@ class KVCacheManager:
         """A new sequence's prompt, checked; its chained block hashes (none without prefix
         caching), its prefix-cache hits, and the free blocks allocating it takes (a hit on a
         block in use takes none)."""
-        if seq_id in self._tables:
-            raise KVCacheError(f"sequence {seq_id!r} is already allocated")
+        self._tables.check_new(seq_id)
         tokens = as_token_ids(token_ids, "token_ids")
         if not tokens:
             raise KVCacheError(f"sequence {seq_id!r}: a prompt needs at least one token")
@@ -366,7 +359,7 @@ class KVCacheManager:
             raise KVCacheError("empty sequence group")
         if len(set(ids)) != len(ids):
             raise KVCacheError(f"sequence group {ids!r} repeats an id")
-        group = [self._table(i) for i in ids]
+        group = [self._tables[i] for i in ids]
         for seq_id, table in zip(ids, group, strict=True):
             if table.on_cpu != on_cpu:
                 where = "swapped out" if table.on_cpu else "in the GPU pool"

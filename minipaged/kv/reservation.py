@@ -22,7 +22,7 @@ cache, no swapping and no sharing: `fork` gives the child a chunk the request re
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from minipaged.kv.buddy import BuddyAllocator, next_power_of_two
@@ -32,6 +32,7 @@ from minipaged.kv.interface import (
     MemoryUsage,
     NoFreeBlocksError,
     SeqId,
+    SeqTable,
     check_count,
     too_many_computed,
 )
@@ -65,11 +66,13 @@ def reservation_len(policy: str, prompt_len: int, output_len: int, max_seq_len: 
 
 @dataclass
 class _Expected:
-    """What admission must reserve for a request: its lengths and how many sequences it runs."""
+    """What admission must reserve for a request: its lengths, how many sequences it runs, and
+    the blocks of each one's chunk (the policy's reservation, before the buddy rounding)."""
 
     prompt_len: int
     output_len: int
     width: int
+    blocks: int
 
     @property
     def total_len(self) -> int:
@@ -142,7 +145,7 @@ class ReservationKVCacheManager:
         self.static_batch = static_batch
         self.allocator = BuddyAllocator(num_gpu_blocks)
         self._expected: dict[SeqId, _Expected] = {}
-        self._members: dict[SeqId, _Member] = {}
+        self._members: SeqTable[_Member] = SeqTable()
         self._dead: list[_Request] = []  # finished requests a static batch still holds
 
     # -- queries ----------------------------------------------------------------------------------
@@ -169,17 +172,17 @@ class ReservationKVCacheManager:
 
     def num_slots(self, seq_id: SeqId) -> int:
         """Slots of the sequence's chunk holding its tokens (for pictures and tests)."""
-        return self._member(seq_id).num_slots
+        return self._members[seq_id].num_slots
 
     def block_table(self, seq_id: SeqId) -> tuple[int, ...]:
         """The chunk's first blocks, as many as the sequence's tokens fill: consecutive ids."""
-        member = self._member(seq_id)
+        member = self._members[seq_id]
         start = member.chunk.offset
         return tuple(range(start, start + self.num_blocks_for(member.num_slots)))
 
     def reserved_blocks(self, seq_id: SeqId) -> int:
         """Blocks of the sequence's chunk (after the allocator's rounding)."""
-        return self._member(seq_id).chunk.num_blocks
+        return self._members[seq_id].chunk.num_blocks
 
     # -- admission --------------------------------------------------------------------------------
 
@@ -188,14 +191,14 @@ class ReservationKVCacheManager:
         lengths (the oracle's knowledge; `max_tokens` with `ignore_eos`) and how many sequences
         it runs at once (parallel samples or beams), each of which gets a chunk."""
         check_count("width", width, 1)
-        reservation_len(self.policy, prompt_len, output_len, self.max_seq_len)  # validates
-        self._expected[seq_id] = _Expected(prompt_len, output_len, width)
+        reserved = reservation_len(self.policy, prompt_len, output_len, self.max_seq_len)
+        blocks = self.num_blocks_for(reserved)
+        self._expected[seq_id] = _Expected(prompt_len, output_len, width, blocks)
 
     def can_allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> bool:
         """Whether all the chunks of the `expect`ed request of `seq_id` fit now."""
         expected = self._expectation(seq_id)
-        blocks = self._reservation_blocks(expected)
-        return self.allocator.num_free_chunks(blocks) >= expected.width
+        return self.allocator.num_free_chunks(expected.blocks) >= expected.width
 
     def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
         """Reserve the expected request's chunks and place the prompt in the first one.
@@ -203,8 +206,7 @@ class ReservationKVCacheManager:
         Returns 0: nothing is ever cached. Raises `NoFreeBlocksError` (state untouched) when
         a chunk does not fit.
         """
-        if seq_id in self._members:
-            raise KVCacheError(f"sequence {seq_id!r} is already allocated")
+        self._members.check_new(seq_id)
         num_tokens = len(token_ids)
         if not num_tokens:
             raise KVCacheError(f"sequence {seq_id!r}: a prompt needs at least one token")
@@ -214,7 +216,7 @@ class ReservationKVCacheManager:
                 f"sequence {seq_id!r}: {num_tokens} tokens exceed the {expected.total_len} "
                 "expected for its request"
             )
-        blocks = self._reservation_blocks(expected)
+        blocks = expected.blocks
         if self.allocator.num_free_chunks(blocks) < expected.width:
             raise NoFreeBlocksError("contiguous", blocks * expected.width, self.num_free_blocks)
         chunks = [_Chunk(*self.allocator.allocate(blocks), blocks) for _ in range(expected.width)]
@@ -231,7 +233,7 @@ class ReservationKVCacheManager:
         return 0
 
     def can_append(self, seq_id: SeqId, *, num_tokens: int) -> bool:
-        return num_tokens <= self._member(seq_id).request.expected.total_len
+        return num_tokens <= self._members[seq_id].request.expected.total_len
 
     def append_slots(self, seq_id: SeqId, *, num_tokens: int) -> list[BlockCopy]:
         """Record that the chunk holds the sequence's first `num_tokens` tokens; never any
@@ -242,7 +244,7 @@ class ReservationKVCacheManager:
 
     def mark_computed(self, seq_id: SeqId, computed_token_ids: Sequence[int]) -> None:
         """Nothing to publish (no prefix cache); checks the prefix fits the sequence's slots."""
-        num_slots = self._member(seq_id).num_slots
+        num_slots = self._members[seq_id].num_slots
         if len(computed_token_ids) > num_slots:
             raise too_many_computed(seq_id, len(computed_token_ids), num_slots)
 
@@ -252,9 +254,8 @@ class ReservationKVCacheManager:
         """Give `child_id` a spare chunk of the parent's request holding a copy of the parent's
         tokens (no blocks are shared: Orca cannot share). Raises `NoFreeBlocksError` when the
         request has no spare chunk (it runs more sequences than its width)."""
-        if child_id in self._members:
-            raise KVCacheError(f"sequence {child_id!r} is already allocated")
-        parent = self._member(parent_id)
+        self._members.check_new(child_id)
+        parent = self._members[parent_id]
         request = parent.request
         if not request.spare:
             raise NoFreeBlocksError("spare chunk of the request", 1, 0)
@@ -265,7 +266,7 @@ class ReservationKVCacheManager:
         """Drop the sequence; its chunk goes back to its request, and the request's chunks go
         back to the allocator when its last sequence is freed (in a static batch: when the
         batch's last sequence is)."""
-        member = self._member(seq_id)
+        member = self._members[seq_id]
         del self._members[seq_id]
         request = member.request
         request.members.remove(seq_id)
@@ -290,10 +291,7 @@ class ReservationKVCacheManager:
     def swap_out(self, seq_ids: SeqId | Sequence[SeqId]) -> list[BlockCopy]:
         raise KVCacheError("contiguous reservations are not swapped (no CPU pool)")
 
-    swap_in = swap_out
-
-    def num_blocks_to_swap_in(self, num_tokens: Mapping[SeqId, int]) -> int:
-        raise KVCacheError("contiguous reservations are not swapped (no CPU pool)")
+    swap_in = num_blocks_to_swap_in = swap_out
 
     # -- accounting -------------------------------------------------------------------------------
 
@@ -351,12 +349,6 @@ class ReservationKVCacheManager:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _member(self, seq_id: SeqId) -> _Member:
-        try:
-            return self._members[seq_id]
-        except KeyError:
-            raise KVCacheError(f"unknown sequence {seq_id!r}") from None
-
     def _expectation(self, seq_id: SeqId) -> _Expected:
         try:
             return self._expected[seq_id]
@@ -370,13 +362,8 @@ class ReservationKVCacheManager:
         """The requests with a sequence left, each once, in order of their first sequence."""
         return list({id(m.request): m.request for m in self._members.values()}.values())
 
-    def _reservation_blocks(self, e: _Expected) -> int:
-        return self.num_blocks_for(
-            reservation_len(self.policy, e.prompt_len, e.output_len, self.max_seq_len)
-        )
-
     def _check_room(self, seq_id: SeqId, num_tokens: int) -> None:
-        member = self._member(seq_id)
+        member = self._members[seq_id]
         if not isinstance(num_tokens, int) or num_tokens < member.num_slots:
             raise KVCacheError(
                 "num_tokens is the sequence's length to cover, an integer >= the "
