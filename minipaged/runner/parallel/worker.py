@@ -224,15 +224,11 @@ class WorkerProcess:
     process: subprocess.Popen
     conn: Connection
 
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def exitcode(self) -> int | None:
-        """Its exit status (minus the number of the signal that ended it), or None while it
-        runs."""
-        return self.process.poll()
+    def exited(self, when: str) -> str:
+        """What an error says of it once it has exited: its rank, process id and exit status
+        (minus the number of the signal that ended it), and `when`."""
+        return (f"tensor-parallel worker rank {self.rank} (pid {self.process.pid}) exited with "
+                f"code {self.process.poll()} {when}")
 
     def is_alive(self) -> bool:
         return self.process.poll() is None
