@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral
-from typing import NoReturn, Protocol, TypeVar
+from typing import Generic, NoReturn, Protocol, TypeVar
 
 SeqId = Hashable  # the scheduler uses `Sequence.seq_id`; tests use strings too
 BlockCopy = tuple[int, int]  # (source block, destination block) of a copy the engine performs
@@ -88,6 +88,27 @@ class SeqTable(dict[SeqId, _State]):
         """A `KVCacheError` when `seq_id` holds blocks already (`allocate`, `fork`)."""
         if seq_id in self:
             raise KVCacheError(f"sequence {seq_id!r} is already allocated")
+
+
+class ManagerBase(Generic[_State]):
+    """What both managers share: the GPU pool's sizes, checked, and their sequences (`_seqs`:
+    id -> a block table, or a place in a chunk)."""
+
+    def __init__(self, num_gpu_blocks: int, block_size: int) -> None:
+        check_count("num_gpu_blocks", num_gpu_blocks, 1)
+        check_count("block_size", block_size, 1)
+        self.num_gpu_blocks = num_gpu_blocks
+        self.block_size = block_size
+        self._seqs: SeqTable[_State] = SeqTable()
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def seq_ids(self) -> list[SeqId]:
+        return list(self._seqs)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
 
 
 # -- accounting -----------------------------------------------------------------------------------
