@@ -68,6 +68,22 @@ def as_token_ids(token_ids: Iterable[int], what: str) -> list[int]:
     return [int(t) for t in tokens]
 
 
+def check_growth(num_tokens: object, covered: int) -> int:
+    """`covered`, the slots a sequence's blocks cover, after checking that `num_tokens` is a
+    length it may grow to: an integer, no smaller (a sequence's tokens are only ever appended,
+    and its blocks never shrink)."""
+    if type(num_tokens) is not int and (  # the common case first: a plain int
+        not isinstance(num_tokens, Integral) or isinstance(num_tokens, bool)
+    ):
+        raise KVCacheError(f"num_tokens must be an integer, got {num_tokens!r}")
+    if num_tokens < covered:
+        raise KVCacheError(
+            f"num_tokens is the sequence's length to cover, at least the {covered} tokens "
+            f"its blocks cover already, got {num_tokens}"
+        )
+    return covered
+
+
 def too_many_computed(seq_id: SeqId, num_computed: int, num_slots: int) -> KVCacheError:
     """`mark_computed`'s error where a computed prefix of `num_computed` tokens runs past the
     `num_slots` slots appended to the sequence (the check itself stays in the step's path)."""

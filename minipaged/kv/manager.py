@@ -41,7 +41,6 @@ wholly inside it. Allocation alone never publishes a hash, so
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from numbers import Integral
 
 from minipaged.kv.block_table import BlockTable
 from minipaged.kv.interface import (
@@ -53,6 +52,7 @@ from minipaged.kv.interface import (
     SeqId,
     as_token_ids,
     check_count,
+    check_growth,
     too_many_computed,
 )
 from minipaged.kv.pool import CPUPool, GPUPool, chained_hashes, distinct_blocks
@@ -181,7 +181,7 @@ class KVCacheManager(ManagerBase[BlockTable]):
         plus a copy-on-write copy); the scheduler sums them over a group whose sequences must
         grow together."""
         table = self._gpu_table(seq_id)
-        return table.blocks_to_append(num_tokens, self._check_growth(table, num_tokens))
+        return table.blocks_to_append(num_tokens, check_growth(num_tokens, table.num_slots))
 
     def can_append(self, seq_id: SeqId, *, num_tokens: int) -> bool:
         """Whether `append_slots` would find enough free blocks to cover `num_tokens` tokens.
@@ -200,7 +200,7 @@ class KVCacheManager(ManagerBase[BlockTable]):
         writing the new tokens. Raises `NoFreeBlocksError` (state untouched) when short.
         """
         table = self._gpu_table(seq_id)
-        covered = self._check_growth(table, num_tokens)
+        covered = check_growth(num_tokens, table.num_slots)
         needed = table.blocks_to_append(num_tokens, covered)
         if needed and needed > self.num_free_blocks:
             raise NoFreeBlocksError("GPU", needed, self.num_free_blocks)
@@ -264,7 +264,7 @@ class KVCacheManager(ManagerBase[BlockTable]):
         group, uses = self._group(list(num_tokens), on_cpu=True)
         growth = 0
         for table, wanted in zip(group, num_tokens.values(), strict=True):
-            covered = self._check_growth(table, wanted)
+            covered = check_growth(wanted, table.num_slots)
             growth += self.num_blocks_for(wanted) - len(table.blocks)
             if wanted > covered and covered % self.block_size and uses[table.blocks[-1]] > 1:
                 growth += 1
@@ -303,22 +303,6 @@ class KVCacheManager(ManagerBase[BlockTable]):
         if table.on_cpu:
             raise KVCacheError(f"sequence {seq_id!r} is swapped out; swap it in first")
         return table
-
-    @staticmethod
-    def _check_growth(table: BlockTable, num_tokens: int) -> int:
-        """The slots `table` covers, after checking that `num_tokens` is a length it may grow
-        to (a table never shrinks: a sequence's tokens are only ever appended)."""
-        if type(num_tokens) is not int and (  # the common case first: a plain int
-            not isinstance(num_tokens, Integral) or isinstance(num_tokens, bool)
-        ):
-            raise KVCacheError(f"num_tokens must be an integer, got {num_tokens!r}")
-        covered = table.num_slots
-        if num_tokens < covered:
-            raise KVCacheError(
-                f"num_tokens is the sequence's length to cover, at least the {covered} tokens "
-                f"its table covers already, got {num_tokens}"
-            )
-        return covered
 
     def _plan_prompt(
         self, seq_id: SeqId, token_ids: Sequence[int]

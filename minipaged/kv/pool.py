@@ -80,12 +80,12 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
 
 
 def chained_hashes(
-    token_ids: Sequence[int], block_size: int, start: int = 0, parent: bytes = ROOT_HASH
+    token_ids: Sequence[int], block_size: int, parent: bytes = ROOT_HASH
 ) -> list[bytes]:
-    """Hashes of the full blocks `start, start + 1, ...` of `token_ids`; `parent` is block
-    `start - 1`'s hash."""
+    """Hashes of the full blocks of `token_ids`; `parent` is the hash of the block before the
+    first (none: `ROOT_HASH`)."""
     hashes = []
-    for index in range(start, len(token_ids) // block_size):
+    for index in range(len(token_ids) // block_size):
         parent = hash_block(parent, token_ids[index * block_size : (index + 1) * block_size])
         hashes.append(parent)
     return hashes

@@ -33,6 +33,7 @@ from minipaged.kv.interface import (
     NoFreeBlocksError,
     SeqId,
     check_count,
+    check_growth,
     too_many_computed,
 )
 
@@ -350,11 +351,7 @@ class ReservationKVCacheManager(ManagerBase[_Member]):
 
     def _check_room(self, seq_id: SeqId, num_tokens: int) -> None:
         member = self._seqs[seq_id]
-        if not isinstance(num_tokens, int) or num_tokens < member.num_slots:
-            raise KVCacheError(
-                "num_tokens is the sequence's length to cover, an integer >= the "
-                f"{member.num_slots} tokens its chunk holds already, got {num_tokens!r}"
-            )
+        check_growth(num_tokens, member.num_slots)
         total = member.request.expected.total_len
         if num_tokens > total:
             raise ReservationExceededError(
