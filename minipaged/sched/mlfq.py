@@ -300,8 +300,7 @@ class SkipJoinMLFQScheduler(Scheduler):
             victims = [g for g in resident if self.jobs[g.request_id].level > job.level]
         else:
             return False
-        swaps = any(self.preemption_mode(g) is PreemptionMode.SWAP for g in victims)
-        if out.swap_in and swaps:
+        if out.swap_in and any(self.preemption_mode(g) is PreemptionMode.SWAP for g in victims):
             # The runner copies every swap-out of a step before its swap-ins, and a swap-in
             # frees CPU blocks that a later swap-out would reuse: no swap-out after a swap-in.
             return False
