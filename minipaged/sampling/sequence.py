@@ -334,9 +334,8 @@ class SequenceGroup:
             indexed = list(enumerate(self.by_beam_score(self.seqs, eos_token_ids)[: params.n]))
         else:
             indexed = [(s.sample_index, s) for s in sorted(self.seqs, key=lambda s: s.sample_index)]
-        outputs = [self._completion(index, seq, 0, self._shown_chars(seq), 0)
-                   for index, seq in indexed]
-        return self._request_output(outputs)
+        return self._request_output(
+            [self._completion(index, seq, 0, self._shown_chars(seq), 0) for index, seq in indexed])
 
     def to_delta_output(self, eos_token_ids: Collection[int] = ()) -> RequestOutput | None:
         """What the request gained since its last delta (vLLM's `RequestOutputKind.DELTA`):
