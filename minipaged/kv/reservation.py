@@ -21,7 +21,7 @@ cache, no swapping and no sharing: `fork` gives the child a chunk the request re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from minipaged.kv.buddy import BuddyAllocator, next_power_of_two
@@ -278,7 +278,10 @@ class ReservationKVCacheManager(ManagerBase[_Member]):
     def swap_out(self, seq_ids: SeqId | Sequence[SeqId]) -> list[BlockCopy]:
         raise KVCacheError("contiguous reservations are not swapped (no CPU pool)")
 
-    swap_in = num_blocks_to_swap_in = swap_out
+    swap_in = swap_out
+
+    def num_blocks_to_swap_in(self, num_tokens: Mapping[SeqId, int]) -> int:
+        raise KVCacheError("contiguous reservations are not swapped (no CPU pool)")
 
     # -- accounting -------------------------------------------------------------------------------
 
