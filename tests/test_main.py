@@ -24,12 +24,12 @@ import pytest
 import torch
 
 from minipaged import __main__ as cli
-from minipaged.engine import config as engine_config
 from minipaged.engine import llm as llm_module
 from minipaged.engine.config import EngineConfig
 from minipaged.engine.engine import LLMEngine
 from minipaged.engine.llm import stream_text
 from minipaged.sampling.params import SamplingParams
+from minipaged.sched import registry
 from minipaged.sched.fcfs import FCFSScheduler
 from minipaged.testing.dense import generate_dense
 
@@ -145,7 +145,7 @@ def test_unknown_choices_are_usage_errors(loads, capsys):
 
 
 def test_scheduler_choices_come_from_the_registry(loads, capsys, monkeypatch):
-    monkeypatch.setitem(engine_config.SCHEDULERS, "test-fcfs", FCFSScheduler)
+    monkeypatch.setitem(registry.SCHEDULERS, "test-fcfs", FCFSScheduler)
     assert cli.main(["generate", "Hi", "--scheduler", "test-fcfs", "--max-tokens", "2"]) == 0
     assert loads.calls[0]["scheduler"] == "test-fcfs"
     assert loads.engines[0].config.scheduler == "test-fcfs"

@@ -2,10 +2,10 @@
 
 It is a `RunnerConfig` (`minipaged.runner.config`: the device, the KV cache, the batch limits,
 tensor parallelism, settled by the device's platform) with the scheduler's settings added.
-`SCHEDULERS` names the schedulers `EngineConfig.scheduler` may choose ("fcfs", "mlfq" and the
-MLFQ ablations); `DTYPES` the model dtypes, which `DTYPE_CHOICES` extends by "auto" (bfloat16
-where the device multiplies it natively, `Platform.native_bfloat16`; float32 elsewhere). The
-engine itself is `minipaged.engine.engine`.
+`SCHEDULERS` (`minipaged.sched.registry`) names the schedulers `EngineConfig.scheduler` may
+choose ("fcfs", "mlfq" and the MLFQ ablations); `DTYPES` the model dtypes, which
+`DTYPE_CHOICES` extends by "auto" (bfloat16 where the device multiplies it natively,
+`Platform.native_bfloat16`; float32 elsewhere). The engine itself is `minipaged.engine.engine`.
 
 The default is exact float32. What bfloat16 changes: weights, activations and the KV cache are
 stored with an 8-bit mantissa (about 3 significant digits), so logits move by about 1e-2 and a
@@ -32,7 +32,7 @@ from minipaged.sampling.params import MAX_SEED, is_finite, shown
 from minipaged.sched.cost_model import CostModel
 from minipaged.sched.mlfq import MLFQConfig
 from minipaged.sched.output import PreemptionMode, SchedulerConfig
-from minipaged.sched.registry import SCHEDULERS, check_preemption_mode, needs_cost_model
+from minipaged.sched.registry import check_preemption_mode, needs_cost_model
 
 DTYPE_CHOICES = (*DTYPES, "auto")
 # The largest size or count a setting may give: block tables, positions and token counts are
@@ -75,7 +75,6 @@ class EngineConfig(RunnerConfig):
         check_field_types(self)
         self._check_ranges()
         check_choice("dtype", self.dtype, sorted(DTYPE_CHOICES), None)
-        check_choice("scheduler", self.scheduler, sorted(SCHEDULERS))
         if self.mlfq is not None and not needs_cost_model(self.scheduler):
             raise ValueError(f"mlfq settings need an MLFQ scheduler, got {self.scheduler!r}")
         check_choice("quantization", self.quantization, QUANTIZATIONS, None)
@@ -118,8 +117,7 @@ class EngineConfig(RunnerConfig):
                                  f"{exc}") from None
         modes = [mode.value for mode in PreemptionMode]
         check_choice("preemption_mode", self.preemption_mode, modes, None)
-        if self.scheduler in SCHEDULERS:
-            check_preemption_mode(self.scheduler, self.preemption_mode)
+        check_preemption_mode(self.scheduler, self.preemption_mode)  # checks the name too
         check_choice("attention_backend", self.attention_backend, list(BACKENDS), None, "auto")
 
 

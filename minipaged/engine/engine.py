@@ -172,7 +172,9 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         params = check_params(sampling_params, vocab, self.tokenizer is not None)
         if prompt_text is not None and isinstance(prompt, str):
             raise ValueError("prompt_text names the text of token-id prompts, not of text ones")
-        request_id = self._new_request_id() if request_id is None else str(request_id)
+        if request_id is None:  # the next free number: never an id a caller's request holds now
+            request_id = next(i for i in map(str, self._request_ids) if i not in self._groups)
+        request_id = str(request_id)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = prompt_token_ids(prompt, self.tokenizer, vocab)
@@ -182,12 +184,6 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         group = SequenceGroup(request_id, [seq], params, arrival_time, prompt=prompt_text)
         self.scheduler.add(group)  # rejects a request that can never fit
         self._groups[request_id] = group
-        return request_id
-
-    def _new_request_id(self) -> str:
-        """The next free number: never an id a caller's request holds now."""
-        while (request_id := str(next(self._request_ids))) in self._groups:
-            pass
         return request_id
 
     def _detokenizer(self) -> Any | None:

@@ -91,7 +91,7 @@ class BlockTable:
         if start < num_full:
             parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
             new_tokens = as_token_ids(computed[start * bs : num_full * bs], "computed_token_ids")
-            self.block_hashes.extend(chained_hashes(new_tokens, bs, 0, parent))
+            self.block_hashes.extend(chained_hashes(new_tokens, bs, parent))
         for index in range(self.num_registered_blocks, num_full):
             parent = self.block_hashes[index - 1] if index else ROOT_HASH
             tokens = computed[index * bs : (index + 1) * bs]

@@ -30,10 +30,11 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral
-from typing import Protocol
+from typing import Generic, NoReturn, Protocol, TypeVar
 
 SeqId = Hashable  # the scheduler uses `Sequence.seq_id`; tests use strings too
 BlockCopy = tuple[int, int]  # (source block, destination block) of a copy the engine performs
+_State = TypeVar("_State")
 
 # -- errors ---------------------------------------------------------------------------------------
 
@@ -67,6 +68,22 @@ def as_token_ids(token_ids: Iterable[int], what: str) -> list[int]:
     return [int(t) for t in tokens]
 
 
+def check_growth(num_tokens: object, covered: int) -> int:
+    """`covered`, the slots a sequence's blocks cover, after checking that `num_tokens` is a
+    length it may grow to: an integer, no smaller (a sequence's tokens are only ever appended,
+    and its blocks never shrink)."""
+    if type(num_tokens) is not int and (  # the common case first: a plain int
+        not isinstance(num_tokens, Integral) or isinstance(num_tokens, bool)
+    ):
+        raise KVCacheError(f"num_tokens must be an integer, got {num_tokens!r}")
+    if num_tokens < covered:
+        raise KVCacheError(
+            f"num_tokens is the sequence's length to cover, at least the {covered} tokens "
+            f"its blocks cover already, got {num_tokens}"
+        )
+    return covered
+
+
 def too_many_computed(seq_id: SeqId, num_computed: int, num_slots: int) -> KVCacheError:
     """`mark_computed`'s error where a computed prefix of `num_computed` tokens runs past the
     `num_slots` slots appended to the sequence (the check itself stays in the step's path)."""
@@ -74,6 +91,40 @@ def too_many_computed(seq_id: SeqId, num_computed: int, num_slots: int) -> KVCac
         f"sequence {seq_id!r}: {num_computed} computed tokens but only {num_slots} slots "
         "(num_computed_tokens must not exceed the slots appended)"
     )
+
+
+class SeqTable(dict[SeqId, _State]):
+    """A manager's sequences: id -> its state (a block table, a chunk). Looking up an id that
+    holds nothing raises `KVCacheError` naming it, so that every lookup checks it for free."""
+
+    def __missing__(self, seq_id: SeqId) -> NoReturn:
+        raise KVCacheError(f"unknown sequence {seq_id!r}")
+
+    def check_new(self, seq_id: SeqId) -> None:
+        """A `KVCacheError` when `seq_id` holds blocks already (`allocate`, `fork`)."""
+        if seq_id in self:
+            raise KVCacheError(f"sequence {seq_id!r} is already allocated")
+
+
+class ManagerBase(Generic[_State]):
+    """What both managers share: the GPU pool's sizes, checked, and their sequences (`_seqs`:
+    id -> a block table, or a place in a chunk)."""
+
+    def __init__(self, num_gpu_blocks: int, block_size: int) -> None:
+        check_count("num_gpu_blocks", num_gpu_blocks, 1)
+        check_count("block_size", block_size, 1)
+        self.num_gpu_blocks = num_gpu_blocks
+        self.block_size = block_size
+        self._seqs: SeqTable[_State] = SeqTable()
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def seq_ids(self) -> list[SeqId]:
+        return list(self._seqs)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
 
 
 # -- accounting -----------------------------------------------------------------------------------

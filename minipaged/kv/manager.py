@@ -40,25 +40,25 @@ wholly inside it. Allocation alone never publishes a hash, so
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
-from numbers import Integral
 
 from minipaged.kv.block_table import BlockTable
 from minipaged.kv.interface import (
     BlockCopy,
     KVCacheError,
+    ManagerBase,
     MemoryUsage,
     NoFreeBlocksError,
     SeqId,
     as_token_ids,
     check_count,
+    check_growth,
     too_many_computed,
 )
 from minipaged.kv.pool import CPUPool, GPUPool, chained_hashes, distinct_blocks
 
 
-class KVCacheManager:
+class KVCacheManager(ManagerBase[BlockTable]):
     """Block tables, copy-on-write, prefix caching and swapping over a GPU and a CPU pool;
     implements `minipaged.kv.interface.KVManager` (see the module docstring for the pools'
     names and the prefix-caching rule)."""
@@ -71,13 +71,10 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
     ) -> None:
-        check_count("num_gpu_blocks", num_gpu_blocks, 1)
-        check_count("block_size", block_size, 1)
+        super().__init__(num_gpu_blocks, block_size)
         check_count("num_cpu_blocks", num_cpu_blocks, 0)
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
-        self.num_gpu_blocks = num_gpu_blocks
-        self.block_size = block_size
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark = watermark
@@ -85,7 +82,6 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self._gpu = GPUPool(num_gpu_blocks, block_size)
         self._cpu = CPUPool(num_cpu_blocks)
-        self._tables: dict[SeqId, BlockTable] = {}
         # Prefix-cache counters, in blocks looked up by `allocate`.
         self.prefix_cache_hits = 0
         self.prefix_cache_misses = 0
@@ -114,33 +110,24 @@ class KVCacheManager:
         looked_up = self.prefix_cache_hits + self.prefix_cache_misses
         return self.prefix_cache_hits / looked_up if looked_up else 0.0
 
-    def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self._tables
-
-    def seq_ids(self) -> list[SeqId]:
-        return list(self._tables)
-
     def block_table(self, seq_id: SeqId) -> tuple[int, ...]:
         """The sequence's physical block ids (CPU block ids while it is swapped out): the
         table's own tuple, the same object until a block is added, copied or moved."""
-        return (self._tables.get(seq_id) or self._table(seq_id)).blocks
+        return self._seqs[seq_id].blocks
 
     def num_slots(self, seq_id: SeqId) -> int:
         """Token slots the sequence's table covers: its blocks' fills (for pictures and tests;
         the sequence's own length is its owner's)."""
-        return self._table(seq_id).num_slots
+        return self._seqs[seq_id].num_slots
 
     def is_swapped(self, seq_id: SeqId) -> bool:
-        return self._table(seq_id).on_cpu
+        return self._seqs[seq_id].on_cpu
 
     def ref_count(self, block_id: int) -> int:
         return self._gpu.blocks[block_id].ref_count
 
     def cpu_ref_count(self, cpu_block_id: int) -> int:
         return self._cpu.ref_counts[cpu_block_id]
-
-    def num_blocks_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.block_size)
 
     def blocks_for_request(self, prompt_len: int, max_len: int, width: int) -> int:
         """The prompt's full blocks are shared by every sample; the rest of each is its own. A
@@ -186,7 +173,7 @@ class KVCacheManager:
             self._gpu.take_shared(block_id)
         table = BlockTable(self._gpu, self._cpu, tuple(hits), hashes, len(hits))
         table.append(len(tokens))
-        self._tables[seq_id] = table
+        self._seqs[seq_id] = table
         return len(hits) * self.block_size
 
     def num_blocks_to_append(self, seq_id: SeqId, *, num_tokens: int) -> int:
@@ -194,7 +181,7 @@ class KVCacheManager:
         plus a copy-on-write copy); the scheduler sums them over a group whose sequences must
         grow together."""
         table = self._gpu_table(seq_id)
-        return table.blocks_to_append(num_tokens, self._check_growth(table, num_tokens))
+        return table.blocks_to_append(num_tokens, check_growth(num_tokens, table.num_slots))
 
     def can_append(self, seq_id: SeqId, *, num_tokens: int) -> bool:
         """Whether `append_slots` would find enough free blocks to cover `num_tokens` tokens.
@@ -213,7 +200,7 @@ class KVCacheManager:
         writing the new tokens. Raises `NoFreeBlocksError` (state untouched) when short.
         """
         table = self._gpu_table(seq_id)
-        covered = self._check_growth(table, num_tokens)
+        covered = check_growth(num_tokens, table.num_slots)
         needed = table.blocks_to_append(num_tokens, covered)
         if needed and needed > self.num_free_blocks:
             raise NoFreeBlocksError("GPU", needed, self.num_free_blocks)
@@ -237,15 +224,14 @@ class KVCacheManager:
         Fork after the parent's slots are computed (the engine forks after sampling): shared
         blocks are read-only, and the first append into a shared partial block copies it.
         """
-        if child_id in self._tables:
-            raise KVCacheError(f"sequence {child_id!r} is already allocated")
-        self._tables[child_id] = self._gpu_table(parent_id).fork()
+        self._seqs.check_new(child_id)
+        self._seqs[child_id] = self._gpu_table(parent_id).fork()
 
     def free(self, seq_id: SeqId) -> None:
         """Drop the sequence; blocks no longer referenced return to the free queue (cached ones
         stay findable until evicted)."""
-        self._table(seq_id).release()
-        del self._tables[seq_id]
+        self._seqs[seq_id].release()
+        del self._seqs[seq_id]
 
     # -- swapping ---------------------------------------------------------------------------------
 
@@ -278,7 +264,7 @@ class KVCacheManager:
         group, uses = self._group(list(num_tokens), on_cpu=True)
         growth = 0
         for table, wanted in zip(group, num_tokens.values(), strict=True):
-            covered = self._check_growth(table, wanted)
+            covered = check_growth(wanted, table.num_slots)
             growth += self.num_blocks_for(wanted) - len(table.blocks)
             if wanted > covered and covered % self.block_size and uses[table.blocks[-1]] > 1:
                 growth += 1
@@ -305,40 +291,18 @@ class KVCacheManager:
         refs = [0] * self.num_gpu_blocks
         cpu_refs = [0] * self.num_cpu_blocks
         fills: dict[int, int] = {}
-        for seq_id, table in self._tables.items():
+        for seq_id, table in self._seqs.items():
             table.check_invariants(repr(seq_id), refs, cpu_refs, fills)
         self._gpu.check_invariants(refs, fills)
         self._cpu.check_invariants(cpu_refs)
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _table(self, seq_id: SeqId) -> BlockTable:
-        try:
-            return self._tables[seq_id]
-        except KeyError:
-            raise KVCacheError(f"unknown sequence {seq_id!r}") from None
-
     def _gpu_table(self, seq_id: SeqId) -> BlockTable:
-        table = self._tables.get(seq_id) or self._table(seq_id)  # `_table` names a missing one
+        table = self._seqs[seq_id]
         if table.on_cpu:
             raise KVCacheError(f"sequence {seq_id!r} is swapped out; swap it in first")
         return table
-
-    @staticmethod
-    def _check_growth(table: BlockTable, num_tokens: int) -> int:
-        """The slots `table` covers, after checking that `num_tokens` is a length it may grow
-        to (a table never shrinks: a sequence's tokens are only ever appended)."""
-        if type(num_tokens) is not int and (  # the common case first: a plain int
-            not isinstance(num_tokens, Integral) or isinstance(num_tokens, bool)
-        ):
-            raise KVCacheError(f"num_tokens must be an integer, got {num_tokens!r}")
-        covered = table.num_slots
-        if num_tokens < covered:
-            raise KVCacheError(
-                f"num_tokens is the sequence's length to cover, at least the {covered} tokens "
-                f"its table covers already, got {num_tokens}"
-            )
-        return covered
 
     def _plan_prompt(
         self, seq_id: SeqId, token_ids: Sequence[int]
@@ -346,8 +310,7 @@ class KVCacheManager:
         """A new sequence's prompt, checked; its chained block hashes (none without prefix
         caching), its prefix-cache hits, and the free blocks allocating it takes (a hit on a
         block in use takes none)."""
-        if seq_id in self._tables:
-            raise KVCacheError(f"sequence {seq_id!r} is already allocated")
+        self._seqs.check_new(seq_id)
         tokens = as_token_ids(token_ids, "token_ids")
         if not tokens:
             raise KVCacheError(f"sequence {seq_id!r}: a prompt needs at least one token")
@@ -366,7 +329,7 @@ class KVCacheManager:
             raise KVCacheError("empty sequence group")
         if len(set(ids)) != len(ids):
             raise KVCacheError(f"sequence group {ids!r} repeats an id")
-        group = [self._table(i) for i in ids]
+        group = [self._seqs[i] for i in ids]
         for seq_id, table in zip(ids, group, strict=True):
             if table.on_cpu != on_cpu:
                 where = "swapped out" if table.on_cpu else "in the GPU pool"

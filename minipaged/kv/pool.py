@@ -17,11 +17,13 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 # The chained hash's root: the "previous block hash" of a sequence's first block.
 ROOT_HASH = bytes(16)
+# A group's tables moved to the other pool, and the (source, destination) copies (`moved`).
+Moved = tuple[list[list[int]], list[tuple[int, int]]]
 
 # -- data types -----------------------------------------------------------------------------------
 
@@ -78,12 +80,12 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
 
 
 def chained_hashes(
-    token_ids: Sequence[int], block_size: int, start: int = 0, parent: bytes = ROOT_HASH
+    token_ids: Sequence[int], block_size: int, parent: bytes = ROOT_HASH
 ) -> list[bytes]:
-    """Hashes of the full blocks `start, start + 1, ...` of `token_ids`; `parent` is block
-    `start - 1`'s hash."""
+    """Hashes of the full blocks of `token_ids`; `parent` is the hash of the block before the
+    first (none: `ROOT_HASH`)."""
     hashes = []
-    for index in range(start, len(token_ids) // block_size):
+    for index in range(len(token_ids) // block_size):
         parent = hash_block(parent, token_ids[index * block_size : (index + 1) * block_size])
         hashes.append(parent)
     return hashes
@@ -92,6 +94,19 @@ def chained_hashes(
 def distinct_blocks(tables: Iterable[list[int]]) -> dict[int, int]:
     """Each distinct block of a group's tables -> the references to it from within the group."""
     return Counter(block_id for table in tables for block_id in table)
+
+
+def moved(
+    tables: list[list[int]], take: Callable[[int, int], int], release: Callable[[int], None]
+) -> Moved:
+    """A group's tables moved to the other pool: each distinct block copied once, to the block
+    `take(its references, it)` gives there, then every reference released, each table's last
+    block first (a GPU table's prefix is evicted last); the new tables and the copies."""
+    mapping = {block: take(refs, block) for block, refs in distinct_blocks(tables).items()}
+    for table in tables:
+        for block in reversed(table):
+            release(block)
+    return [[mapping[b] for b in table] for table in tables], list(mapping.items())
 
 
 # -- the GPU pool ---------------------------------------------------------------------------------
@@ -237,33 +252,15 @@ class CPUPool:
         if self.ref_counts[cpu_block] == 0:
             self.free.append(cpu_block)
 
-    def move_out(
-        self, tables: list[list[int]], gpu: GPUPool
-    ) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    def move_out(self, tables: list[list[int]], gpu: GPUPool) -> Moved:
         """Copy the distinct GPU blocks of a group's tables here (the caller checked there is
         room) and release them on the GPU; returns the CPU tables and the (GPU, CPU) copies."""
-        mapping = {
-            block_id: self.take(refs, gpu.blocks[block_id].num_tokens)
-            for block_id, refs in distinct_blocks(tables).items()
-        }
-        for table in tables:
-            for block_id in reversed(table):  # the prefix is evicted last
-                gpu.release(block_id)
-        return [[mapping[b] for b in table] for table in tables], list(mapping.items())
+        return moved(tables, lambda refs, b: self.take(refs, gpu.blocks[b].num_tokens), gpu.release)
 
-    def move_in(
-        self, tables: list[list[int]], gpu: GPUPool
-    ) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    def move_in(self, tables: list[list[int]], gpu: GPUPool) -> Moved:
         """The reverse: fresh GPU blocks for a group's CPU tables (the caller checked there is
         room); returns the GPU tables and the (CPU, GPU) copies."""
-        mapping = {
-            cpu_block: gpu.take_free(refs, self.num_tokens[cpu_block])
-            for cpu_block, refs in distinct_blocks(tables).items()
-        }
-        for table in tables:
-            for cpu_block in table:
-                self.release(cpu_block)
-        return [[mapping[h] for h in table] for table in tables], list(mapping.items())
+        return moved(tables, lambda refs, h: gpu.take_free(refs, self.num_tokens[h]), self.release)
 
     def check_invariants(self, refs: list[int]) -> None:
         """Given the references the block tables imply, check the counts and the free list."""

@@ -21,7 +21,6 @@ cache, no swapping and no sharing: `fork` gives the child a chunk the request re
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -29,10 +28,12 @@ from minipaged.kv.buddy import BuddyAllocator, next_power_of_two
 from minipaged.kv.interface import (
     BlockCopy,
     KVCacheError,
+    ManagerBase,
     MemoryUsage,
     NoFreeBlocksError,
     SeqId,
     check_count,
+    check_growth,
     too_many_computed,
 )
 
@@ -65,11 +66,13 @@ def reservation_len(policy: str, prompt_len: int, output_len: int, max_seq_len: 
 
 @dataclass
 class _Expected:
-    """What admission must reserve for a request: its lengths and how many sequences it runs."""
+    """What admission must reserve for a request: its lengths, how many sequences it runs, and
+    the blocks of each one's chunk (the policy's reservation, before the buddy rounding)."""
 
     prompt_len: int
     output_len: int
     width: int
+    blocks: int
 
     @property
     def total_len(self) -> int:
@@ -109,7 +112,7 @@ class _Member:
 # -- the KV manager -------------------------------------------------------------------------------
 
 
-class ReservationKVCacheManager:
+class ReservationKVCacheManager(ManagerBase[_Member]):
     """Contiguous reservations in `num_gpu_blocks` blocks of `block_size` slots: `policy` "max",
     "pow2" or "oracle"; `max_seq_len` is what Max reserves (and the longest request); with
     `static_batch`, chunks come back only once no sequence is left."""
@@ -125,24 +128,20 @@ class ReservationKVCacheManager:
         max_seq_len: int = 2048,
         static_batch: bool = False,
     ) -> None:
-        check_count("num_gpu_blocks", num_gpu_blocks, 1)
-        check_count("block_size", block_size, 1)
+        super().__init__(num_gpu_blocks, block_size)
         check_count("max_seq_len", max_seq_len, 1)
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        if next_power_of_two(math.ceil(max_seq_len / block_size)) > num_gpu_blocks:
+        if next_power_of_two(self.num_blocks_for(max_seq_len)) > num_gpu_blocks:
             raise ValueError(
                 f"{num_gpu_blocks} blocks of {block_size} tokens cannot hold even one chunk of "
                 f"max_seq_len {max_seq_len} (rounded up to a power of two)"
             )
-        self.num_gpu_blocks = num_gpu_blocks
-        self.block_size = block_size
         self.policy = policy
         self.max_seq_len = max_seq_len
         self.static_batch = static_batch
         self.allocator = BuddyAllocator(num_gpu_blocks)
         self._expected: dict[SeqId, _Expected] = {}
-        self._members: dict[SeqId, _Member] = {}
         self._dead: list[_Request] = []  # finished requests a static batch still holds
 
     # -- queries ----------------------------------------------------------------------------------
@@ -152,15 +151,6 @@ class ReservationKVCacheManager:
         """Blocks no chunk covers (they may be too scattered for the next reservation)."""
         return self.allocator.num_free_slots
 
-    def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self._members
-
-    def seq_ids(self) -> list[SeqId]:
-        return list(self._members)
-
-    def num_blocks_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.block_size)
-
     def blocks_for_request(self, prompt_len: int, max_len: int, width: int) -> int:
         """`width` chunks of the policy's reservation, each rounded up to a power of two."""
         output_len = min(max_len, self.max_seq_len) - prompt_len
@@ -169,17 +159,17 @@ class ReservationKVCacheManager:
 
     def num_slots(self, seq_id: SeqId) -> int:
         """Slots of the sequence's chunk holding its tokens (for pictures and tests)."""
-        return self._member(seq_id).num_slots
+        return self._seqs[seq_id].num_slots
 
     def block_table(self, seq_id: SeqId) -> tuple[int, ...]:
         """The chunk's first blocks, as many as the sequence's tokens fill: consecutive ids."""
-        member = self._member(seq_id)
+        member = self._seqs[seq_id]
         start = member.chunk.offset
         return tuple(range(start, start + self.num_blocks_for(member.num_slots)))
 
     def reserved_blocks(self, seq_id: SeqId) -> int:
         """Blocks of the sequence's chunk (after the allocator's rounding)."""
-        return self._member(seq_id).chunk.num_blocks
+        return self._seqs[seq_id].chunk.num_blocks
 
     # -- admission --------------------------------------------------------------------------------
 
@@ -188,14 +178,14 @@ class ReservationKVCacheManager:
         lengths (the oracle's knowledge; `max_tokens` with `ignore_eos`) and how many sequences
         it runs at once (parallel samples or beams), each of which gets a chunk."""
         check_count("width", width, 1)
-        reservation_len(self.policy, prompt_len, output_len, self.max_seq_len)  # validates
-        self._expected[seq_id] = _Expected(prompt_len, output_len, width)
+        reserved = reservation_len(self.policy, prompt_len, output_len, self.max_seq_len)
+        blocks = self.num_blocks_for(reserved)
+        self._expected[seq_id] = _Expected(prompt_len, output_len, width, blocks)
 
     def can_allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> bool:
         """Whether all the chunks of the `expect`ed request of `seq_id` fit now."""
         expected = self._expectation(seq_id)
-        blocks = self._reservation_blocks(expected)
-        return self.allocator.num_free_chunks(blocks) >= expected.width
+        return self.allocator.num_free_chunks(expected.blocks) >= expected.width
 
     def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
         """Reserve the expected request's chunks and place the prompt in the first one.
@@ -203,8 +193,7 @@ class ReservationKVCacheManager:
         Returns 0: nothing is ever cached. Raises `NoFreeBlocksError` (state untouched) when
         a chunk does not fit.
         """
-        if seq_id in self._members:
-            raise KVCacheError(f"sequence {seq_id!r} is already allocated")
+        self._seqs.check_new(seq_id)
         num_tokens = len(token_ids)
         if not num_tokens:
             raise KVCacheError(f"sequence {seq_id!r}: a prompt needs at least one token")
@@ -214,12 +203,12 @@ class ReservationKVCacheManager:
                 f"sequence {seq_id!r}: {num_tokens} tokens exceed the {expected.total_len} "
                 "expected for its request"
             )
-        blocks = self._reservation_blocks(expected)
+        blocks = expected.blocks
         if self.allocator.num_free_chunks(blocks) < expected.width:
             raise NoFreeBlocksError("contiguous", blocks * expected.width, self.num_free_blocks)
         chunks = [_Chunk(*self.allocator.allocate(blocks), blocks) for _ in range(expected.width)]
         request = _Request(expected, chunks, spare=chunks[1:], members={seq_id})
-        self._members[seq_id] = _Member(request, chunks[0], num_tokens)
+        self._seqs[seq_id] = _Member(request, chunks[0], num_tokens)
         del self._expected[seq_id]
         return 0
 
@@ -231,18 +220,18 @@ class ReservationKVCacheManager:
         return 0
 
     def can_append(self, seq_id: SeqId, *, num_tokens: int) -> bool:
-        return num_tokens <= self._member(seq_id).request.expected.total_len
+        return num_tokens <= self._seqs[seq_id].request.expected.total_len
 
     def append_slots(self, seq_id: SeqId, *, num_tokens: int) -> list[BlockCopy]:
         """Record that the chunk holds the sequence's first `num_tokens` tokens; never any
         copy-on-write."""
         self._check_room(seq_id, num_tokens)
-        self._members[seq_id].num_slots = num_tokens
+        self._seqs[seq_id].num_slots = num_tokens
         return []
 
     def mark_computed(self, seq_id: SeqId, computed_token_ids: Sequence[int]) -> None:
         """Nothing to publish (no prefix cache); checks the prefix fits the sequence's slots."""
-        num_slots = self._member(seq_id).num_slots
+        num_slots = self._seqs[seq_id].num_slots
         if len(computed_token_ids) > num_slots:
             raise too_many_computed(seq_id, len(computed_token_ids), num_slots)
 
@@ -252,28 +241,27 @@ class ReservationKVCacheManager:
         """Give `child_id` a spare chunk of the parent's request holding a copy of the parent's
         tokens (no blocks are shared: Orca cannot share). Raises `NoFreeBlocksError` when the
         request has no spare chunk (it runs more sequences than its width)."""
-        if child_id in self._members:
-            raise KVCacheError(f"sequence {child_id!r} is already allocated")
-        parent = self._member(parent_id)
+        self._seqs.check_new(child_id)
+        parent = self._seqs[parent_id]
         request = parent.request
         if not request.spare:
             raise NoFreeBlocksError("spare chunk of the request", 1, 0)
         request.members.add(child_id)
-        self._members[child_id] = _Member(request, request.spare.pop(), parent.num_slots)
+        self._seqs[child_id] = _Member(request, request.spare.pop(), parent.num_slots)
 
     def free(self, seq_id: SeqId) -> None:
         """Drop the sequence; its chunk goes back to its request, and the request's chunks go
         back to the allocator when its last sequence is freed (in a static batch: when the
         batch's last sequence is)."""
-        member = self._member(seq_id)
-        del self._members[seq_id]
+        member = self._seqs[seq_id]
+        del self._seqs[seq_id]
         request = member.request
         request.members.remove(seq_id)
         request.spare.append(member.chunk)
         if request.members:
             return
         self._dead.append(request)
-        if self.static_batch and self._members:
+        if self.static_batch and self._seqs:
             return
         for dead in self._dead:
             for chunk in dead.chunks:
@@ -306,7 +294,7 @@ class ReservationKVCacheManager:
         for request in self._live_requests() + self._dead:
             # A dead request (no sequence left) has no tokens to come: its chunks are all waste.
             total = request.expected.total_len if request.members else 0
-            held = {id(m.chunk): m.num_slots for m in map(self._members.get, request.members)}
+            held = {id(m.chunk): m.num_slots for m in map(self._seqs.get, request.members)}
             for chunk in request.chunks:
                 used = held.get(id(chunk), 0)
                 tokens += used
@@ -340,7 +328,7 @@ class ReservationKVCacheManager:
                 for b in range(chunk.offset, chunk.offset + chunk.num_blocks):
                     covered[b] += 1
             for seq_id in request.members:
-                member = self._members[seq_id]
+                member = self._seqs[seq_id]
                 assert member.request is request
                 total = request.expected.total_len
                 assert 0 < member.num_slots <= total, f"sequence {seq_id!r} outgrew its length"
@@ -350,12 +338,6 @@ class ReservationKVCacheManager:
         assert sum(covered) == used, f"chunks cover {sum(covered)} blocks, the allocator {used}"
 
     # -- internals --------------------------------------------------------------------------------
-
-    def _member(self, seq_id: SeqId) -> _Member:
-        try:
-            return self._members[seq_id]
-        except KeyError:
-            raise KVCacheError(f"unknown sequence {seq_id!r}") from None
 
     def _expectation(self, seq_id: SeqId) -> _Expected:
         try:
@@ -368,20 +350,11 @@ class ReservationKVCacheManager:
 
     def _live_requests(self) -> list[_Request]:
         """The requests with a sequence left, each once, in order of their first sequence."""
-        return list({id(m.request): m.request for m in self._members.values()}.values())
-
-    def _reservation_blocks(self, e: _Expected) -> int:
-        return self.num_blocks_for(
-            reservation_len(self.policy, e.prompt_len, e.output_len, self.max_seq_len)
-        )
+        return list({id(m.request): m.request for m in self._seqs.values()}.values())
 
     def _check_room(self, seq_id: SeqId, num_tokens: int) -> None:
-        member = self._member(seq_id)
-        if not isinstance(num_tokens, int) or num_tokens < member.num_slots:
-            raise KVCacheError(
-                "num_tokens is the sequence's length to cover, an integer >= the "
-                f"{member.num_slots} tokens its chunk holds already, got {num_tokens!r}"
-            )
+        member = self._seqs[seq_id]
+        check_growth(num_tokens, member.num_slots)
         total = member.request.expected.total_len
         if num_tokens > total:
             raise ReservationExceededError(

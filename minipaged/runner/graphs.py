@@ -41,9 +41,8 @@ FIELDS = (("input_ids", torch.int64), ("positions", torch.int64),
           ("slot_mapping", torch.int64), ("seq_lens", torch.int32),
           ("query_start_loc", torch.int32), ("block_tables", torch.int32))
 # What a padded row holds (module docstring): token 0 at position 0 of a one-token context,
-# writing no K/V (slot -1); its block table's first entry is block 0.
+# writing no K/V (slot -1); its block table's first entry is block 0 (`StaticBatch.write`).
 PADDING = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "seq_lens": 1}
-PADDED_TABLE = (0,)
 
 
 @dataclass

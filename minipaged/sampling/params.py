@@ -129,28 +129,26 @@ class SamplingParams:
             raise ValueError(
                 f"output_kind must be a RequestOutputKind, got {shown(self.output_kind)}"
             )
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        """The settings that cannot mean anything together, with beam search and without."""
         if self.use_beam_search:
-            self._check_beam_search()
-        else:
-            self._check_not_beam_search()
-
-    def _check_beam_search(self) -> None:
-        if self.n > self.beam_width:
-            raise ValueError(
-                f"n must be <= beam_width ({self.beam_width}) with beam search, got {self.n}"
-            )
-        if self.temperature >= SAMPLING_EPS:
-            raise ValueError(
-                f"temperature must be 0 with beam search (it is deterministic), "
-                f"got {self.temperature}"
-            )
-        for name, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)):
-            if getattr(self, name) != off:
+            if self.n > self.beam_width:
                 raise ValueError(
-                    f"{name} must be {off} (off) with beam search, got {getattr(self, name)}"
+                    f"n must be <= beam_width ({self.beam_width}) with beam search, got {self.n}"
                 )
-
-    def _check_not_beam_search(self) -> None:
+            if self.temperature >= SAMPLING_EPS:
+                raise ValueError(
+                    f"temperature must be 0 with beam search (it is deterministic), "
+                    f"got {self.temperature}"
+                )
+            for name, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)):
+                if getattr(self, name) != off:
+                    raise ValueError(
+                        f"{name} must be {off} (off) with beam search, got {getattr(self, name)}"
+                    )
+            return
         if self.beam_width != 1:
             raise ValueError(
                 f"beam_width must be 1 unless use_beam_search=True, got {self.beam_width}"

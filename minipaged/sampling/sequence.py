@@ -334,19 +334,8 @@ class SequenceGroup:
             indexed = list(enumerate(self.by_beam_score(self.seqs, eos_token_ids)[: params.n]))
         else:
             indexed = [(s.sample_index, s) for s in sorted(self.seqs, key=lambda s: s.sample_index)]
-        outputs = [
-            CompletionOutput(
-                index=index,
-                text=seq.output_text[: self._shown_chars(seq)],
-                token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
-                finish_reason=seq.status.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
-            for index, seq in indexed
-        ]
-        return self._request_output(outputs)
+        return self._request_output(
+            [self._completion(index, seq, 0, self._shown_chars(seq), 0) for index, seq in indexed])
 
     def to_delta_output(self, eos_token_ids: Collection[int] = ()) -> RequestOutput | None:
         """What the request gained since its last delta (vLLM's `RequestOutputKind.DELTA`):
@@ -362,19 +351,24 @@ class SequenceGroup:
             if sent is None:  # its end was sent
                 continue
             (chars, tokens), shown = sent, self._shown_chars(seq)
-            first_token = seq.num_prompt_tokens + tokens
-            finish_reason = seq.status.finish_reason
-            if shown == chars and first_token == len(seq.token_ids) and finish_reason is None:
+            done = seq.status.finish_reason is not None
+            if shown == chars and seq.num_prompt_tokens + tokens == len(seq.token_ids) and not done:
                 continue
-            asked = self.sampling_params.logprobs is not None
-            logprobs = seq.output_logprobs[tokens:] if asked else None
-            outputs.append(CompletionOutput(
-                seq.sample_index, seq.output_text[chars:shown], seq.token_ids[first_token:],
-                seq.cumulative_logprob, logprobs, finish_reason, seq.stop_reason,
-            ))
-            done = finish_reason is not None
+            outputs.append(self._completion(seq.sample_index, seq, chars, shown, tokens))
             self._sent[seq.sample_index] = None if done else (shown, seq.get_output_len())
         return self._request_output(outputs) if outputs else None
+
+    def _completion(
+        self, index: int, seq: Sequence, chars: int, shown: int, tokens: int
+    ) -> CompletionOutput:
+        """`seq` as output `index`: its text from character `chars` up to `shown`, its output
+        tokens (and log-probabilities, when asked for) from the `tokens`-th on; each a copy."""
+        asked = self.sampling_params.logprobs is not None
+        return CompletionOutput(
+            index, seq.output_text[chars:shown], seq.token_ids[seq.num_prompt_tokens + tokens:],
+            seq.cumulative_logprob, seq.output_logprobs[tokens:] if asked else None,
+            seq.status.finish_reason, seq.stop_reason,
+        )
 
     def _shown_chars(self, seq: Sequence) -> int:
         """How much of `seq`'s text an output shows: all of it once finished, else all but the

@@ -353,11 +353,10 @@ class Scheduler(ABC):
     # -- moves ------------------------------------------------------------------------------------
 
     def run(self, group: SequenceGroup, out: SchedulerOutput, budget: StepBudget,
-            seqs: list[Sequence] | None = None) -> None:
+            seqs: list[Sequence]) -> None:
         """Put a group's blocks in the GPU pool if they are not (admit or swap in), give its
-        sequences (`seqs`: its unfinished ones, when the caller has them) the slots of their
-        pending tokens, and schedule what the budget allows. The caller checked `fits`."""
-        seqs = seqs or group.get_unfinished_seqs()
+        sequences (`seqs`: its unfinished ones) the slots of their pending tokens, and schedule
+        what the budget allows. The caller checked `fits`."""
         if seqs[0].status is not SequenceStatus.RUNNING:
             self.states[seqs[0].status].to_gpu(group, out)
         kv = self.kv_manager

@@ -159,12 +159,11 @@ class SkipJoinMLFQScheduler(Scheduler):
     # -- requests in and out -----------------------------------------------------------------------
 
     def add(self, group: SequenceGroup) -> None:
-        self.check_request(group)
         level = self.entry_level(group.seqs[0].get_prompt_len())
+        super().add(group)  # checked, then queued: the job state is written only once it is
         self.jobs[group.request_id] = JobState(
             level, next(self._orders), last_served=group.arrival_time, entry_level=level
         )
-        self.waiting.append(group)
 
     def entry_level(self, prompt_len: int) -> int:
         """Skip-join (§4.1): the first queue whose quantum covers the predicted prefill time."""
@@ -301,8 +300,7 @@ class SkipJoinMLFQScheduler(Scheduler):
             victims = [g for g in resident if self.jobs[g.request_id].level > job.level]
         else:
             return False
-        swaps = any(self.preemption_mode(g) is PreemptionMode.SWAP for g in victims)
-        if out.swap_in and swaps:
+        if out.swap_in and any(self.preemption_mode(g) is PreemptionMode.SWAP for g in victims):
             # The runner copies every swap-out of a step before its swap-ins, and a swap-in
             # frees CPU blocks that a later swap-out would reuse: no swap-out after a swap-in.
             return False
@@ -352,6 +350,18 @@ class SkipJoinMLFQScheduler(Scheduler):
 # -- the variants (FastServe §6.3's ablation) -----------------------------------------------------
 
 
+def check_variant_mode(
+    fixed: PreemptionMode | None, mode: PreemptionMode | str | None, scheduler: str
+) -> None:
+    """A `ValueError` when a `scheduler` that stands for the preemption mode `fixed` (None: for
+    none) is asked for the other one, `mode` ("mlfq-recompute" with "swap")."""
+    if fixed is not None and mode is not None and PreemptionMode(mode) is not fixed:
+        raise ValueError(
+            f"preemption_mode must be None or {fixed.value!r} for {scheduler}, which preempts "
+            f"by {fixed.value}; got {PreemptionMode(mode).value!r}"
+        )
+
+
 def mlfq_factory(
     mlfq: MLFQConfig,
     cost_model: CostModel | None = None,
@@ -366,11 +376,7 @@ def mlfq_factory(
     mode = PreemptionMode(preemption_mode)
 
     def build(config: SchedulerConfig, kv_manager: KVManager) -> SkipJoinMLFQScheduler:
-        if config.preemption_mode not in (None, mode):
-            raise ValueError(
-                f"this MLFQ variant preempts by {mode.value}, but the scheduler config asks for "
-                f"preemption_mode={config.preemption_mode.value!r}"
-            )
+        check_variant_mode(mode, config.preemption_mode, "this MLFQ variant")
         config = dataclasses.replace(config, preemption_mode=mode)
         return SkipJoinMLFQScheduler(config, kv_manager, mlfq, cost_model)
 

@@ -23,7 +23,7 @@ from minipaged.sched.base import PreemptionMode, Scheduler, SchedulerConfig, Sch
 from minipaged.sched.baselines import OrcaScheduler, StaticBatchScheduler
 from minipaged.sched.cost_model import CostModel
 from minipaged.sched.fcfs import FCFSScheduler
-from minipaged.sched.mlfq import MLFQ_VARIANTS, MLFQConfig, mlfq_factory
+from minipaged.sched.mlfq import MLFQ_VARIANTS, MLFQConfig, check_variant_mode, mlfq_factory
 
 SCHEDULERS: dict[str, SchedulerFactory] = {
     "fcfs": FCFSScheduler,
@@ -53,12 +53,8 @@ def check_preemption_mode(name: str, mode: PreemptionMode | str | None) -> None:
     """A `ValueError` when the scheduler `name` stands for one preemption mode and `mode`
     names the other ("mlfq-recompute" with "swap")."""
     variant = MLFQ_VARIANTS.get(_check_name(name))
-    fixed = None if variant is None else variant.preemption_mode
-    if mode is not None and fixed is not None and PreemptionMode(mode) is not fixed:
-        raise ValueError(
-            f"preemption_mode must be None or {fixed.value!r} for scheduler {name!r}, which "
-            f"preempts by {fixed.value}; got {PreemptionMode(mode).value!r}"
-        )
+    if variant is not None:
+        check_variant_mode(variant.preemption_mode, mode, f"scheduler {name!r}")
 
 
 def build_scheduler(

@@ -166,15 +166,12 @@ class TensorParallelRunner(ModelRunner):
         for worker in self._workers:
             if not worker.is_alive():
                 self.close()
-                raise WorkerDiedError(
-                    f"tensor-parallel worker rank {worker.rank} (pid {worker.pid}) died with "
-                    f"exit code {worker.exitcode}; the engine cannot continue"
-                )
+                raise WorkerDiedError(worker.exited("(it died): the engine cannot continue"))
 
     @property
     def worker_pids(self) -> list[int]:
         """The process ids of ranks 1..N-1 (for tests and monitoring)."""
-        return [worker.pid for worker in self._workers]
+        return [worker.process.pid for worker in self._workers]
 
     def close(self) -> None:
         """Stop every worker and leave the process group; idempotent."""
@@ -192,10 +189,7 @@ def died_while_loading(worker: WorkerProcess) -> WorkerDiedError:
     """The error for a worker that exited before it reported ready (reaped first, so that its
     exit code is known)."""
     worker.stop(JOIN_TIMEOUT_S, JOIN_TIMEOUT_S)
-    return WorkerDiedError(
-        f"tensor-parallel worker rank {worker.rank} (pid {worker.pid}) exited with code "
-        f"{worker.exitcode} while loading its shard (its output is above)"
-    )
+    return WorkerDiedError(worker.exited("while loading its shard (its output is above)"))
 
 
 def stop_workers(workers: list[WorkerProcess]) -> None:

@@ -56,7 +56,7 @@ from minipaged.models.tensor_parallel import TensorParallel, kv_heads, q_heads, 
 from minipaged.platforms import Platform, get_platform, platform_class
 from minipaged.runner.config import RunnerConfig
 from minipaged.runner.model_runner import ModelRunner
-from minipaged.sched.output import SchedulerOutput
+from minipaged.sched.output import ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -224,15 +224,11 @@ class WorkerProcess:
     process: subprocess.Popen
     conn: Connection
 
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def exitcode(self) -> int | None:
-        """Its exit status (minus the number of the signal that ended it), or None while it
-        runs."""
-        return self.process.poll()
+    def exited(self, when: str) -> str:
+        """What an error says of it once it has exited: its rank, process id and exit status
+        (minus the number of the signal that ended it), and `when`."""
+        return (f"tensor-parallel worker rank {self.rank} (pid {self.process.pid}) exited with "
+                f"code {self.process.poll()} {when}")
 
     def is_alive(self) -> bool:
         return self.process.poll() is None
@@ -332,7 +328,7 @@ def same_tables(plan: Plan, tables: dict[int, tuple[int, ...]]) -> Plan:
     for entry in plan.scheduled:
         table = tables.get(entry.seq_id)
         if table == entry.block_table:
-            entry = entry._replace(block_table=table)
+            entry = ScheduledSequence(*entry[:-1], table)  # its block table is its last field
         scheduled.append(entry)
     tables.clear()
     tables.update((entry.seq_id, entry.block_table) for entry in scheduled)
