@@ -56,7 +56,7 @@ from minipaged.models.tensor_parallel import TensorParallel, kv_heads, q_heads, 
 from minipaged.platforms import Platform, get_platform, platform_class
 from minipaged.runner.config import RunnerConfig
 from minipaged.runner.model_runner import ModelRunner
-from minipaged.sched.output import ScheduledSequence, SchedulerOutput
+from minipaged.sched.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -328,7 +328,7 @@ def same_tables(plan: Plan, tables: dict[int, tuple[int, ...]]) -> Plan:
     for entry in plan.scheduled:
         table = tables.get(entry.seq_id)
         if table == entry.block_table:
-            entry = ScheduledSequence(*entry[:-1], table)  # its block table is its last field
+            entry = entry._replace(block_table=table)
         scheduled.append(entry)
     tables.clear()
     tables.update((entry.seq_id, entry.block_table) for entry in scheduled)
