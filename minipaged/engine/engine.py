@@ -251,8 +251,7 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
             self._groups.pop(group.request_id, None)
         touched = update.touched  # with final_only, only open streams read unfinished ones
         if final_only:
-            streams = self._streams
-            touched = [g for g in touched if g.request_id in streams] if streams else []
+            touched = [g for g in touched if g.request_id in self._streams]
         outputs = self._outputs(dict.fromkeys(touched + update.finished), final_only)
         marks.append(time.perf_counter())
         if self._observers:  # `marks`: the start, then after each phase
@@ -300,7 +299,6 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
         (with `final_only`, all as FINAL_ONLY), and each open stream's delta, queued for it:
         nothing is built that nobody reads, and a delta copies only what the step added."""
         streams, eos = self._streams, self.processor.eos_token_ids
-        cumulative, delta_kind = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA
         outputs, self._finished = [], {}  # `_finished`: for `get_request`
         for group in groups:
             request_id = group.request_id
@@ -309,13 +307,13 @@ class LLMEngine(contextlib.AbstractContextManager["LLMEngine"]):
             if final is not None:
                 self._finished[request_id] = final
             delta = None
-            if request_id in streams or kind is delta_kind:
+            if request_id in streams or kind is RequestOutputKind.DELTA:
                 delta = group.to_delta_output(eos)
                 if delta is not None and request_id in streams:
                     streams[request_id].append(delta)
-            if kind is cumulative:
+            if kind is RequestOutputKind.CUMULATIVE:
                 outputs.append(final or group.to_request_output(eos))
-            elif (output := delta if kind is delta_kind else final) is not None:
+            elif (output := delta if kind is RequestOutputKind.DELTA else final) is not None:
                 outputs.append(output)
         return outputs
 

@@ -46,15 +46,6 @@ class SamplingRow:
     output_token_ids: Sequence[int] = ()
     generator: torch.Generator | None = None
     banned_token_ids: Sequence[int] = ()
-    # Greedy with nothing to ban or penalise and no top logprobs to list: a platform's
-    # `greedy_tokens` takes a batch of such rows whole (set from the fields above, once).
-    plain_greedy: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        params = self.params
-        self.plain_greedy = params.greedy and not (
-            self.banned_token_ids or params.has_penalties or (params.logprobs or 0) > 0
-        )
 
 
 @dataclass
@@ -244,8 +235,6 @@ def finite_logits(logits: Tensor, fallback: Tensor, ask_host: bool = True) -> Te
     top = torch.finfo(logits.dtype).max
     out = logits.nan_to_num(nan=-math.inf, posinf=top, neginf=-math.inf)
     dead = out.amax(dim=-1, keepdim=True) == -math.inf  # no finite logit left in the row
-    if ask_host and not bool(dead.any()):
-        return out
     return torch.where(dead, fallback.nan_to_num(nan=0.0, posinf=top, neginf=-top), out)
 
 
@@ -307,7 +296,8 @@ class Sampler:
         if (self.greedy_tokens is None or logits.dim() != 2 or logits.shape[0] != len(rows)
                 or not rows):
             return None
-        if not all([row.plain_greedy for row in rows]):
+        if any(not row.params.greedy or row.banned_token_ids or row.params.has_penalties
+               or (row.params.logprobs or 0) > 0 for row in rows):
             return None
         chosen = self.greedy_tokens(logits)
         if chosen is None:  # a NaN or an infinity: `finite_logits` decides

@@ -361,8 +361,7 @@ class Scheduler(ABC):
             self.states[seqs[0].status].to_gpu(group, out)
         kv = self.kv_manager
         for seq in seqs:
-            if copies := kv.append_slots(seq.seq_id, num_tokens=len(seq.token_ids)):
-                out.copy += copies
+            out.copy += kv.append_slots(seq.seq_id, num_tokens=len(seq.token_ids))
         # Each share's block table is final here: no later move of the step touches a scheduled
         # group's blocks (preemption and swaps take groups not yet run).
         for seq, n in self.step_plan(seqs, budget):

@@ -324,12 +324,9 @@ def same_tables(plan: Plan, tables: dict[int, tuple[int, ...]]) -> Plan:
     rewritten for the next) replaced by that very object: unpickled, every table is a new
     object, and the runner's persistent rows (`BlockTables`) are kept by identity, so that
     a table rank 0 did not change costs a rank no row either."""
-    scheduled = []
-    for entry in plan.scheduled:
-        table = tables.get(entry.seq_id)
-        if table == entry.block_table:
-            entry = entry._replace(block_table=table)
-        scheduled.append(entry)
+    scheduled = [entry._replace(block_table=tables[entry.seq_id])
+                 if tables.get(entry.seq_id) == entry.block_table else entry
+                 for entry in plan.scheduled]
     tables.clear()
     tables.update((entry.seq_id, entry.block_table) for entry in scheduled)
     return replace(plan, scheduled=scheduled)
